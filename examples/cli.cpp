@@ -1,0 +1,66 @@
+#include "cli.hpp"
+
+#include <fmt/core.h>
+
+#include <cctype>
+#include <charconv>
+
+#include "xdfs/xdsi.hpp"
+
+namespace xdfs::cli {
+
+std::optional<std::uint64_t> parse_uint(const std::string& text, std::uint64_t lo, std::uint64_t hi) {
+  std::uint64_t v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || p != text.data() + text.size() || v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+std::optional<std::uint64_t> parse_size(const std::string& text) {
+  std::size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  if (i == 0) return std::nullopt;
+  auto num = parse_uint(text.substr(0, i), 0, UINT64_MAX);
+  if (!num) return std::nullopt;
+  std::string unit = text.substr(i);
+  std::uint64_t mult = 1;
+  if (unit.empty() || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "k" || unit == "KiB") mult = 1ull << 10;
+  else if (unit == "M" || unit == "m" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "g" || unit == "GiB") mult = 1ull << 30;
+  else return std::nullopt;
+  if (*num > UINT64_MAX / mult) return std::nullopt;
+  return *num * mult;
+}
+
+bool is_url(const std::string& text) { return text.rfind("xdfs://", 0) == 0; }
+
+std::optional<Url> parse_url(const std::string& text, std::string& why) {
+  if (!is_url(text)) {
+    why = "'" + text + "' is not an xdfs:// URL";
+    return std::nullopt;
+  }
+  std::string rest = text.substr(7);
+  auto slash = rest.find('/');
+  std::string authority = rest.substr(0, slash);
+  Url u;
+  if (slash != std::string::npos) u.path = rest.substr(slash + 1);
+  while (!u.path.empty() && u.path.front() == '/') u.path.erase(0, 1);
+  if (!xdsi::parse_host_port(authority, 7721, u.host, u.port)) {
+    why = "'" + text + "' has no valid HOST[:PORT]";
+    return std::nullopt;
+  }
+  return u;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} {}", b, units[u]) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+}  // namespace xdfs::cli

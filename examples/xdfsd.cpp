@@ -1,0 +1,108 @@
+// xdfsd: the long-running multi-session xDFS server.
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "xdfs/server.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+
+namespace {
+
+const char* usage =
+    "usage: xdfsd --root DIR [--listen HOST:PORT] [options]\n"
+    "Serves the files under DIR over xDFS (default listen address 127.0.0.1:7721).\n"
+    "  --root DIR               directory to serve; nothing outside it is reachable\n"
+    "  --listen HOST:PORT       address to listen on (port 0 picks a free port)\n"
+    "  --port-file FILE         write the bound port to FILE once listening\n"
+    "  --max-sessions N         sessions at once (default 64)\n"
+    "  --max-channels N         channels per session (default 256)\n"
+    "  --max-block-size SIZE    largest block a client may ask for (default 16M)\n"
+    "  --ring SIZE              per-session buffer between network and disk (default 32M)\n"
+    "  --handshake-timeout SEC  negotiation header deadline (default 10)\n"
+    "  --join-timeout SEC       deadline for all n channels to arrive (default 10)\n"
+    "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
+    "  --fsync                  fdatasync received files before renaming them into place\n"
+    "  -h, --help               this text\n";
+
+[[noreturn]] void bad(const std::string& why) {
+  fmt::print(stderr, "xdfsd: bad argument: {}\n", why);
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  xdfs::ServerConfig cfg;
+  std::string port_file;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  auto value = [&](std::size_t& i) -> const std::string& {
+    if (i + 1 >= args.size()) bad(args[i] + " needs a value");
+    return args[++i];
+  };
+  auto seconds = [&](std::size_t& i) {
+    const std::string& name = args[i];
+    auto v = xdfs::cli::parse_uint(value(i), 1, 86400);
+    if (!v) bad(name + " takes whole seconds from 1 to 86400");
+    return std::chrono::milliseconds(*v * 1000);
+  };
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "-h" || a == "--help") {
+      fmt::print("{}", usage);
+      return 0;
+    } else if (a == "--root") {
+      cfg.root = value(i);
+    } else if (a == "--listen") {
+      cfg.listen = value(i);
+    } else if (a == "--port-file") {
+      port_file = value(i);
+    } else if (a == "--max-sessions") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 100000);
+      if (!v) bad("--max-sessions takes a number from 1 to 100000");
+      cfg.max_sessions = static_cast<unsigned>(*v);
+    } else if (a == "--max-channels") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 4096);
+      if (!v) bad("--max-channels takes a number from 1 to 4096");
+      cfg.max_channels = static_cast<unsigned>(*v);
+    } else if (a == "--max-block-size") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < xdfs::wire::min_block_size || *v > xdfs::wire::max_block_size)
+        bad("--max-block-size takes a size from 4K to 64M");
+      cfg.max_block_size = static_cast<std::uint32_t>(*v);
+    } else if (a == "--ring") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < (64u << 10) || *v > (4ull << 30)) bad("--ring takes a size from 64K to 4G");
+      cfg.ring_bytes = *v;
+    } else if (a == "--handshake-timeout") {
+      cfg.handshake_timeout = seconds(i);
+    } else if (a == "--join-timeout") {
+      cfg.join_timeout = seconds(i);
+    } else if (a == "--idle-timeout") {
+      cfg.idle_timeout = seconds(i);
+    } else if (a == "--fsync") {
+      cfg.fsync = true;
+    } else {
+      bad("unknown option '" + a + "' (see --help)");
+    }
+  }
+  if (cfg.root.empty()) bad("--root DIR is required (see --help)");
+  try {
+    xdfs::Server server(cfg, xdfs::xftsm::server_factory());
+    if (!port_file.empty()) {
+      std::string tmp = port_file + ".tmp";
+      std::ofstream(tmp) << server.port() << "\n";
+      if (std::rename(tmp.c_str(), port_file.c_str()) != 0) bad("cannot write --port-file " + port_file);
+    }
+    server.run(/*handle_signals=*/true);
+  } catch (const xdfs::Error& e) {
+    fmt::print(stderr, "xdfsd: {}\n", e.what());
+    return e.code() == xdfs::errc::bad_argument ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,70 @@
+// Error codes shared by every layer, and the exception the public API throws.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+namespace xdfs {
+
+/// Every failure xDFS reports, on the wire (as an exception header's code) and locally.
+/// The numeric values travel in exception headers: never renumber, only append.
+enum class errc : std::uint32_t {
+  ok = 0,
+  bad_argument = 1,          ///< a caller or command-line argument is invalid
+  connection_refused = 2,    ///< nothing listens at the server address
+  connection_failed = 3,     ///< the server could not be reached (DNS, routing, timeout)
+  protocol_error = 4,        ///< the peer sent bytes that are not valid xDFS
+  bad_version = 5,           ///< the peer speaks another protocol version
+  no_such_file = 6,          ///< the named file or directory does not exist
+  permission_denied = 7,     ///< the file system refused access
+  path_escape = 8,           ///< a path would leave the server root (.., absolute path, symlink)
+  disk_full = 9,             ///< no space left on the device
+  io_error = 10,             ///< a read or write on a file failed
+  peer_aborted = 11,         ///< the peer closed or reset a channel mid-transfer
+  timeout = 12,              ///< a bounded wait ran out (channels that never arrived, idle session)
+  limit_exceeded = 13,       ///< a server limit was hit (sessions, channels)
+  bad_channel = 14,          ///< a channel does not fit its session (duplicate, extra, mismatched)
+  not_regular_file = 15,     ///< the file is a directory, device or other non-regular file
+  size_mismatch = 16,        ///< the received bytes do not add up to the announced size
+  shutting_down = 17,        ///< the server is stopping
+  is_directory = 18,         ///< the path names a directory where a file is needed
+  internal = 19,             ///< a bug: an invariant did not hold
+  state_violation = 20,      ///< a state machine was fed an event its table does not allow
+  cancelled = 21,            ///< the local user stopped the transfer
+};
+
+const std::error_category& category() noexcept;
+
+inline std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), category()};
+}
+
+/// Maps an errno value to the closest xDFS code (ENOSPC -> disk_full, ...).
+errc errc_from_errno(int err) noexcept;
+
+/// Short stable name of a code ("disk full"), used as the head of one-line messages.
+const char* to_string(errc e) noexcept;
+
+/// The exception the public API throws: a code plus context that says what failed
+/// (which operation, channel, file or offset).
+class Error : public std::runtime_error {
+public:
+  Error(errc code, const std::string& context);
+  errc code() const noexcept { return code_; }
+  /// The context without the code's name.
+  const std::string& context() const noexcept { return context_; }
+
+private:
+  errc code_;
+  std::string context_;
+};
+
+/// Clamps an unknown wire code to protocol_error so a hostile peer cannot make us print garbage.
+errc errc_from_wire(std::uint32_t v) noexcept;
+
+}  // namespace xdfs
+
+template <>
+struct std::is_error_code_enum<xdfs::errc> : std::true_type {};

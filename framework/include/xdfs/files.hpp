@@ -1,0 +1,92 @@
+// File-system helpers: RAII descriptors, root confinement and the write-then-rename rule.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "xdfs/error.hpp"
+
+namespace xdfs::files {
+
+/// Owns one file descriptor.
+class Fd {
+public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset() noexcept;
+  int release() noexcept { return std::exchange(fd_, -1); }
+
+private:
+  int fd_ = -1;
+};
+
+/// An error with its code and one line of context.
+struct Status {
+  errc code = errc::ok;
+  std::string message;
+  explicit operator bool() const noexcept { return code == errc::ok; }
+  static Status ok() { return {}; }
+  static Status from_errno(int err, const std::string& what);
+};
+
+/// Checks a client-supplied path before any system call sees it: relative, no "..", no NUL,
+/// bounded length. The error names the cause ("absolute path", "'..' component").
+Status check_relative_path(const std::string& path);
+
+/// Opens `path` under the directory `root` so that it cannot resolve outside it, even through
+/// symlinks or a concurrent rename (openat2 with RESOLVE_BENEATH).
+Status open_beneath(int root, const std::string& path, int flags, mode_t mode, Fd& out);
+
+/// A file being received: created under a temporary name beside its final name and renamed
+/// into place only by commit(). Destroying it without commit() removes the temporary file, so
+/// no partial file ever sits under the final name and an existing file stays untouched.
+class PendingFile {
+public:
+  PendingFile() = default;
+  ~PendingFile() { discard(); }
+  PendingFile(PendingFile&& o) noexcept;
+  PendingFile& operator=(PendingFile&& o) noexcept;
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+
+  /// Creates the temporary file for `name` inside the open directory `dir` (taking ownership
+  /// of `dir`). Refuses when `name` exists and is not a regular file.
+  static Status create(Fd dir, const std::string& name, const std::string& tag, PendingFile& out);
+
+  int fd() const noexcept { return fd_.get(); }
+  const std::string& temp_name() const noexcept { return temp_; }
+  const std::string& final_name() const noexcept { return name_; }
+  bool active() const noexcept { return static_cast<bool>(fd_); }
+
+  /// Checks the size, optionally fsyncs, renames into place.
+  Status commit(std::uint64_t expected_size, bool sync);
+  /// Removes the temporary file (idempotent).
+  void discard() noexcept;
+
+private:
+  Fd dir_;
+  Fd fd_;
+  std::string name_;
+  std::string temp_;
+};
+
+/// "dir/name" -> ("dir", "name"); "name" -> (".", "name").
+std::pair<std::string, std::string> split_parent(const std::string& path);
+
+}  // namespace xdfs::files

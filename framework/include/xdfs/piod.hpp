@@ -1,0 +1,204 @@
+// PIOD: the parallel I/O dispatcher's disk side.
+//
+// A session's network thread and its disk thread meet in a BlockPipe: a fixed pool of
+// block-sized slots and two single-producer single-consumer rings of slot descriptors, one
+// each way. No mutex is taken on the hot path: the disk thread sleeps on an atomic (futex)
+// and wakes the network thread through an eventfd that the event loop watches.
+//
+//  receive:  net --filled--> to_disk --> DiskWriter (pwritev runs) --> from_disk --free--> net
+//  send:     net --free----> to_disk --> DiskReader (preadv ahead) --> from_disk --filled--> net
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xdfs/error.hpp"
+
+namespace xdfs::piod {
+
+/// Lock-free ring for exactly one producer thread and one consumer thread.
+template <class T>
+class SpscRing {
+public:
+  /// Capacity is rounded up to a power of two.
+  explicit SpscRing(std::size_t capacity) {
+    std::size_t cap = 1;
+    while (cap < capacity) cap <<= 1;
+    buf_.resize(cap);
+    mask_ = cap - 1;
+  }
+  SpscRing(const SpscRing&) = delete;
+  SpscRing& operator=(const SpscRing&) = delete;
+
+  std::size_t capacity() const noexcept { return mask_ + 1; }
+
+  /// Producer side. False when full.
+  bool try_push(const T& v) noexcept {
+    const std::size_t tail = tail_.load(std::memory_order_relaxed);
+    if (tail - head_cache_ > mask_) {
+      head_cache_ = head_.load(std::memory_order_acquire);
+      if (tail - head_cache_ > mask_) return false;
+    }
+    buf_[tail & mask_] = v;
+    tail_.store(tail + 1, std::memory_order_release);
+    return true;
+  }
+
+  /// Consumer side. False when empty.
+  bool try_pop(T& out) noexcept {
+    const std::size_t head = head_.load(std::memory_order_relaxed);
+    if (head == tail_cache_) {
+      tail_cache_ = tail_.load(std::memory_order_acquire);
+      if (head == tail_cache_) return false;
+    }
+    out = buf_[head & mask_];
+    head_.store(head + 1, std::memory_order_release);
+    return true;
+  }
+
+  bool empty() const noexcept {
+    return head_.load(std::memory_order_acquire) == tail_.load(std::memory_order_acquire);
+  }
+
+private:
+  std::vector<T> buf_;
+  std::size_t mask_ = 0;
+  alignas(64) std::atomic<std::size_t> head_{0};  // next slot the consumer reads
+  alignas(64) std::size_t tail_cache_ = 0;        // consumer's view of tail_
+  alignas(64) std::atomic<std::size_t> tail_{0};  // next slot the producer writes
+  alignas(64) std::size_t head_cache_ = 0;        // producer's view of head_
+};
+
+/// One block of file data living in a pool slot.
+struct Block {
+  std::uint32_t slot = 0;
+  std::uint32_t length = 0;
+  std::uint64_t offset = 0;
+};
+
+/// RAII eventfd: the disk thread's way to wake the network thread's event loop.
+class EventFd {
+public:
+  EventFd();
+  ~EventFd();
+  EventFd(const EventFd&) = delete;
+  EventFd& operator=(const EventFd&) = delete;
+  int fd() const noexcept { return fd_; }
+  void notify() noexcept;
+  /// Clears the counter; returns false if nothing was pending.
+  bool drain() noexcept;
+
+private:
+  int fd_ = -1;
+};
+
+/// Where received bytes go.
+struct Sink {
+  int fd = -1;             ///< not owned
+  bool seekable = true;    ///< regular file: pwritev at offsets; else in order with write(v)
+  bool discard = false;    ///< memory sink: count the bytes, write nothing
+};
+
+/// Where sent bytes come from.
+struct Source {
+  int fd = -1;             ///< not owned
+  std::uint64_t size = 0;  ///< bytes to send
+  bool zero = false;       ///< memory source: zero-filled blocks, no reads
+};
+
+/// The shared state between one network thread and one disk thread.
+class BlockPipe {
+public:
+  BlockPipe(std::uint32_t block_size, std::uint32_t slots);
+  ~BlockPipe();
+  BlockPipe(const BlockPipe&) = delete;
+  BlockPipe& operator=(const BlockPipe&) = delete;
+
+  std::uint32_t block_size() const noexcept { return block_size_; }
+  std::uint32_t slots() const noexcept { return slots_; }
+  std::uint8_t* slot_data(std::uint32_t slot) noexcept {
+    return memory_.get() + static_cast<std::size_t>(slot) * block_size_;
+  }
+
+  // Network-thread side.
+  /// Hands a block to the disk thread (never fails: the ring holds every slot).
+  void to_disk(const Block& b) noexcept;
+  bool from_disk(Block& out) noexcept { return back_.try_pop(out); }
+  EventFd& net_wake() noexcept { return net_wake_; }
+
+  // Disk-thread side.
+  bool disk_pop(Block& out) noexcept { return forth_.try_pop(out); }
+  void disk_push(const Block& b) noexcept;
+  /// Sleeps until the network thread pushes something or stop() is called.
+  void disk_wait(std::uint32_t seen) noexcept { disk_seq_.wait(seen, std::memory_order_acquire); }
+  std::uint32_t disk_seq() const noexcept { return disk_seq_.load(std::memory_order_acquire); }
+
+  /// Asks the disk thread to stop soon; safe from either thread.
+  void stop() noexcept;
+  bool stopping() const noexcept { return stop_.load(std::memory_order_acquire); }
+
+  /// First error the disk thread hit (errno and what it was doing); set once, then it exits.
+  void set_error(errc code, std::string what) noexcept;
+  bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+  errc error_code() const noexcept { return error_code_; }
+  const std::string& error_text() const noexcept { return error_text_; }
+
+private:
+  struct FreeDeleter {
+    void operator()(std::uint8_t* p) const noexcept;
+  };
+  std::uint32_t block_size_;
+  std::uint32_t slots_;
+  std::unique_ptr<std::uint8_t, FreeDeleter> memory_;
+  SpscRing<Block> forth_;  // net -> disk
+  SpscRing<Block> back_;   // disk -> net
+  std::atomic<std::uint32_t> disk_seq_{0};
+  std::atomic<bool> stop_{false};
+  EventFd net_wake_;
+  std::atomic<bool> failed_{false};
+  errc error_code_ = errc::ok;
+  std::string error_text_;
+};
+
+/// The disk thread of a receiving side: writes filled blocks, coalescing contiguous ones into
+/// one pwritev; for a non-seekable sink it restores offset order and writes sequentially.
+/// Each written block goes back to the network thread as a free slot.
+class DiskWriter {
+public:
+  DiskWriter(BlockPipe& pipe, Sink sink);
+  ~DiskWriter();  // stops and joins
+  void join();
+
+private:
+  void run();
+  BlockPipe& pipe_;
+  Sink sink_;
+  std::thread thread_;
+};
+
+/// The disk thread of a sending side: fills free slots with the next blocks of the source,
+/// several at a time with one preadv, ahead of the network.
+class DiskReader {
+public:
+  DiskReader(BlockPipe& pipe, Source source, std::uint64_t start_offset = 0);
+  ~DiskReader();
+  void join();
+
+private:
+  void run();
+  BlockPipe& pipe_;
+  Source source_;
+  std::uint64_t next_;
+  std::thread thread_;
+};
+
+/// Largest number of slots one vectored call covers.
+inline constexpr std::size_t max_iov = 64;
+
+}  // namespace xdfs::piod

@@ -1,0 +1,115 @@
+// XDOPI: the bytes on an xDFS channel.
+//
+// A channel starts with an 8-byte preamble ("xDFS", version, reserved), then carries frames.
+// Every frame is a fixed 24-byte little-endian header followed by `length` payload bytes.
+// Data frames (xFTSMU/xFTSMD) carry file bytes; control frames carry a Cap'n Proto message.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xdfs/error.hpp"
+#include "xdfs/types.hpp"
+
+namespace xdfs::wire {
+
+inline constexpr std::array<std::uint8_t, 4> magic{'x', 'D', 'F', 'S'};
+inline constexpr std::size_t preamble_size = 8;
+inline constexpr std::size_t frame_header_size = 24;
+
+/// Largest control payload (negotiation, exception, path messages) a peer may send.
+inline constexpr std::uint32_t max_control_payload = 64 * 1024;
+/// Bounds on the negotiated block size.
+inline constexpr std::uint32_t min_block_size = 4 * 1024;
+inline constexpr std::uint32_t max_block_size = 64 * 1024 * 1024;
+/// Longest remote path accepted.
+inline constexpr std::size_t max_path_bytes = 4096;
+
+/// The paper's channel events (Table 3), plus the control frames xDFS needs around them.
+enum class Event : std::uint8_t {
+  nego = 1,       ///< negotiation header (Cap'n Proto Negotiation)
+  nego_reply = 2, ///< server accepts the session (Cap'n Proto NegotiationReply)
+  xftsmu = 3,     ///< file block, client to server
+  xftsmd = 4,     ///< file block, server to client
+  xpathm = 5,     ///< path operation (reserved for path mode)
+  eofr = 6,       ///< no more blocks on this channel; channel stays open for reuse
+  eoft = 7,       ///< the transfer is complete and committed; the session ends
+  noop = 8,       ///< keep-alive
+  conm = 9,       ///< continue in the current channel state
+  zxdfs = 10,     ///< zero-copy negotiation (reserved)
+  ack = 11,       ///< cumulative count of bytes the receiver has written (in `offset`)
+  exception = 12, ///< error for the peer (Cap'n Proto ExceptionHeader)
+};
+
+const char* to_string(Event e) noexcept;
+bool is_known(std::uint8_t raw) noexcept;
+
+struct FrameHeader {
+  Event event = Event::noop;
+  std::uint8_t flags = 0;
+  std::uint32_t length = 0;   ///< payload bytes following the header
+  std::uint64_t offset = 0;   ///< file offset (data), byte count (ack, eoft)
+  std::uint64_t aux = 0;      ///< reserved, zero
+};
+
+using HeaderBytes = std::array<std::uint8_t, frame_header_size>;
+
+HeaderBytes encode(const FrameHeader& h) noexcept;
+/// Decodes and checks a header: unknown event, non-zero reserved bits or an oversized control
+/// payload is a protocol error. Data payloads are bounded by the session's block size later.
+std::optional<FrameHeader> decode(std::span<const std::uint8_t, frame_header_size> bytes,
+                                  std::string* why = nullptr) noexcept;
+
+using PreambleBytes = std::array<std::uint8_t, preamble_size>;
+PreambleBytes encode_preamble(std::uint16_t version = protocol_version) noexcept;
+/// Checks the magic; returns the peer's version, or errc::protocol_error.
+std::optional<std::uint16_t> decode_preamble(std::span<const std::uint8_t, preamble_size> b) noexcept;
+
+/// Negotiation header (the paper's Table 2).
+struct Negotiation {
+  std::uint16_t version = protocol_version;
+  SessionId session;
+  std::uint32_t channel_index = 0;
+  std::uint32_t channel_count = 1;
+  Mode mode = Mode::upload;
+  std::string remote_path;
+  std::uint32_t block_size = 1 << 20;
+  std::uint32_t tcp_window = 0;
+  std::uint64_t extended_flags = 0;
+  std::uint64_t file_size = 0;  ///< upload: size of the file the client sends
+  std::uint64_t window = 0;     ///< download: unacknowledged bytes the client accepts
+  bool operator==(const Negotiation&) const = default;
+};
+
+struct NegotiationReply {
+  std::uint64_t file_size = 0;
+  std::uint64_t window = 0;
+  std::uint32_t block_size = 0;
+  bool operator==(const NegotiationReply&) const = default;
+};
+
+struct ExceptionHeader {
+  errc code = errc::internal;
+  std::string message;
+  std::uint32_t channel_index = 0;
+  std::uint64_t offset = 0;
+  bool operator==(const ExceptionHeader&) const = default;
+};
+
+/// Cap'n Proto encodings of the control messages (flat array of words, unpacked).
+std::vector<std::uint8_t> encode(const Negotiation& n);
+std::vector<std::uint8_t> encode(const NegotiationReply& r);
+std::vector<std::uint8_t> encode(const ExceptionHeader& e);
+
+/// Decoders treat the input as hostile: size limits, traversal limits and field checks apply,
+/// and any failure returns nullopt with the reason in `why`.
+std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why = nullptr);
+std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why = nullptr);
+std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b, std::string* why = nullptr);
+
+}  // namespace xdfs::wire

@@ -1,0 +1,43 @@
+# XDOPI control messages. Data frames use a fixed little-endian header instead (see wire.hpp):
+# they are the hot path and are never parsed through Cap'n Proto.
+@0xc4e0d7a1b3f29e51;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("xdfs::schema");
+
+enum Mode {
+  upload @0;     # client sends a file (xFTSMU)
+  download @1;   # server sends a file (xFTSMD)
+  path @2;       # path operations (xPathM), reserved
+}
+
+# Sent first on every channel (the paper's Table 2).
+struct Negotiation {
+  version @0 :UInt16;
+  sessionGuid @1 :Data;          # 16 bytes, random, same on all n channels
+  channelIndex @2 :UInt32;       # 0 .. channelCount-1
+  channelCount @3 :UInt32;       # n
+  mode @4 :Mode;
+  remotePath @5 :Text;           # relative to the server root
+  blockSize @6 :UInt32;          # bytes per data block
+  tcpWindow @7 :UInt32;          # SO_SNDBUF/SO_RCVBUF wanted, 0 = kernel autotuning
+  extendedFlags @8 :UInt64;      # bit set of ExtendedFlag
+  fileSize @9 :UInt64;           # upload: bytes the client will send
+  window @10 :UInt64;            # download: bytes the client lets be unacknowledged
+  credentials @11 :Data;         # reserved for xSec
+}
+
+# The server's answer on each channel once all n have joined.
+struct NegotiationReply {
+  fileSize @0 :UInt64;           # download: bytes the server will send
+  window @1 :UInt64;             # upload: bytes the server lets be unacknowledged
+  blockSize @2 :UInt32;          # block size in force for the session
+}
+
+# An error travelling to the peer (code from xdfs::errc and a one-line message).
+struct ExceptionHeader {
+  code @0 :UInt32;
+  message @1 :Text;
+  channelIndex @2 :UInt32;
+  offset @3 :UInt64;
+}

@@ -1,0 +1,122 @@
+#include "xdfs/files.hpp"
+
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "xdfs/wire.hpp"
+
+namespace xdfs::files {
+
+void Fd::reset() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Status Status::from_errno(int err, const std::string& what) {
+  return {errc_from_errno(err), what + ": " + std::strerror(err)};
+}
+
+Status check_relative_path(const std::string& path) {
+  if (path.empty()) return {errc::bad_argument, "empty path"};
+  if (path.size() > wire::max_path_bytes) return {errc::bad_argument, "path longer than 4096 bytes"};
+  if (path.find('\0') != std::string::npos) return {errc::bad_argument, "path contains a NUL byte"};
+  if (path.front() == '/') return {errc::path_escape, "absolute path '" + path + "'"};
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    auto end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    if (path.compare(start, end - start, "..") == 0 && end - start == 2)
+      return {errc::path_escape, "'..' component in '" + path + "'"};
+    start = end + 1;
+  }
+  return Status::ok();
+}
+
+Status open_beneath(int root, const std::string& path, int flags, mode_t mode, Fd& out) {
+  open_how how{};
+  how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC);
+  how.mode = (flags & O_CREAT) ? mode : 0;
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  long fd;
+  do {
+    fd = ::syscall(SYS_openat2, root, path.c_str(), &how, sizeof how);
+  } while (fd < 0 && (errno == EINTR || errno == EAGAIN));
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EXDEV) return {errc::path_escape, "'" + path + "' resolves outside the root (symlink)"};
+    return Status::from_errno(err, "'" + path + "'");
+  }
+  out = Fd(static_cast<int>(fd));
+  return Status::ok();
+}
+
+std::pair<std::string, std::string> split_parent(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) return {".", path};
+  std::string dir = path.substr(0, slash);
+  if (dir.empty()) dir = "/";
+  return {dir, path.substr(slash + 1)};
+}
+
+PendingFile::PendingFile(PendingFile&& o) noexcept
+    : dir_(std::move(o.dir_)), fd_(std::move(o.fd_)), name_(std::move(o.name_)), temp_(std::move(o.temp_)) {}
+
+PendingFile& PendingFile::operator=(PendingFile&& o) noexcept {
+  if (this != &o) {
+    discard();
+    dir_ = std::move(o.dir_);
+    fd_ = std::move(o.fd_);
+    name_ = std::move(o.name_);
+    temp_ = std::move(o.temp_);
+  }
+  return *this;
+}
+
+Status PendingFile::create(Fd dir, const std::string& name, const std::string& tag, PendingFile& out) {
+  if (name.empty() || name == "." || name == "..") return {errc::is_directory, "'" + name + "' names a directory"};
+  struct stat st {};
+  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (S_ISDIR(st.st_mode)) return {errc::is_directory, "'" + name + "' is a directory"};
+    if (!S_ISREG(st.st_mode)) return {errc::not_regular_file, "'" + name + "' exists and is not a regular file"};
+  } else if (errno != ENOENT) {
+    return Status::from_errno(errno, "'" + name + "'");
+  }
+  // A dot-name that says what it is: never mistaken for a finished file.
+  std::string temp = "." + name.substr(0, 200) + ".xdfs-" + tag + ".part";
+  int fd = ::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) return Status::from_errno(errno, "create '" + temp + "'");
+  out.discard();
+  out.dir_ = std::move(dir);
+  out.fd_ = Fd(fd);
+  out.name_ = name;
+  out.temp_ = std::move(temp);
+  return Status::ok();
+}
+
+Status PendingFile::commit(std::uint64_t expected_size, bool sync) {
+  struct stat st {};
+  if (::fstat(fd_.get(), &st) != 0) return Status::from_errno(errno, "stat '" + temp_ + "'");
+  if (static_cast<std::uint64_t>(st.st_size) != expected_size)
+    return {errc::size_mismatch, "'" + name_ + "' has " + std::to_string(st.st_size) + " bytes, expected " +
+                                     std::to_string(expected_size)};
+  if (sync && ::fdatasync(fd_.get()) != 0) return Status::from_errno(errno, "fdatasync '" + temp_ + "'");
+  if (::renameat(dir_.get(), temp_.c_str(), dir_.get(), name_.c_str()) != 0)
+    return Status::from_errno(errno, "rename '" + temp_ + "' to '" + name_ + "'");
+  fd_.reset();
+  temp_.clear();
+  return Status::ok();
+}
+
+void PendingFile::discard() noexcept {
+  if (!temp_.empty() && dir_) ::unlinkat(dir_.get(), temp_.c_str(), 0);
+  temp_.clear();
+  fd_.reset();
+}
+
+}  // namespace xdfs::files

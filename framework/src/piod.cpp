@@ -1,0 +1,252 @@
+#include "xdfs/piod.hpp"
+
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <new>
+
+namespace xdfs::piod {
+
+EventFd::EventFd() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+  if (fd_ < 0) throw Error(errc_from_errno(errno), std::string("eventfd: ") + std::strerror(errno));
+}
+
+EventFd::~EventFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void EventFd::notify() noexcept {
+  std::uint64_t one = 1;
+  // EAGAIN means the counter is saturated: the reader is awake anyway.
+  [[maybe_unused]] auto r = ::write(fd_, &one, sizeof one);
+}
+
+bool EventFd::drain() noexcept {
+  std::uint64_t v = 0;
+  return ::read(fd_, &v, sizeof v) == static_cast<ssize_t>(sizeof v);
+}
+
+void BlockPipe::FreeDeleter::operator()(std::uint8_t* p) const noexcept { std::free(p); }
+
+BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
+    : block_size_(block_size), slots_(slots), forth_(slots), back_(slots) {
+  const std::size_t bytes = static_cast<std::size_t>(block_size) * slots;
+  void* mem = nullptr;
+  // Page-aligned so the buffers suit O_DIRECT later and never straddle cache lines oddly.
+  if (::posix_memalign(&mem, 4096, bytes) != 0) throw std::bad_alloc();
+  memory_.reset(static_cast<std::uint8_t*>(mem));
+  // Touch every page now (not on the hot path) and give memory sources defined bytes.
+  std::memset(mem, 0, bytes);
+}
+
+BlockPipe::~BlockPipe() = default;
+
+void BlockPipe::to_disk(const Block& b) noexcept {
+  [[maybe_unused]] bool ok = forth_.try_push(b);
+  disk_seq_.fetch_add(1, std::memory_order_release);
+  disk_seq_.notify_one();
+}
+
+void BlockPipe::disk_push(const Block& b) noexcept {
+  [[maybe_unused]] bool ok = back_.try_push(b);
+}
+
+void BlockPipe::stop() noexcept {
+  stop_.store(true, std::memory_order_release);
+  disk_seq_.fetch_add(1, std::memory_order_release);
+  disk_seq_.notify_one();
+}
+
+void BlockPipe::set_error(errc code, std::string what) noexcept {
+  if (failed_.load(std::memory_order_acquire)) return;
+  error_code_ = code;
+  error_text_ = std::move(what);
+  failed_.store(true, std::memory_order_release);
+  net_wake_.notify();
+}
+
+namespace {
+
+// Writes every byte of iov at offset (or at the current position when offset < 0), retrying on
+// short writes and EINTR. Returns 0 or an errno.
+int write_all(int fd, iovec* iov, int cnt, std::int64_t offset) {
+  while (cnt > 0) {
+    ssize_t n = offset >= 0 ? ::pwritev(fd, iov, cnt, offset) : ::writev(fd, iov, cnt);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    if (offset >= 0) offset += n;
+    auto left = static_cast<std::size_t>(n);
+    while (cnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --cnt;
+    }
+    if (cnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+DiskWriter::DiskWriter(BlockPipe& pipe, Sink sink) : pipe_(pipe), sink_(sink), thread_([this] { run(); }) {}
+
+DiskWriter::~DiskWriter() {
+  pipe_.stop();
+  join();
+}
+
+void DiskWriter::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void DiskWriter::run() {
+  std::vector<Block> batch;
+  batch.reserve(pipe_.slots());
+  std::map<std::uint64_t, Block> pending;  // non-seekable sinks: blocks waiting for their turn
+  std::uint64_t next_in_order = 0;
+  iovec iov[max_iov];
+
+  auto fail = [&](int err, std::uint64_t offset) {
+    pipe_.set_error(errc_from_errno(err), "write at offset " + std::to_string(offset) + ": " + std::strerror(err));
+  };
+
+  // Writes blocks[first..last) that are known to be contiguous, in runs of at most max_iov.
+  auto write_run = [&](const Block* blocks, std::size_t count) -> bool {
+    for (std::size_t i = 0; i < count;) {
+      const std::size_t n = std::min(max_iov, count - i);
+      for (std::size_t k = 0; k < n; ++k) {
+        iov[k].iov_base = pipe_.slot_data(blocks[i + k].slot);
+        iov[k].iov_len = blocks[i + k].length;
+      }
+      if (!sink_.discard) {
+        const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset) : -1;
+        if (int err = write_all(sink_.fd, iov, static_cast<int>(n), off); err != 0) {
+          fail(err, blocks[i].offset);
+          return false;
+        }
+      }
+      i += n;
+    }
+    return true;
+  };
+
+  while (true) {
+    const std::uint32_t seen = pipe_.disk_seq();
+    batch.clear();
+    Block b;
+    while (batch.size() < pipe_.slots() && pipe_.disk_pop(b)) batch.push_back(b);
+    if (batch.empty()) {
+      if (pipe_.stopping()) return;
+      pipe_.disk_wait(seen);
+      continue;
+    }
+    if (sink_.seekable || sink_.discard) {
+      // Blocks arrive from n channels roughly in order: write each contiguous run in one call.
+      std::size_t start = 0;
+      for (std::size_t i = 1; i <= batch.size(); ++i) {
+        const bool breaks = i == batch.size() ||
+                            batch[i].offset != batch[i - 1].offset + batch[i - 1].length;
+        if (breaks) {
+          if (!write_run(&batch[start], i - start)) return;
+          start = i;
+        }
+      }
+      for (const auto& blk : batch) pipe_.disk_push(blk);
+    } else {
+      for (const auto& blk : batch) pending.emplace(blk.offset, blk);
+      std::vector<Block> run;
+      while (!pending.empty() && pending.begin()->first == next_in_order) {
+        run.push_back(pending.begin()->second);
+        next_in_order += pending.begin()->second.length;
+        pending.erase(pending.begin());
+      }
+      if (run.empty()) continue;
+      if (!write_run(run.data(), run.size())) return;
+      for (const auto& blk : run) pipe_.disk_push(blk);
+    }
+    pipe_.net_wake().notify();
+  }
+}
+
+DiskReader::DiskReader(BlockPipe& pipe, Source source, std::uint64_t start_offset)
+    : pipe_(pipe), source_(source), next_(start_offset), thread_([this] { run(); }) {}
+
+DiskReader::~DiskReader() {
+  pipe_.stop();
+  join();
+}
+
+void DiskReader::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void DiskReader::run() {
+  const std::uint32_t bs = pipe_.block_size();
+  Block batch[max_iov];
+  iovec iov[max_iov];
+  while (next_ < source_.size) {
+    const std::uint32_t seen = pipe_.disk_seq();
+    std::size_t n = 0;
+    std::uint64_t off = next_;
+    Block b;
+    while (n < max_iov && off < source_.size && pipe_.disk_pop(b)) {
+      b.offset = off;
+      b.length = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off));
+      off += b.length;
+      batch[n] = b;
+      iov[n].iov_base = pipe_.slot_data(b.slot);
+      iov[n].iov_len = b.length;
+      ++n;
+    }
+    if (n == 0) {
+      if (pipe_.stopping()) return;
+      pipe_.disk_wait(seen);
+      continue;
+    }
+    if (pipe_.stopping()) return;
+    if (!source_.zero) {
+      // Read the whole run; a short read means the file shrank under us.
+      std::uint64_t pos = next_;
+      std::size_t first = 0;
+      while (first < n) {
+        ssize_t r = ::preadv(source_.fd, iov + first, static_cast<int>(n - first), static_cast<off_t>(pos));
+        if (r < 0) {
+          if (errno == EINTR) continue;
+          pipe_.set_error(errc_from_errno(errno), "read at offset " + std::to_string(pos) + ": " + std::strerror(errno));
+          return;
+        }
+        if (r == 0) {
+          pipe_.set_error(errc::size_mismatch, "source file shrank to " + std::to_string(pos) + " bytes while being sent");
+          return;
+        }
+        pos += static_cast<std::uint64_t>(r);
+        auto left = static_cast<std::size_t>(r);
+        while (first < n && left >= iov[first].iov_len) {
+          left -= iov[first].iov_len;
+          ++first;
+        }
+        if (first < n && left > 0) {
+          iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+          iov[first].iov_len -= left;
+        }
+      }
+    }
+    next_ = off;
+    for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
+    pipe_.net_wake().notify();
+  }
+}
+
+}  // namespace xdfs::piod

@@ -1,0 +1,238 @@
+#include "xdfs/wire.hpp"
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/exception.h>
+
+#include <cstring>
+
+#include "xdopi.capnp.h"
+
+namespace xdfs::wire {
+namespace {
+
+void put_u16(std::uint8_t* p, std::uint16_t v) noexcept {
+  p[0] = static_cast<std::uint8_t>(v);
+  p[1] = static_cast<std::uint8_t>(v >> 8);
+}
+void put_u32(std::uint8_t* p, std::uint32_t v) noexcept {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+void put_u64(std::uint8_t* p, std::uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+std::uint16_t get_u16(const std::uint8_t* p) noexcept {
+  return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
+}
+std::uint32_t get_u32(const std::uint8_t* p) noexcept {
+  std::uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+std::uint64_t get_u64(const std::uint8_t* p) noexcept {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void set_why(std::string* why, std::string text) {
+  if (why) *why = std::move(text);
+}
+
+std::vector<std::uint8_t> to_bytes(capnp::MessageBuilder& msg) {
+  auto words = capnp::messageToFlatArray(msg);
+  auto bytes = words.asBytes();
+  return {bytes.begin(), bytes.end()};
+}
+
+// Cap'n Proto reads whole words from aligned memory; copy the untrusted bytes into such a buffer.
+// The traversal limit caps the work a hostile message can cause at a few times its own size.
+template <class Root, class Fn>
+auto read_message(std::span<const std::uint8_t> b, std::string* why, Fn&& fn)
+    -> decltype(fn(std::declval<typename Root::Reader>())) {
+  if (b.empty() || b.size() % sizeof(capnp::word) != 0 || b.size() > max_control_payload) {
+    set_why(why, "control message of " + std::to_string(b.size()) + " bytes is not a whole message");
+    return std::nullopt;
+  }
+  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(b.size() / sizeof(capnp::word));
+  std::memcpy(words.begin(), b.data(), b.size());
+  capnp::ReaderOptions opts;
+  opts.traversalLimitInWords = 4 * words.size() + 64;
+  opts.nestingLimit = 8;
+  try {
+    capnp::FlatArrayMessageReader reader(words.asPtr(), opts);
+    return fn(reader.getRoot<Root>());
+  } catch (const kj::Exception& e) {
+    set_why(why, std::string("malformed control message: ") + e.getDescription().cStr());
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+const char* to_string(Event e) noexcept {
+  switch (e) {
+    case Event::nego: return "NEGO";
+    case Event::nego_reply: return "NEGO_REPLY";
+    case Event::xftsmu: return "xFTSMU";
+    case Event::xftsmd: return "xFTSMD";
+    case Event::xpathm: return "xPathM";
+    case Event::eofr: return "EOFR";
+    case Event::eoft: return "EOFT";
+    case Event::noop: return "NOOP";
+    case Event::conm: return "CONM";
+    case Event::zxdfs: return "ZxDFS";
+    case Event::ack: return "ACK";
+    case Event::exception: return "EXCEPTION";
+  }
+  return "?";
+}
+
+bool is_known(std::uint8_t raw) noexcept {
+  return raw >= static_cast<std::uint8_t>(Event::nego) && raw <= static_cast<std::uint8_t>(Event::exception);
+}
+
+HeaderBytes encode(const FrameHeader& h) noexcept {
+  HeaderBytes b{};
+  b[0] = static_cast<std::uint8_t>(h.event);
+  b[1] = h.flags;
+  put_u16(&b[2], 0);
+  put_u32(&b[4], h.length);
+  put_u64(&b[8], h.offset);
+  put_u64(&b[16], h.aux);
+  return b;
+}
+
+std::optional<FrameHeader> decode(std::span<const std::uint8_t, frame_header_size> b, std::string* why) noexcept {
+  if (!is_known(b[0])) {
+    set_why(why, "unknown channel event " + std::to_string(b[0]));
+    return std::nullopt;
+  }
+  if (get_u16(&b[2]) != 0) {
+    set_why(why, "reserved header bits set");
+    return std::nullopt;
+  }
+  FrameHeader h;
+  h.event = static_cast<Event>(b[0]);
+  h.flags = b[1];
+  h.length = get_u32(&b[4]);
+  h.offset = get_u64(&b[8]);
+  h.aux = get_u64(&b[16]);
+  const bool data = h.event == Event::xftsmu || h.event == Event::xftsmd;
+  if (!data && h.length > max_control_payload) {
+    set_why(why, std::string(to_string(h.event)) + " payload of " + std::to_string(h.length) +
+                     " bytes exceeds the " + std::to_string(max_control_payload) + "-byte limit");
+    return std::nullopt;
+  }
+  if (data && h.length > max_block_size) {
+    set_why(why, "data block of " + std::to_string(h.length) + " bytes exceeds the maximum block size");
+    return std::nullopt;
+  }
+  return h;
+}
+
+PreambleBytes encode_preamble(std::uint16_t version) noexcept {
+  PreambleBytes b{};
+  std::memcpy(b.data(), magic.data(), magic.size());
+  put_u16(&b[4], version);
+  put_u16(&b[6], 0);
+  return b;
+}
+
+std::optional<std::uint16_t> decode_preamble(std::span<const std::uint8_t, preamble_size> b) noexcept {
+  if (std::memcmp(b.data(), magic.data(), magic.size()) != 0) return std::nullopt;
+  return get_u16(&b[4]);
+}
+
+std::vector<std::uint8_t> encode(const Negotiation& n) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::Negotiation>();
+  r.setVersion(n.version);
+  r.setSessionGuid(kj::arrayPtr(n.session.bytes.data(), n.session.bytes.size()));
+  r.setChannelIndex(n.channel_index);
+  r.setChannelCount(n.channel_count);
+  r.setMode(static_cast<schema::Mode>(n.mode));
+  r.setRemotePath(n.remote_path);
+  r.setBlockSize(n.block_size);
+  r.setTcpWindow(n.tcp_window);
+  r.setExtendedFlags(n.extended_flags);
+  r.setFileSize(n.file_size);
+  r.setWindow(n.window);
+  return to_bytes(msg);
+}
+
+std::vector<std::uint8_t> encode(const NegotiationReply& n) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::NegotiationReply>();
+  r.setFileSize(n.file_size);
+  r.setWindow(n.window);
+  r.setBlockSize(n.block_size);
+  return to_bytes(msg);
+}
+
+std::vector<std::uint8_t> encode(const ExceptionHeader& e) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::ExceptionHeader>();
+  r.setCode(static_cast<std::uint32_t>(e.code));
+  r.setMessage(e.message);
+  r.setChannelIndex(e.channel_index);
+  r.setOffset(e.offset);
+  return to_bytes(msg);
+}
+
+std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why) {
+  return read_message<schema::Negotiation>(b, why, [&](schema::Negotiation::Reader r) -> std::optional<Negotiation> {
+    Negotiation n;
+    n.version = r.getVersion();
+    auto guid = r.getSessionGuid();
+    if (guid.size() != n.session.bytes.size()) {
+      set_why(why, "session GUID must be 16 bytes, got " + std::to_string(guid.size()));
+      return std::nullopt;
+    }
+    std::memcpy(n.session.bytes.data(), guid.begin(), guid.size());
+    n.channel_index = r.getChannelIndex();
+    n.channel_count = r.getChannelCount();
+    auto mode = static_cast<unsigned>(r.getMode());
+    if (mode > static_cast<unsigned>(Mode::path)) {
+      set_why(why, "unknown mode " + std::to_string(mode));
+      return std::nullopt;
+    }
+    n.mode = static_cast<Mode>(mode);
+    auto path = r.getRemotePath();
+    if (path.size() > max_path_bytes) {
+      set_why(why, "remote path of " + std::to_string(path.size()) + " bytes is too long");
+      return std::nullopt;
+    }
+    n.remote_path.assign(path.cStr(), path.size());
+    n.block_size = r.getBlockSize();
+    n.tcp_window = r.getTcpWindow();
+    n.extended_flags = r.getExtendedFlags();
+    n.file_size = r.getFileSize();
+    n.window = r.getWindow();
+    return n;
+  });
+}
+
+std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why) {
+  return read_message<schema::NegotiationReply>(b, why, [&](schema::NegotiationReply::Reader r) -> std::optional<NegotiationReply> {
+    return NegotiationReply{r.getFileSize(), r.getWindow(), r.getBlockSize()};
+  });
+}
+
+std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b, std::string* why) {
+  return read_message<schema::ExceptionHeader>(b, why, [&](schema::ExceptionHeader::Reader r) -> std::optional<ExceptionHeader> {
+    ExceptionHeader e;
+    e.code = errc_from_wire(r.getCode());
+    auto msg = r.getMessage();
+    // Keep what we show a user to one bounded line.
+    std::string text(msg.cStr(), std::min<std::size_t>(msg.size(), 512));
+    for (auto& c : text)
+      if (c == '\n' || c == '\r' || static_cast<unsigned char>(c) < 0x20) c = ' ';
+    e.message = std::move(text);
+    e.channel_index = r.getChannelIndex();
+    e.offset = r.getOffset();
+    return e;
+  });
+}
+
+}  // namespace xdfs::wire

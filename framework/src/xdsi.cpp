@@ -1,0 +1,133 @@
+#include "xdfs/xdsi.hpp"
+
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+
+#include <charconv>
+
+namespace xdfs::xdsi {
+
+ErrorCode apply(tcp::socket& s, const SocketOptions& o) {
+  ErrorCode ec;
+  if (o.nodelay) s.set_option(tcp::no_delay(true), ec);
+  if (!ec && o.tcp_window > 0) {
+    s.set_option(asio::socket_base::send_buffer_size(static_cast<int>(o.tcp_window)), ec);
+    if (!ec) s.set_option(asio::socket_base::receive_buffer_size(static_cast<int>(o.tcp_window)), ec);
+  }
+  return ec;
+}
+
+std::string peer_name(const tcp::socket& s) {
+  ErrorCode ec;
+  auto ep = s.remote_endpoint(ec);
+  if (ec) return "?";
+  auto addr = ep.address().to_string();
+  if (ep.address().is_v6()) addr = "[" + addr + "]";
+  return addr + ":" + std::to_string(ep.port());
+}
+
+bool parse_host_port(const std::string& text, std::uint16_t default_port, std::string& host, std::uint16_t& port) {
+  std::string h = text;
+  std::string p;
+  if (!h.empty() && h.front() == '[') {
+    auto close = h.find(']');
+    if (close == std::string::npos) return false;
+    if (close + 1 < h.size()) {
+      if (h[close + 1] != ':') return false;
+      p = h.substr(close + 2);
+    }
+    h = h.substr(1, close - 1);
+  } else if (auto colon = h.rfind(':'); colon != std::string::npos) {
+    if (h.find(':') != colon) return false;  // bare IPv6 needs brackets
+    p = h.substr(colon + 1);
+    h = h.substr(0, colon);
+  }
+  if (h.empty()) return false;
+  port = default_port;
+  if (!p.empty() || text.back() == ':') {
+    unsigned v = 0;
+    auto [ptr, ec] = std::from_chars(p.data(), p.data() + p.size(), v);
+    if (ec != std::errc() || ptr != p.data() + p.size() || v > 65535) return false;
+    port = static_cast<std::uint16_t>(v);
+  }
+  host = h;
+  return true;
+}
+
+Channel::Channel(tcp::socket socket, std::uint32_t index) : socket_(std::move(socket)), index_(index) {}
+
+void Channel::async_read_header(HeaderHandler h) {
+  asio::async_read(socket_, asio::buffer(in_header_),
+                   [this, h = std::move(h)](const ErrorCode& ec, std::size_t) {
+                     if (ec) return h(ec, {});
+                     auto hdr = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(in_header_), &error_text_);
+                     if (!hdr) return h(make_error_code(boost::system::errc::protocol_error), {});
+                     h({}, *hdr);
+                   });
+}
+
+void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
+  asio::async_read(socket_, asio::buffer(dst.data(), dst.size()),
+                   [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+}
+
+void Channel::send(const wire::FrameHeader& hdr, std::span<const std::uint8_t> payload, Handler h) {
+  out_.push_back(Out{wire::encode(hdr), false, {}, payload, std::move(h)});
+  if (out_.size() == 1) pump();
+}
+
+void Channel::send(const wire::FrameHeader& hdr, std::vector<std::uint8_t> payload, Handler h) {
+  Out o{wire::encode(hdr), false, std::move(payload), {}, std::move(h)};
+  o.payload = o.owned;
+  out_.push_back(std::move(o));
+  if (out_.size() == 1) pump();
+}
+
+void Channel::send_raw(std::vector<std::uint8_t> bytes, Handler h) {
+  Out o{{}, true, std::move(bytes), {}, std::move(h)};
+  o.payload = o.owned;
+  out_.push_back(std::move(o));
+  if (out_.size() == 1) pump();
+}
+
+void Channel::send_control(wire::Event ev, std::vector<std::uint8_t> payload, Handler h) {
+  wire::FrameHeader hdr;
+  hdr.event = ev;
+  hdr.length = static_cast<std::uint32_t>(payload.size());
+  send(hdr, std::move(payload), std::move(h));
+}
+
+void Channel::pump() {
+  // std::deque keeps element addresses stable on push_back, so the front's buffers stay valid.
+  Out& o = out_.front();
+  std::array<asio::const_buffer, 2> bufs{asio::buffer(o.header, o.raw ? 0 : o.header.size()),
+                                         asio::buffer(o.payload.data(), o.payload.size())};
+  asio::async_write(socket_, bufs, [this](const ErrorCode& ec, std::size_t) {
+    Handler done = std::move(out_.front().done);
+    out_.pop_front();
+    if (ec) {
+      // Fail everything queued behind it too: the stream is broken.
+      std::deque<Out> rest;
+      rest.swap(out_);
+      if (done) done(ec);
+      for (auto& r : rest)
+        if (r.done) r.done(ec);
+      return;
+    }
+    if (!out_.empty()) pump();
+    if (done) done(ec);
+  });
+}
+
+void Channel::shutdown_send() noexcept {
+  ErrorCode ignored;
+  socket_.shutdown(tcp::socket::shutdown_send, ignored);
+}
+
+void Channel::close() noexcept {
+  ErrorCode ignored;
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+}
+
+}  // namespace xdfs::xdsi

@@ -1,0 +1,113 @@
+// The xFTSM communicating finite state machines (the paper's Figs. 8-11), as data.
+//
+// Each side of each mode has an enum of states, an enum of events and a transition table.
+// The socket code turns I/O completions into events and asks the machine what to do: the
+// table says the next state and the action to run. An event the table does not allow in the
+// current state is refused with errc::state_violation and a message naming both.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <system_error>
+
+#include "xdfs/error.hpp"
+
+namespace xdfs::xftsm {
+
+/// States shared by the four machines (each table uses the subset it needs).
+enum class State : std::uint8_t {
+  idle,         ///< nothing has happened yet
+  connecting,   ///< client: opening the n channels
+  negotiating,  ///< client: negotiation headers sent, waiting for the server's reply
+  joining,      ///< server: first channel registered the session, waiting for the other n-1
+  transferring, ///< blocks flow: sending, or receiving and writing
+  draining,     ///< sender: all blocks sent, waiting for the receiver to confirm; receiver: all blocks in, waiting for the disk
+  done,         ///< the file is complete at the receiver (final state)
+  failed,       ///< the session ended with an error (final state)
+};
+
+/// Everything that can happen to a session, as the socket and disk code reports it.
+enum class Event : std::uint8_t {
+  start,            ///< client: the user asked for the transfer
+  connected,        ///< client: all n channels are connected, negotiation headers sent
+  channel_joined,   ///< server: one more of the n channels arrived
+  all_joined,       ///< server: all n channels are there and the file is open
+  accepted,         ///< client: the server's negotiation reply arrived on every channel
+  block_ready,      ///< sender: the disk thread read a block ahead
+  block_sent,       ///< sender: a block left on a channel
+  block_received,   ///< receiver: a block arrived on a channel and went to the disk thread
+  block_written,    ///< receiver: the disk thread wrote blocks
+  ack_received,     ///< sender: the receiver acknowledged written bytes
+  ack_sent,         ///< receiver: an acknowledgement left
+  all_sent,         ///< sender: every block is out and EOFR went on every channel
+  all_received,     ///< receiver: EOFR on every channel and every byte accounted for
+  committed,        ///< receiver: the file is renamed into place (or the sink is flushed); sender: EOFT arrived
+  peer_exception,   ///< an exception header arrived
+  local_error,      ///< this side failed (disk, bad frame, state violation)
+  channel_lost,     ///< a channel closed or reset before the end
+  timeout,          ///< a bounded wait ran out (join, idle)
+};
+
+/// What the driver must do on a transition.
+enum class Action : std::uint8_t {
+  none,              ///< only the state changes (or a counter in the driver)
+  connect_channels,  ///< client: open n channels and send the negotiation headers
+  register_session,  ///< server: record the session and start the join timer
+  add_channel,       ///< server: add a channel to the session
+  open_and_reply,    ///< server: open the file and send the negotiation reply on every channel
+  start_sending,     ///< sender: start reading ahead and sending blocks
+  start_receiving,   ///< receiver: start reading blocks from every channel
+  send_block,        ///< sender: put the next block on an idle channel
+  queue_write,       ///< receiver: hand the block to the disk thread
+  send_ack,          ///< receiver: send a cumulative acknowledgement
+  open_window,       ///< sender: acknowledged bytes free window room
+  send_eofr,         ///< sender: end of blocks on every channel
+  commit,            ///< receiver: flush, check the size, rename into place, send EOFT
+  finish,            ///< close the channels, report success
+  abort,             ///< discard any partial file, tell the peer, close the channels
+};
+
+const char* to_string(State s) noexcept;
+const char* to_string(Event e) noexcept;
+const char* to_string(Action a) noexcept;
+
+struct Transition {
+  State from;
+  Event on;
+  State to;
+  Action action;
+};
+
+/// Which of the four machines.
+enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download };
+const char* to_string(Role r) noexcept;
+
+/// The table of a role.
+std::span<const Transition> table(Role r) noexcept;
+
+/// A running machine: current state plus its table.
+class Machine {
+public:
+  explicit Machine(Role role) noexcept : role_(role), table_(table(role)) {}
+
+  Role role() const noexcept { return role_; }
+  State state() const noexcept { return state_; }
+  bool finished() const noexcept { return state_ == State::done || state_ == State::failed; }
+
+  /// Feeds an event. On success moves to the next state and returns its action; otherwise the
+  /// state is unchanged and the result is errc::state_violation with why() naming state and event.
+  std::optional<Action> fire(Event e) noexcept;
+  /// The transition the table allows for e in the current state, if any (does not move).
+  const Transition* find(Event e) const noexcept;
+  const std::string& why() const noexcept { return why_; }
+
+private:
+  Role role_;
+  std::span<const Transition> table_;
+  State state_ = State::idle;
+  std::string why_;
+};
+
+}  // namespace xdfs::xftsm

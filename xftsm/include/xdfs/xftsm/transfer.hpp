@@ -1,0 +1,164 @@
+// xFTSM block scheduling over a session's n channels: the sending and the receiving engine.
+//
+// Both run on the session's one network thread and own one disk thread through a
+// piod::BlockPipe. The sender hands read-ahead blocks to whichever channel is idle, never more
+// than the receiver's window beyond the last acknowledgement; the receiver reads each block
+// straight into a pool slot, the disk thread writes it, and cumulative ACKs flow back
+// asynchronously. Both feed every happening into the session's CFSM and do what it answers.
+#pragma once
+
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xdfs/files.hpp"
+#include "xdfs/piod.hpp"
+#include "xdfs/wire.hpp"
+#include "xdfs/xdsi.hpp"
+#include "xdfs/xftsm/cfsm.hpp"
+
+namespace xdfs::xftsm {
+
+namespace asio = boost::asio;
+using ChannelList = std::vector<std::unique_ptr<xdsi::Channel>>;
+
+/// Sends an exception header on every open channel and closes each once it has left; `linger`
+/// closes the rest after `wait` if the peer does not read.
+void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
+                    std::chrono::milliseconds wait);
+
+/// What an engine needs from the session that owns it.
+class TransferHost {
+public:
+  virtual ~TransferHost() = default;
+  /// Receiver only: every byte is written; make the file final (rename, flush).
+  virtual files::Status commit() { return files::Status::ok(); }
+  /// The transfer ended, successfully (errc::ok) or with the first error. Called once.
+  virtual void finished(errc code, const std::string& message, bool from_peer) = 0;
+};
+
+struct TransferParams {
+  std::uint32_t block_size = 1 << 20;
+  std::uint64_t file_size = 0;
+  /// Sender: bytes the receiver accepts beyond its last ACK. Receiver: ignored (it is slots*block).
+  std::uint64_t window = 0;
+  /// Number of pool slots (the ring between network and disk).
+  std::uint32_t slots = 32;
+  wire::Event data_event = wire::Event::xftsmu;
+  std::chrono::milliseconds idle_timeout{60000};
+  /// How long a failing side waits for its exception header to leave before closing.
+  std::chrono::milliseconds linger{2000};
+};
+
+/// Common plumbing: the CFSM, the disk wake-up, the idle watchdog and failure handling.
+class Engine {
+public:
+  Engine(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host, const TransferParams& p);
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Fails the transfer from outside (shutdown, cancel): tells the peer, closes the channels.
+  void abort(errc code, const std::string& message);
+  bool finished() const noexcept { return machine_.finished(); }
+  /// Bytes the receiver has written (sender: as acknowledged).
+  std::uint64_t bytes_done() const noexcept { return done_bytes_; }
+
+protected:
+  /// Feeds an event to the CFSM; a refused event fails the session and returns nullopt.
+  std::optional<Action> fire(Event e);
+  void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, Event ev = Event::local_error);
+  void finish_ok();
+  void close_all() noexcept;
+  void watch_disk();
+  virtual void on_disk() = 0;
+  void touch() noexcept { last_activity_ = std::chrono::steady_clock::now(); }
+  /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
+  bool handle_common(xdsi::Channel& ch, const wire::FrameHeader& h);
+  void channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec);
+  void read_exception(xdsi::Channel& ch, std::uint32_t length);
+
+  asio::io_context& io_;
+  Machine& machine_;
+  ChannelList& channels_;
+  TransferHost& host_;
+  TransferParams params_;
+  piod::BlockPipe pipe_;
+  asio::posix::stream_descriptor wake_;
+  asio::steady_timer watchdog_;
+  asio::steady_timer linger_;
+  std::chrono::steady_clock::time_point last_activity_;
+  std::uint64_t done_bytes_ = 0;
+
+private:
+  void arm_watchdog();
+};
+
+/// Sends one file (or a memory source) over all channels.
+class Sender final : public Engine {
+public:
+  Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host, const TransferParams& p,
+         piod::Source source);
+  ~Sender() override;
+  /// Starts the read-ahead thread and the channel loops (after the machine's start_sending).
+  void start();
+
+private:
+  void on_disk() override;
+  void pump();
+  void read_loop(xdsi::Channel& ch);
+  void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
+
+  piod::Source source_;
+  std::optional<piod::DiskReader> reader_;
+  std::vector<piod::Block> ready_;       // filled blocks in offset order, consumed from ready_head_
+  std::size_t ready_head_ = 0;
+  std::vector<std::uint8_t> inflight_;   // per channel: blocks queued on it (at most 2)
+  std::size_t next_channel_ = 0;
+  std::uint64_t queued_ = 0;             // bytes handed to channels
+  std::uint64_t acked_ = 0;
+  bool all_sent_ = false;
+};
+
+/// Receives one file (or into a memory sink) from all channels.
+class Receiver final : public Engine {
+public:
+  Receiver(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host, const TransferParams& p,
+           piod::Sink sink);
+  ~Receiver() override;
+  /// The window to advertise: what the pool can hold.
+  std::uint64_t window() const noexcept { return std::uint64_t(pipe_.slots()) * pipe_.block_size(); }
+  void start();
+
+private:
+  void on_disk() override;
+  void read_loop(xdsi::Channel& ch);
+  void on_header(xdsi::Channel& ch, const wire::FrameHeader& h);
+  void read_block(xdsi::Channel& ch, const wire::FrameHeader& h);
+  void maybe_ack();
+  void maybe_complete();
+
+  piod::Sink sink_;
+  std::optional<piod::DiskWriter> writer_;
+  std::vector<std::uint32_t> free_slots_;
+  struct Parked {
+    xdsi::Channel* ch;
+    wire::FrameHeader h;
+  };
+  std::vector<Parked> parked_;           // channels waiting for a free slot
+  std::vector<std::uint64_t> seen_;      // bitmap of blocks received
+  std::vector<bool> eofr_;               // per channel
+  std::size_t eofr_count_ = 0;
+  std::uint64_t received_ = 0;
+  std::uint64_t acked_sent_ = 0;
+  std::uint64_t ack_every_ = 0;
+  bool committing_ = false;
+};
+
+}  // namespace xdfs::xftsm

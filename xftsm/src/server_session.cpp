@@ -1,0 +1,191 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <boost/asio/steady_timer.hpp>
+#include <fmt/core.h>
+
+#include <chrono>
+
+#include "xdfs/files.hpp"
+#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xftsm/transfer.hpp"
+
+namespace xdfs::xftsm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Sends one exception header on a channel that will not join, then closes it.
+void refuse_channel(xdsi::tcp::socket sock, errc code, const std::string& message) {
+  auto ch = std::make_shared<xdsi::Channel>(std::move(sock), 0);
+  ch->send_control(wire::Event::exception, wire::encode(wire::ExceptionHeader{code, message, 0, 0}),
+                   [ch](const xdsi::ErrorCode&) { ch->shutdown_send(); });
+}
+
+bool same_session(const wire::Negotiation& a, const wire::Negotiation& b) {
+  return a.version == b.version && a.channel_count == b.channel_count && a.mode == b.mode &&
+         a.remote_path == b.remote_path && a.block_size == b.block_size && a.tcp_window == b.tcp_window &&
+         a.extended_flags == b.extended_flags && a.file_size == b.file_size && a.window == b.window;
+}
+
+class ServerSession final : public runtime::SessionHandler, public TransferHost {
+public:
+  explicit ServerSession(runtime::SessionEnv& env)
+      : env_(env),
+        nego_(env.first),
+        machine_(env.first.mode == Mode::upload ? Role::server_upload : Role::server_download),
+        join_timer_(env.io),
+        linger_(env.io),
+        start_(Clock::now()) {}
+
+  void add_channel(xdsi::tcp::socket sock, wire::Negotiation n, std::string peer) override {
+    if (machine_.state() != State::idle && machine_.state() != State::joining)
+      return refuse_channel(std::move(sock), errc::bad_channel,
+                            fmt::format("session {} already has its {} channels", env_.id.short_hex(),
+                                        nego_.channel_count));
+    if (machine_.state() == State::joining) {
+      if (!same_session(n, nego_))
+        return refuse_channel(std::move(sock), errc::bad_channel,
+                              fmt::format("channel {} does not match the negotiation of session {}", n.channel_index,
+                                          env_.id.short_hex()));
+      if (channels_[n.channel_index])
+        return refuse_channel(std::move(sock), errc::bad_channel,
+                              fmt::format("duplicate channel index {} in session {}", n.channel_index,
+                                          env_.id.short_hex()));
+    }
+    auto action = machine_.fire(Event::channel_joined);
+    if (!action) return refuse_channel(std::move(sock), errc::state_violation, machine_.why());
+    if (*action == Action::register_session) {
+      channels_.resize(nego_.channel_count);
+      join_timer_.expires_after(env_.config.join_timeout);
+      join_timer_.async_wait([this](const xdsi::ErrorCode& ec) {
+        if (ec || machine_.state() != State::joining) return;
+        fail_early(errc::timeout, fmt::format("only {} of {} channels arrived within {} ms", joined_,
+                                              nego_.channel_count, env_.config.join_timeout.count()),
+                   Event::timeout);
+      });
+    }
+    xdsi::SocketOptions opts;
+    opts.tcp_window = std::min(n.tcp_window, env_.config.max_tcp_window);
+    xdsi::apply(sock, opts);
+    channels_[n.channel_index] = std::make_unique<xdsi::Channel>(std::move(sock), n.channel_index);
+    if (++joined_ < nego_.channel_count) return;
+    join_timer_.cancel();
+    if (machine_.fire(Event::all_joined) == Action::open_and_reply) open_and_reply();
+  }
+
+  void shutdown() override {
+    if (sender_) return sender_->abort(errc::shutting_down, "server is stopping");
+    if (receiver_) return receiver_->abort(errc::shutting_down, "server is stopping");
+    fail_early(errc::shutting_down, "server is stopping", Event::local_error);
+  }
+
+  files::Status commit() override { return pending_.commit(nego_.file_size, env_.config.fsync); }
+
+  void finished(errc code, const std::string& message, bool from_peer) override {
+    if (code != errc::ok) pending_.discard();
+    report(code, message);
+  }
+
+private:
+  void open_and_reply() {
+    env_.log(fmt::format("session {} start peer={} mode={} path={} channels={} block={}", env_.id.short_hex(), env_.peer,
+                         to_string(nego_.mode), nego_.remote_path, nego_.channel_count, nego_.block_size));
+    TransferParams p;
+    p.block_size = nego_.block_size;
+    p.slots = static_cast<std::uint32_t>(std::max<std::size_t>(env_.config.ring_bytes / nego_.block_size, 4));
+    p.idle_timeout = env_.config.idle_timeout;
+    wire::NegotiationReply reply;
+    reply.block_size = nego_.block_size;
+    if (nego_.mode == Mode::upload) {
+      auto [dir, name] = files::split_parent(nego_.remote_path);
+      files::Fd dirfd;
+      if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
+        return fail_early(st.code, st.message, Event::local_error);
+      if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.id.short_hex(), pending_); !st)
+        return fail_early(st.code, st.message, Event::local_error);
+      p.file_size = nego_.file_size;
+      p.data_event = wire::Event::xftsmu;
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{pending_.fd(), true, false});
+      reply.window = receiver_->window();
+      send_reply(reply);
+      receiver_->start();
+    } else {
+      if (auto st = files::open_beneath(env_.root_fd, nego_.remote_path, O_RDONLY | O_NONBLOCK, 0, source_); !st)
+        return fail_early(st.code, st.message, Event::local_error);
+      struct stat sb {};
+      if (::fstat(source_.get(), &sb) != 0)
+        return fail_early(errc_from_errno(errno), "stat '" + nego_.remote_path + "'", Event::local_error);
+      if (S_ISDIR(sb.st_mode)) return fail_early(errc::is_directory, "'" + nego_.remote_path + "' is a directory", Event::local_error);
+      if (!S_ISREG(sb.st_mode))
+        return fail_early(errc::not_regular_file, "'" + nego_.remote_path + "' is not a regular file", Event::local_error);
+      if (nego_.window < nego_.block_size)
+        return fail_early(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window),
+                          Event::local_error);
+      p.file_size = static_cast<std::uint64_t>(sb.st_size);
+      p.window = nego_.window;
+      p.data_event = wire::Event::xftsmd;
+      reply.file_size = p.file_size;
+      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p,
+                                         piod::Source{source_.get(), p.file_size, false});
+      send_reply(reply);
+      sender_->start();
+    }
+  }
+
+  void send_reply(const wire::NegotiationReply& reply) {
+    auto payload = wire::encode(reply);
+    for (auto& ch : channels_) ch->send_control(wire::Event::nego_reply, payload);
+  }
+
+  // Failure before an engine runs: tell every joined channel, then report.
+  void fail_early(errc code, const std::string& message, Event ev) {
+    if (machine_.finished()) return;
+    if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
+    join_timer_.cancel();
+    pending_.discard();
+    tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::milliseconds(2000));
+    report(code, message);
+  }
+
+  void report(errc code, const std::string& message) {
+    if (reported_) return;
+    reported_ = true;
+    SessionReport r;
+    r.id = env_.id;
+    r.peer = env_.peer;
+    r.mode = nego_.mode;
+    r.path = nego_.remote_path;
+    r.channels = nego_.channel_count;
+    r.bytes = sender_ ? sender_->bytes_done() : receiver_ ? receiver_->bytes_done() : 0;
+    r.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    r.code = code;
+    r.message = message;
+    env_.done(std::move(r));
+  }
+
+  runtime::SessionEnv& env_;
+  wire::Negotiation nego_;
+  Machine machine_;
+  ChannelList channels_;
+  unsigned joined_ = 0;
+  boost::asio::steady_timer join_timer_;
+  boost::asio::steady_timer linger_;
+  Clock::time_point start_;
+  files::PendingFile pending_;
+  files::Fd source_;
+  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<Receiver> receiver_;
+  bool reported_ = false;
+};
+
+}  // namespace
+
+runtime::HandlerFactory server_factory() {
+  return [](runtime::SessionEnv& env) -> std::unique_ptr<runtime::SessionHandler> {
+    return std::make_unique<ServerSession>(env);
+  };
+}
+
+}  // namespace xdfs::xftsm

@@ -1,0 +1,450 @@
+#include "xdfs/xftsm/transfer.hpp"
+
+#include <boost/asio/post.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace xdfs::xftsm {
+
+using wire::FrameHeader;
+using xdsi::ErrorCode;
+namespace werr = boost::asio::error;
+
+namespace {
+
+constexpr std::uint8_t max_per_channel = 2;
+
+std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
+  if (ec == werr::eof) return "channel " + std::to_string(ch.index()) + " closed by the peer";
+  if (ec == werr::connection_reset) return "channel " + std::to_string(ch.index()) + " reset by the peer";
+  return "channel " + std::to_string(ch.index()) + ": " + ec.message();
+}
+
+}  // namespace
+
+void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
+                    std::chrono::milliseconds wait) {
+  auto payload = wire::encode(ex);
+  std::size_t open = 0;
+  for (auto& ch : channels) {
+    if (!ch || !ch->open()) continue;
+    ++open;
+    // Half-close once it has left: closing outright with unread input would reset the
+    // connection and could destroy the exception before the peer reads it.
+    ch->send_control(wire::Event::exception, payload, [c = ch.get()](const xdsi::ErrorCode&) { c->shutdown_send(); });
+  }
+  if (open == 0) return;
+  linger.expires_after(wait);
+  linger.async_wait([&channels](const xdsi::ErrorCode& ec) {
+    if (ec) return;
+    for (auto& ch : channels)
+      if (ch) ch->close();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine
+
+Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
+               const TransferParams& p)
+    : io_(io),
+      machine_(machine),
+      channels_(channels),
+      host_(host),
+      params_(p),
+      pipe_(p.block_size, std::max<std::uint32_t>(p.slots, 2)),
+      wake_(io, ::dup(pipe_.net_wake().fd())),
+      watchdog_(io),
+      linger_(io),
+      last_activity_(std::chrono::steady_clock::now()) {
+  arm_watchdog();
+}
+
+Engine::~Engine() = default;
+
+std::optional<Action> Engine::fire(Event e) {
+  if (machine_.finished()) return std::nullopt;
+  auto a = machine_.fire(e);
+  if (!a) fail(errc::state_violation, machine_.why(), false, true);
+  return a;
+}
+
+void Engine::abort(errc code, const std::string& message) { fail(code, message, false, true); }
+
+void Engine::fail(errc code, const std::string& message, bool from_peer, bool tell_peer, Event ev) {
+  if (machine_.finished()) return;
+  // Force the machine to failed even if ev is not in the table here (every live state has it).
+  if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
+  pipe_.stop();
+  watchdog_.cancel();
+  ErrorCode ignored;
+  wake_.cancel(ignored);
+  if (tell_peer) {
+    tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, done_bytes_}, linger_, params_.linger);
+  } else {
+    close_all();
+  }
+  host_.finished(code, message, from_peer);
+}
+
+void Engine::finish_ok() {
+  watchdog_.cancel();
+  ErrorCode ignored;
+  wake_.cancel(ignored);
+  pipe_.stop();
+  close_all();
+  host_.finished(errc::ok, {}, false);
+}
+
+void Engine::close_all() noexcept {
+  linger_.cancel();
+  for (auto& ch : channels_)
+    if (ch) ch->close();
+}
+
+void Engine::arm_watchdog() {
+  watchdog_.expires_after(std::chrono::milliseconds(250));
+  watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec || machine_.finished()) return;
+    if (std::chrono::steady_clock::now() - last_activity_ > params_.idle_timeout) {
+      fail(errc::timeout, "no progress for " + std::to_string(params_.idle_timeout.count() / 1000) + " s", false, true,
+           Event::timeout);
+      return;
+    }
+    arm_watchdog();
+  });
+}
+
+void Engine::watch_disk() {
+  wake_.async_wait(asio::posix::stream_descriptor::wait_read, [this](const xdsi::ErrorCode& ec) {
+    if (ec || machine_.finished()) return;
+    pipe_.net_wake().drain();
+    if (pipe_.failed()) {
+      fail(pipe_.error_code(), pipe_.error_text(), false, true);
+      return;
+    }
+    on_disk();
+    if (!machine_.finished()) watch_disk();
+  });
+}
+
+bool Engine::handle_common(xdsi::Channel& ch, const FrameHeader& h) {
+  switch (h.event) {
+    case wire::Event::noop:
+    case wire::Event::conm:
+      if (h.length != 0) {
+        fail(errc::protocol_error, std::string(wire::to_string(h.event)) + " with a payload", false, true);
+      }
+      return true;
+    case wire::Event::exception:
+      read_exception(ch, h.length);
+      return true;
+    default:
+      return false;
+  }
+}
+
+void Engine::read_exception(xdsi::Channel& ch, std::uint32_t length) {
+  auto buf = std::make_shared<std::vector<std::uint8_t>>(length);
+  ch.async_read_payload(*buf, [this, buf, &ch](const xdsi::ErrorCode& ec) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    std::string why;
+    auto ex = wire::decode_exception(*buf, &why);
+    if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false, false);
+    fail(ex->code, ex->message, true, false, Event::peer_exception);
+  });
+}
+
+void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
+  if (machine_.finished() || ec == werr::operation_aborted) return;
+  if (ec == boost::system::errc::protocol_error)
+    return fail(errc::protocol_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
+  fail(errc::peer_aborted, describe(ch, ec), true, true, Event::channel_lost);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sender
+
+Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
+               const TransferParams& p, piod::Source source)
+    : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0) {
+  ready_.reserve(pipe_.slots());
+}
+
+Sender::~Sender() {
+  pipe_.stop();
+  reader_.reset();
+}
+
+void Sender::start() {
+  for (std::uint32_t s = 0; s < pipe_.slots(); ++s) pipe_.to_disk(piod::Block{s, 0, 0});
+  reader_.emplace(pipe_, source_);
+  watch_disk();
+  for (auto& ch : channels_) read_loop(*ch);
+  pump();
+}
+
+void Sender::on_disk() {
+  piod::Block b;
+  bool any = false;
+  while (pipe_.from_disk(b)) {
+    ready_.push_back(b);
+    any = true;
+  }
+  if (any && fire(Event::block_ready)) pump();
+}
+
+void Sender::pump() {
+  if (machine_.finished() || all_sent_) return;
+  const std::size_t n = channels_.size();
+  while (ready_head_ < ready_.size()) {
+    const piod::Block b = ready_[ready_head_];
+    if (queued_ - acked_ + b.length > params_.window && queued_ != acked_) break;  // window full
+    // The least loaded channel, round robin among equals from where we stopped. Two blocks per
+    // channel keep its socket buffer fed while the completion of the first one is handled.
+    std::size_t pick = n;
+    for (std::size_t k = 0; k < n; ++k) {
+      std::size_t i = (next_channel_ + k) % n;
+      if (inflight_[i] < max_per_channel && (pick == n || inflight_[i] < inflight_[pick])) {
+        pick = i;
+        if (inflight_[i] == 0) break;
+      }
+    }
+    if (pick == n) break;
+    next_channel_ = (pick + 1) % n;
+    ++ready_head_;
+    ++inflight_[pick];
+    queued_ += b.length;
+    FrameHeader h;
+    h.event = params_.data_event;
+    h.length = b.length;
+    h.offset = b.offset;
+    auto& ch = *channels_[pick];
+    ch.send(h, std::span<const std::uint8_t>(pipe_.slot_data(b.slot), b.length),
+            [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
+              if (machine_.finished()) return;
+              if (ec) return channel_error(ch, ec);
+              --inflight_[pick];
+              touch();
+              pipe_.to_disk(piod::Block{b.slot, 0, 0});  // slot goes back for read-ahead
+              if (fire(Event::block_sent)) pump();
+            });
+  }
+  if (ready_head_ == ready_.size()) {
+    ready_.clear();
+    ready_head_ = 0;
+  }
+  if (queued_ == source_.size && !all_sent_) {
+    all_sent_ = true;
+    if (!fire(Event::all_sent)) return;
+    for (auto& ch : channels_) {
+      FrameHeader h;
+      h.event = wire::Event::eofr;
+      h.offset = source_.size;
+      ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+        if (ec) channel_error(*c, ec);
+      });
+    }
+  }
+}
+
+void Sender::read_loop(xdsi::Channel& ch) {
+  ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    touch();
+    on_frame(ch, h);
+  });
+}
+
+void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
+  if (handle_common(ch, h)) {
+    if (h.event != wire::Event::exception && !machine_.finished()) read_loop(ch);
+    return;
+  }
+  switch (h.event) {
+    case wire::Event::ack:
+      if (h.length != 0 || h.offset > queued_ || h.offset > source_.size)
+        return fail(errc::protocol_error,
+                    "ACK of " + std::to_string(h.offset) + " bytes, only " + std::to_string(queued_) + " sent", false,
+                    true);
+      if (h.offset > acked_) {
+        acked_ = h.offset;
+        done_bytes_ = acked_;
+      }
+      if (!fire(Event::ack_received)) return;
+      pump();
+      return read_loop(ch);
+    case wire::Event::eoft:
+      if (h.length != 0 || h.offset != source_.size)
+        return fail(errc::size_mismatch,
+                    "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(source_.size),
+                    false, true);
+      done_bytes_ = source_.size;
+      if (!fire(Event::committed)) return;
+      return finish_ok();
+    default:
+      return fail(errc::protocol_error,
+                  std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(ch.index()),
+                  false, true);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Receiver
+
+Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
+                   const TransferParams& p, piod::Sink sink)
+    : Engine(io, machine, channels, host, p), sink_(sink), eofr_(channels.size(), false) {
+  free_slots_.reserve(pipe_.slots());
+  for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
+  const std::uint64_t blocks = (p.file_size + p.block_size - 1) / p.block_size;
+  seen_.assign((blocks + 63) / 64, 0);
+  // Acknowledge every quarter window: the sender always has three quarters in flight.
+  ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
+}
+
+Receiver::~Receiver() {
+  pipe_.stop();
+  writer_.reset();
+}
+
+void Receiver::start() {
+  writer_.emplace(pipe_, sink_);
+  watch_disk();
+  for (auto& ch : channels_) read_loop(*ch);
+  maybe_complete();  // a 0-byte file completes on EOFRs alone
+}
+
+void Receiver::read_loop(xdsi::Channel& ch) {
+  ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
+    if (machine_.finished() || committing_) return;
+    if (ec) return channel_error(ch, ec);
+    touch();
+    on_header(ch, h);
+  });
+}
+
+void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
+  if (handle_common(ch, h)) {
+    if (h.event != wire::Event::exception && !machine_.finished()) read_loop(ch);
+    return;
+  }
+  const auto idx = ch.index();
+  if (h.event == wire::Event::eofr) {
+    if (h.length != 0 || eofr_[idx])
+      return fail(errc::protocol_error, "duplicate or malformed EOFR on channel " + std::to_string(idx), false, true);
+    eofr_[idx] = true;
+    ++eofr_count_;
+    maybe_complete();
+    if (!machine_.finished() && !committing_) read_loop(ch);
+    return;
+  }
+  if (h.event != params_.data_event)
+    return fail(errc::protocol_error,
+                std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(idx), false, true);
+  // Untrusted block header: it must name one whole, aligned, not yet received block.
+  const std::uint64_t bs = params_.block_size;
+  const std::uint64_t size = params_.file_size;
+  const bool aligned = h.offset % bs == 0 && h.offset < size;
+  const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
+  if (eofr_[idx] || !aligned || h.length != expect)
+    return fail(errc::protocol_error,
+                "bad block on channel " + std::to_string(idx) + ": offset " + std::to_string(h.offset) + " length " +
+                    std::to_string(h.length) + " in a file of " + std::to_string(size) + " bytes",
+                false, true);
+  const std::uint64_t block = h.offset / bs;
+  auto& word = seen_[block / 64];
+  const std::uint64_t bit = std::uint64_t(1) << (block % 64);
+  if (word & bit)
+    return fail(errc::protocol_error, "block at offset " + std::to_string(h.offset) + " received twice", false, true);
+  word |= bit;
+  if (free_slots_.empty()) {
+    parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
+    return;
+  }
+  read_block(ch, h);
+}
+
+void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
+  const std::uint32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  ch.async_read_payload(std::span<std::uint8_t>(pipe_.slot_data(slot), h.length),
+                        [this, &ch, slot, h](const xdsi::ErrorCode& ec) {
+                          if (machine_.finished()) return;
+                          if (ec) return channel_error(ch, ec);
+                          touch();
+                          if (!fire(Event::block_received)) return;
+                          received_ += h.length;
+                          pipe_.to_disk(piod::Block{slot, h.length, h.offset});
+                          read_loop(ch);
+                        });
+}
+
+void Receiver::on_disk() {
+  piod::Block b;
+  bool any = false;
+  while (pipe_.from_disk(b)) {
+    free_slots_.push_back(b.slot);
+    done_bytes_ += b.length;
+    any = true;
+  }
+  if (!any) return;
+  touch();
+  if (!fire(Event::block_written)) return;
+  while (!parked_.empty() && !free_slots_.empty()) {
+    Parked p = parked_.back();
+    parked_.pop_back();
+    read_block(*p.ch, p.h);
+  }
+  maybe_ack();
+  maybe_complete();
+}
+
+void Receiver::maybe_ack() {
+  if (machine_.finished() || committing_) return;
+  if (done_bytes_ - acked_sent_ < ack_every_ && done_bytes_ != params_.file_size) return;
+  if (done_bytes_ == acked_sent_) return;
+  acked_sent_ = done_bytes_;
+  FrameHeader h;
+  h.event = wire::Event::ack;
+  h.offset = acked_sent_;
+  auto& ch = *channels_.front();
+  ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& ec) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    fire(Event::ack_sent);
+  });
+}
+
+void Receiver::maybe_complete() {
+  if (machine_.finished() || committing_) return;
+  if (eofr_count_ != channels_.size()) return;
+  if (received_ != params_.file_size)
+    return fail(errc::size_mismatch,
+                "sender ended after " + std::to_string(received_) + " of " + std::to_string(params_.file_size) +
+                    " bytes",
+                false, true);
+  if (done_bytes_ != params_.file_size) return;  // disk still writing
+  committing_ = true;
+  if (!fire(Event::all_received)) return;
+  // All slots are back, so the disk thread is idle: stop it before the file is made final.
+  writer_.reset();
+  if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
+  auto remaining = std::make_shared<std::size_t>(channels_.size());
+  for (auto& ch : channels_) {
+    FrameHeader h;
+    h.event = wire::Event::eoft;
+    h.offset = params_.file_size;
+    ch->send(h, std::vector<std::uint8_t>{}, [this, remaining](const xdsi::ErrorCode& ec) {
+      if (machine_.finished()) return;
+      // The file is committed; a peer that hangs up before reading EOFT changes nothing here.
+      if (--*remaining == 0 && fire(Event::committed)) finish_ok();
+    });
+  }
+}
+
+}  // namespace xdfs::xftsm
