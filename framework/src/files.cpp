@@ -83,6 +83,9 @@ Status PendingFile::create(Fd dir, const std::string& name, const std::string& t
   struct stat st {};
   if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
     if (S_ISDIR(st.st_mode)) return {errc::is_directory, "'" + name + "' is a directory"};
+    // Renaming over a symlink would be harmless, but a name that points elsewhere is refused
+    // as the escape it usually is.
+    if (S_ISLNK(st.st_mode)) return {errc::path_escape, "'" + name + "' is a symlink"};
     if (!S_ISREG(st.st_mode)) return {errc::not_regular_file, "'" + name + "' exists and is not a regular file"};
   } else if (errno != ENOENT) {
     return Status::from_errno(errno, "'" + name + "'");

@@ -273,15 +273,18 @@ void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, const std::strin
     const SessionId id = nego.session;
     sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
         sp->io, config, root.get(), id, peer, nego,
-        [this, sp, id](SessionReport r) {
-          // Session thread: log the end line, let the loop run dry, then have the listener reap.
+        [this, sp](SessionReport r) {
+          // Session thread: log the end line and let the loop run dry (lingering closes last).
           log(format_report(r));
           sp->guard.reset();
-          asio::post(io, [this, id] { reap(id); });
         },
         [this](const std::string& line) { log(line); }});
     sp->handler = factory(*sp->env);
-    sp->thread = std::thread([sp] { sp->io.run(); });
+    // Only once the loop has run dry does the listener reap, so its join never blocks accepting.
+    sp->thread = std::thread([this, sp, id] {
+      sp->io.run();
+      asio::post(io, [this, id] { reap(id); });
+    });
     it = sessions.emplace(id, std::move(session)).first;
     ++active;
   }

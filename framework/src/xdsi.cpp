@@ -124,6 +124,29 @@ void Channel::shutdown_send() noexcept {
   socket_.shutdown(tcp::socket::shutdown_send, ignored);
 }
 
+void Channel::linger_close(std::function<void()> done) {
+  ErrorCode ignored;
+  socket_.cancel(ignored);
+  socket_.shutdown(tcp::socket::shutdown_send, ignored);
+  struct Drain {
+    Channel* self;
+    std::function<void()> done;
+    void operator()(const ErrorCode& ec, std::size_t) {
+      if (!ec && self->socket_.is_open()) {
+        self->socket_.async_read_some(asio::buffer(self->drain_), std::move(*this));
+        return;
+      }
+      self->close();
+      if (done) done();
+    }
+  };
+  if (!socket_.is_open()) {
+    if (done) done();
+    return;
+  }
+  socket_.async_read_some(asio::buffer(drain_), Drain{this, std::move(done)});
+}
+
 void Channel::close() noexcept {
   ErrorCode ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);

@@ -27,21 +27,24 @@ std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
 void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
                     std::chrono::milliseconds wait) {
   auto payload = wire::encode(ex);
-  std::size_t open = 0;
-  for (auto& ch : channels) {
-    if (!ch || !ch->open()) continue;
-    ++open;
-    // Half-close once it has left: closing outright with unread input would reset the
-    // connection and could destroy the exception before the peer reads it.
-    ch->send_control(wire::Event::exception, payload, [c = ch.get()](const xdsi::ErrorCode&) { c->shutdown_send(); });
-  }
-  if (open == 0) return;
+  auto open = std::make_shared<std::size_t>(0);
+  for (auto& ch : channels)
+    if (ch && ch->open()) ++*open;
+  if (*open == 0) return;
   linger.expires_after(wait);
   linger.async_wait([&channels](const xdsi::ErrorCode& ec) {
-    if (ec) return;
+    if (ec) return;  // every peer closed in time
     for (auto& ch : channels)
       if (ch) ch->close();
   });
+  for (auto& ch : channels) {
+    if (!ch || !ch->open()) continue;
+    ch->send_control(wire::Event::exception, payload, [c = ch.get(), open, &linger](const xdsi::ErrorCode&) {
+      c->linger_close([open, &linger] {
+        if (--*open == 0) linger.cancel();
+      });
+    });
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -73,6 +73,10 @@ public:
 
   /// Sends FIN after what is queued has left; reading goes on until close().
   void shutdown_send() noexcept;
+  /// After a final frame: cancels pending reads, sends FIN, then reads and discards until the
+  /// peer closes too, closes and calls done. Closing outright with unread input would reset
+  /// the connection and could destroy that last frame before the peer reads it.
+  void linger_close(std::function<void()> done);
   /// Closes the socket; pending handlers complete with operation_aborted.
   void close() noexcept;
 
@@ -93,6 +97,7 @@ private:
   wire::HeaderBytes in_header_{};
   std::deque<Out> out_;
   std::string error_text_;
+  std::array<std::uint8_t, 4096> drain_{};
 };
 
 }  // namespace xdfs::xdsi

@@ -1,0 +1,364 @@
+#include "support.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "xdfs/xftsm/server_mode.hpp"
+
+extern char** environ;
+
+namespace xt {
+
+TempDir::TempDir() {
+  char tmpl[] = "/tmp/xdfs-test-XXXXXX";
+  if (!::mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+namespace {
+struct SplitMix {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+};
+}  // namespace
+
+std::vector<std::uint8_t> random_bytes(std::size_t size, std::uint64_t seed) {
+  std::vector<std::uint8_t> v(size);
+  SplitMix r{seed};
+  std::size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    auto x = r.next();
+    std::memcpy(&v[i], &x, 8);
+  }
+  auto x = r.next();
+  for (; i < size; ++i, x >>= 8) v[i] = static_cast<std::uint8_t>(x);
+  return v;
+}
+
+void write_random_file(const std::string& path, std::uint64_t size, std::uint64_t seed) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  const std::size_t chunk = 1 << 20;
+  std::uint64_t left = size;
+  std::uint64_t k = 0;
+  while (left > 0) {
+    auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk, left));
+    auto v = random_bytes(n, seed * 1000003 + k++);
+    f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(n));
+    left -= n;
+  }
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+void write_file(const std::string& path, const std::string& content) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << content;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+bool files_equal(const std::string& a, const std::string& b) {
+  std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+  if (!fa || !fb) return false;
+  std::vector<char> ba(1 << 20), bb(1 << 20);
+  while (true) {
+    fa.read(ba.data(), static_cast<std::streamsize>(ba.size()));
+    fb.read(bb.data(), static_cast<std::streamsize>(bb.size()));
+    if (fa.gcount() != fb.gcount()) return false;
+    if (std::memcmp(ba.data(), bb.data(), static_cast<std::size_t>(fa.gcount())) != 0) return false;
+    if (!fa || !fb) return !fa && !fb;
+  }
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> out;
+  for (auto& e : std::filesystem::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+InProcessServer::InProcessServer(xdfs::ServerConfig cfg) {
+  cfg.listen = "127.0.0.1:0";
+  cfg.log = [this](const std::string& line) {
+    std::lock_guard<std::mutex> g(mu_);
+    log_.push_back(line);
+    grew_.notify_all();
+  };
+  server_ = std::make_unique<xdfs::Server>(cfg, xdfs::xftsm::server_factory());
+  port_ = server_->port();
+  thread_ = std::thread([this] { server_->run(); });
+}
+
+InProcessServer::~InProcessServer() {
+  server_->stop();
+  thread_.join();
+}
+
+bool InProcessServer::wait_for_log(const std::string& text, int timeout_ms) {
+  std::unique_lock<std::mutex> g(mu_);
+  return grew_.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] {
+    for (auto& l : log_)
+      if (l.find(text) != std::string::npos) return true;
+    return false;
+  });
+}
+
+std::vector<std::string> InProcessServer::log_lines() {
+  std::lock_guard<std::mutex> g(mu_);
+  return log_;
+}
+
+XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> extra) {
+  int pipefd[2];
+  if (::pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
+  std::vector<std::string> args{XDFSD_PATH, "--root", root, "--listen", "127.0.0.1:0"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, pipefd[1], STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  if (posix_spawn(&pid_, XDFSD_PATH, &fa, nullptr, argv.data(), environ) != 0)
+    throw std::runtime_error("cannot start xdfsd");
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(pipefd[1]);
+  err_fd_ = pipefd[0];
+  reader_ = std::thread([this] {
+    char buf[4096];
+    while (true) {
+      ssize_t n = ::read(err_fd_, buf, sizeof buf);
+      if (n <= 0) break;
+      std::lock_guard<std::mutex> g(mu_);
+      log_.append(buf, static_cast<std::size_t>(n));
+      grew_.notify_all();
+    }
+  });
+  if (!wait_for_log("listening on ")) throw std::runtime_error("xdfsd did not start: " + log());
+  auto text = log();
+  auto at = text.find("listening on ");
+  auto colon = text.find(':', text.find("127.0.0.1", at));
+  port_ = static_cast<std::uint16_t>(std::stoi(text.substr(colon + 1)));
+}
+
+XdfsdProcess::~XdfsdProcess() {
+  if (exit_status_ < 0) stop(SIGKILL);
+  if (reader_.joinable()) reader_.join();
+  if (err_fd_ >= 0) ::close(err_fd_);
+}
+
+bool XdfsdProcess::alive() {
+  if (exit_status_ >= 0) return false;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return false;
+  }
+  return true;
+}
+
+int XdfsdProcess::stop(int sig) {
+  if (exit_status_ >= 0) return exit_status_;
+  ::kill(pid_, sig);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (reader_.joinable()) reader_.join();
+  return exit_status_;
+}
+
+std::string XdfsdProcess::log() {
+  std::lock_guard<std::mutex> g(mu_);
+  return log_;
+}
+
+bool XdfsdProcess::wait_for_log(const std::string& text, int timeout_ms) {
+  // The reader thread signals every time xdfsd writes.
+  std::unique_lock<std::mutex> g(mu_);
+  return grew_.wait_for(g, std::chrono::milliseconds(timeout_ms),
+                        [&] { return log_.find(text) != std::string::npos; });
+}
+
+RunResult run(const std::string& program, const std::vector<std::string>& args) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
+  std::vector<std::string> all{program};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, err[1], STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), environ) != 0)
+    throw std::runtime_error("cannot run " + program);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(out[1]);
+  ::close(err[1]);
+  RunResult r;
+  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  int open = 2;
+  char buf[65536];
+  while (open > 0) {
+    ::poll(fds, 2, -1);
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n <= 0) {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open;
+      } else {
+        (i == 0 ? r.out : r.err).append(buf, static_cast<std::size_t>(n));
+      }
+    }
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+RunResult xduc(const std::vector<std::string>& args) { return run(XDUC_PATH, args); }
+
+RawChannel::RawChannel(std::uint16_t port) {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect failed");
+}
+
+RawChannel::~RawChannel() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void RawChannel::send_bytes(const void* data, std::size_t n) {
+  auto p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
+    if (w <= 0) return;  // the server may already have closed on us; the test reads the reason
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+void RawChannel::send_preamble(std::uint16_t version) {
+  auto p = xdfs::wire::encode_preamble(version);
+  send_bytes(p.data(), p.size());
+}
+
+void RawChannel::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload) {
+  auto hb = xdfs::wire::encode(h);
+  send_bytes(hb.data(), hb.size());
+  if (!payload.empty()) send_bytes(payload);
+}
+
+void RawChannel::send_nego(const xdfs::wire::Negotiation& n) {
+  auto payload = xdfs::wire::encode(n);
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::Event::nego;
+  h.length = static_cast<std::uint32_t>(payload.size());
+  send_preamble();
+  send_frame(h, payload);
+}
+
+void RawChannel::shutdown_write() { ::shutdown(fd_, SHUT_WR); }
+
+bool RawChannel::read_exact(void* dst, std::size_t n, int timeout_ms) {
+  auto p = static_cast<char*>(dst);
+  while (n > 0) {
+    pollfd pfd{fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, timeout_ms) <= 0) return false;
+    ssize_t r = ::recv(fd_, p, n, 0);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> RawChannel::read_frame(int timeout_ms) {
+  xdfs::wire::HeaderBytes hb{};
+  if (!read_exact(hb.data(), hb.size(), timeout_ms)) return std::nullopt;
+  auto h = xdfs::wire::decode(std::span<const std::uint8_t, xdfs::wire::frame_header_size>(hb));
+  if (!h) return std::nullopt;
+  std::vector<std::uint8_t> payload(h->length);
+  if (!payload.empty() && !read_exact(payload.data(), payload.size(), timeout_ms)) return std::nullopt;
+  return std::make_pair(*h, std::move(payload));
+}
+
+std::optional<xdfs::wire::ExceptionHeader> RawChannel::read_exception(int timeout_ms) {
+  while (auto f = read_frame(timeout_ms)) {
+    if (f->first.event == xdfs::wire::Event::exception) return xdfs::wire::decode_exception(f->second);
+  }
+  return std::nullopt;
+}
+
+bool RawChannel::wait_closed(int timeout_ms) {
+  char buf[65536];
+  while (true) {
+    pollfd pfd{fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, timeout_ms) <= 0) return false;
+    ssize_t r = ::recv(fd_, buf, sizeof buf, 0);
+    if (r <= 0) return true;
+  }
+}
+
+xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,
+                                  std::uint64_t file_size) {
+  xdfs::wire::Negotiation g;
+  g.session = xdfs::SessionId::random();
+  g.channel_count = n;
+  g.channel_index = index;
+  g.mode = mode;
+  g.remote_path = path;
+  g.block_size = 64 * 1024;
+  g.file_size = file_size;
+  g.window = 16 * 64 * 1024;
+  return g;
+}
+
+}  // namespace xt

@@ -1,0 +1,126 @@
+// Test support: temporary trees, deterministic data, a server in-process or as a real xdfsd
+// process, xduc runs, and a raw client that speaks the wire format by hand.
+#pragma once
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xdfs/server.hpp"
+#include "xdfs/wire.hpp"
+
+namespace xt {
+
+/// A fresh directory under /tmp, removed with everything in it at scope exit.
+class TempDir {
+public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+private:
+  std::string path_;
+};
+
+/// Writes `size` bytes of deterministic pseudo-random data (seeded) to `path`.
+void write_random_file(const std::string& path, std::uint64_t size, std::uint64_t seed);
+std::vector<std::uint8_t> random_bytes(std::size_t size, std::uint64_t seed);
+void write_file(const std::string& path, const std::string& content);
+std::string read_file(const std::string& path);
+bool files_equal(const std::string& a, const std::string& b);
+bool exists(const std::string& path);
+/// Names in a directory (without . and ..), sorted.
+std::vector<std::string> list_dir(const std::string& dir);
+
+/// xdfs::Server with the xFTSM mode on a background thread, on 127.0.0.1 and a free port.
+class InProcessServer {
+public:
+  explicit InProcessServer(xdfs::ServerConfig cfg);
+  ~InProcessServer();
+  std::uint16_t port() const { return port_; }
+  xdfs::Server& server() { return *server_; }
+  std::vector<std::string> log_lines();
+  /// Waits (bounded) until a log line contains `text`.
+  bool wait_for_log(const std::string& text, int timeout_ms = 10000);
+
+private:
+  std::mutex mu_;
+  std::condition_variable grew_;
+  std::vector<std::string> log_;
+  std::unique_ptr<xdfs::Server> server_;
+  std::thread thread_;
+  std::uint16_t port_ = 0;
+};
+
+/// A real xdfsd process on 127.0.0.1:0. Its stderr is collected; the port is read from it.
+class XdfsdProcess {
+public:
+  XdfsdProcess(const std::string& root, std::vector<std::string> extra_args = {});
+  ~XdfsdProcess();
+  std::uint16_t port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  bool alive();
+  /// Sends sig and waits for exit; returns the exit status (or 128+signal).
+  int stop(int sig);
+  /// Everything xdfsd logged so far.
+  std::string log();
+  /// Waits (bounded) until the log contains `text`; true if it did.
+  bool wait_for_log(const std::string& text, int timeout_ms = 10000);
+
+private:
+  pid_t pid_ = -1;
+  int err_fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::mutex mu_;
+  std::condition_variable grew_;
+  std::string log_;
+  std::thread reader_;
+  int exit_status_ = -1;
+};
+
+struct RunResult {
+  int status = -1;  ///< exit code, or 128+signal
+  std::string out;
+  std::string err;
+};
+/// Runs a program to completion with stdin from /dev/null.
+RunResult run(const std::string& program, const std::vector<std::string>& args);
+RunResult xduc(const std::vector<std::string>& args);
+
+/// A hand-driven channel for bad-input tests.
+class RawChannel {
+public:
+  explicit RawChannel(std::uint16_t port);
+  ~RawChannel();
+  int fd() const { return fd_; }
+  void send_bytes(const void* data, std::size_t n);
+  void send_bytes(const std::vector<std::uint8_t>& v) { send_bytes(v.data(), v.size()); }
+  void send_preamble(std::uint16_t version = xdfs::protocol_version);
+  void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {});
+  void send_nego(const xdfs::wire::Negotiation& n);
+  void shutdown_write();
+  /// Reads one frame within timeout; nullopt on EOF/timeout/bad header.
+  std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> read_frame(int timeout_ms = 10000);
+  /// Reads frames until an EXCEPTION arrives (skipping others); nullopt if none.
+  std::optional<xdfs::wire::ExceptionHeader> read_exception(int timeout_ms = 10000);
+  /// True if the peer closed (EOF or reset) within the timeout, discarding any data.
+  bool wait_closed(int timeout_ms = 10000);
+
+private:
+  bool read_exact(void* dst, std::size_t n, int timeout_ms);
+  int fd_ = -1;
+};
+
+/// A negotiation header with sensible defaults for raw tests.
+xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,
+                                  std::uint64_t file_size = 0);
+
+}  // namespace xt
