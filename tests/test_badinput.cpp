@@ -1,0 +1,281 @@
+// Hostile and broken clients against a real xdfsd process: each gets an exception header that
+// names the cause, nothing is left under a final name, and the server goes on serving.
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "support.hpp"
+
+using xdfs::Mode;
+using xdfs::errc;
+using xdfs::wire::Event;
+using xdfs::wire::FrameHeader;
+
+namespace {
+
+// A real upload and download through xduc: the proof that the server still serves.
+void check_still_serving(xt::XdfsdProcess& d, const xt::TempDir& root, const xt::TempDir& local) {
+  REQUIRE(d.alive());
+  xt::write_random_file(local / "probe", 300000, 99);
+  const std::string url = "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/probe";
+  auto up = xt::xduc({"-q", "-p", "3", local / "probe", url});
+  CHECK_MESSAGE(up.status == 0, up.err);
+  CHECK(xt::files_equal(local / "probe", root / "probe"));
+  auto down = xt::xduc({"-q", "-p", "2", url, local / "probe.back"});
+  CHECK_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "probe", local / "probe.back"));
+}
+
+void check_no_partials(const std::string& dir) {
+  for (auto& name : xt::list_dir(dir)) {
+    INFO("left behind: " << name);
+    CHECK(name.find(".part") == std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps serving") {
+  xt::TempDir root, local;
+  ::mkdir((root / "sub").c_str(), 0755);
+  REQUIRE(::symlink("/etc", (root / "out").c_str()) == 0);
+  xt::XdfsdProcess d(root.path(), {"--max-channels", "16", "--handshake-timeout", "2", "--join-timeout", "2"});
+
+  auto expect = [&](xt::RawChannel& c, errc code, const std::string& words) {
+    auto ex = c.read_exception();
+    REQUIRE_MESSAGE(ex.has_value(), "no exception header; xdfsd log:\n" << d.log());
+    CHECK(ex->code == code);
+    CHECK_MESSAGE(ex->message.find(words) != std::string::npos, ex->message);
+    CHECK(c.wait_closed());
+  };
+
+  SUBCASE("garbage bytes on a fresh connection") {
+    xt::RawChannel c(d.port());
+    c.send_bytes(xt::random_bytes(200, 1));
+    expect(c, errc::protocol_error, "bad magic");
+  }
+  SUBCASE("an HTTP request") {
+    xt::RawChannel c(d.port());
+    std::string req = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    c.send_bytes(req.data(), req.size());
+    expect(c, errc::protocol_error, "bad magic");
+  }
+  SUBCASE("a truncated frame header") {
+    xt::RawChannel c(d.port());
+    c.send_preamble();
+    std::uint8_t half[10] = {1, 0, 0, 0, 8};
+    c.send_bytes(half, sizeof half);
+    c.shutdown_write();
+    expect(c, errc::protocol_error, "truncated");
+  }
+  SUBCASE("a truncated negotiation payload") {
+    xt::RawChannel c(d.port());
+    auto payload = xdfs::wire::encode(xt::make_nego(Mode::upload, "x", 1, 0, 10));
+    FrameHeader h;
+    h.event = Event::nego;
+    h.length = static_cast<std::uint32_t>(payload.size());
+    c.send_preamble();
+    c.send_frame(h);
+    c.send_bytes(payload.data(), payload.size() / 2);
+    c.shutdown_write();
+    expect(c, errc::protocol_error, "truncated");
+  }
+  SUBCASE("a wrong protocol version in the preamble") {
+    xt::RawChannel c(d.port());
+    c.send_preamble(7);
+    expect(c, errc::bad_version, "version 7");
+  }
+  SUBCASE("a wrong protocol version in the negotiation header") {
+    xt::RawChannel c(d.port());
+    auto n = xt::make_nego(Mode::upload, "x", 1, 0, 10);
+    n.version = 9;
+    c.send_nego(n);
+    expect(c, errc::bad_version, "version 9");
+  }
+  SUBCASE("a frame other than NEGO first") {
+    xt::RawChannel c(d.port());
+    c.send_preamble();
+    FrameHeader h;
+    h.event = Event::xftsmu;
+    h.length = 16;
+    c.send_frame(h, std::vector<std::uint8_t>(16));
+    expect(c, errc::protocol_error, "expected a negotiation header");
+  }
+  SUBCASE("an oversized control payload") {
+    xt::RawChannel c(d.port());
+    c.send_preamble();
+    std::uint8_t h[24] = {1, 0, 0, 0, 0, 0, 0, 0x10};  // NEGO with a 256 MiB payload
+    c.send_bytes(h, sizeof h);
+    expect(c, errc::protocol_error, "exceeds");
+  }
+  SUBCASE("a malformed negotiation message") {
+    xt::RawChannel c(d.port());
+    c.send_preamble();
+    FrameHeader h;
+    h.event = Event::nego;
+    h.length = 64;
+    c.send_frame(h, xt::random_bytes(64, 5));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+  }
+  SUBCASE("n = 0") {
+    xt::RawChannel c(d.port());
+    c.send_nego(xt::make_nego(Mode::upload, "x", 0, 0, 10));
+    expect(c, errc::bad_argument, "n = 0");
+  }
+  SUBCASE("n over the limit") {
+    xt::RawChannel c(d.port());
+    c.send_nego(xt::make_nego(Mode::upload, "x", 17, 0, 10));
+    expect(c, errc::limit_exceeded, "allows 16");
+  }
+  SUBCASE("channel index not below n") {
+    xt::RawChannel c(d.port());
+    c.send_nego(xt::make_nego(Mode::upload, "x", 2, 2, 10));
+    expect(c, errc::bad_channel, "index 2");
+  }
+  SUBCASE("block size out of range") {
+    xt::RawChannel c(d.port());
+    auto n = xt::make_nego(Mode::upload, "x", 1, 0, 10);
+    n.block_size = 100;
+    c.send_nego(n);
+    expect(c, errc::bad_argument, "block size 100");
+  }
+  SUBCASE("path escapes: '..', absolute, symlink out of the root") {
+    for (const char* p : {"../x", "sub/../../x", "/etc/passwd"}) {
+      CAPTURE(p);
+      xt::RawChannel c(d.port());
+      c.send_nego(xt::make_nego(Mode::download, p, 1, 0));
+      expect(c, errc::path_escape, "");
+    }
+    xt::RawChannel c(d.port());
+    c.send_nego(xt::make_nego(Mode::download, "out/passwd", 1, 0));
+    expect(c, errc::path_escape, "outside the root");
+    xt::RawChannel c2(d.port());
+    c2.send_nego(xt::make_nego(Mode::upload, "out/evil", 1, 0, 5));
+    expect(c2, errc::path_escape, "outside the root");
+    CHECK_FALSE(xt::exists("/etc/evil"));
+  }
+  SUBCASE("a client that sends nothing") {
+    xt::RawChannel c(d.port());
+    expect(c, errc::timeout, "did not arrive");
+  }
+  SUBCASE("channels that never arrive") {
+    xt::RawChannel c(d.port());
+    c.send_nego(xt::make_nego(Mode::upload, "x", 3, 0, 10));
+    expect(c, errc::timeout, "only 1 of 3 channels");
+  }
+  SUBCASE("a duplicate and a mismatched channel") {
+    auto n0 = xt::make_nego(Mode::upload, "x", 3, 0, 10);
+    xt::RawChannel c0(d.port());
+    c0.send_nego(n0);
+    xt::RawChannel dup(d.port());
+    dup.send_nego(n0);
+    expect(dup, errc::bad_channel, "duplicate channel index 0");
+    auto other = n0;
+    other.channel_index = 1;
+    other.remote_path = "y";
+    xt::RawChannel mism(d.port());
+    mism.send_nego(other);
+    expect(mism, errc::bad_channel, "does not match");
+  }
+  check_still_serving(d, root, local);
+  check_no_partials(root.path());
+  CHECK_FALSE(xt::exists(root / "x"));
+}
+
+TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps serving") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--idle-timeout", "2"});
+  const std::uint32_t bs = 64 * 1024;
+
+  // Joins an upload session of 1 channel for a file of 4 blocks and reads the server's reply.
+  auto start_upload = [&](xt::RawChannel& c) {
+    auto n = xt::make_nego(Mode::upload, "victim", 1, 0, 4 * bs);
+    c.send_nego(n);
+    auto reply = c.read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == Event::nego_reply);
+  };
+  auto block = [&](std::uint64_t offset, std::uint32_t len) {
+    FrameHeader h;
+    h.event = Event::xftsmu;
+    h.offset = offset;
+    h.length = len;
+    return h;
+  };
+
+  SUBCASE("a misaligned block") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(100, bs), xt::random_bytes(bs, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+    CHECK(ex->message.find("bad block") != std::string::npos);
+  }
+  SUBCASE("a block past the end of the file") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(8 * bs, bs), xt::random_bytes(bs, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+  }
+  SUBCASE("the same block twice") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->message.find("twice") != std::string::npos);
+  }
+  SUBCASE("a download-direction block in an upload") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    auto h = block(0, bs);
+    h.event = Event::xftsmd;
+    c.send_frame(h, xt::random_bytes(bs, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->message.find("unexpected xFTSMD") != std::string::npos);
+  }
+  SUBCASE("EOFR before all bytes") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+    FrameHeader e;
+    e.event = Event::eofr;
+    c.send_frame(e);
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::size_mismatch);
+  }
+  SUBCASE("a peer that disconnects mid-file") {
+    {
+      xt::RawChannel c(d.port());
+      start_upload(c);
+      c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+      c.send_frame(block(bs, bs), xt::random_bytes(bs / 2, 2));  // half a block, then gone
+    }
+    CHECK(d.wait_for_log("status=error: peer aborted"));
+  }
+  SUBCASE("a peer that stalls mid-file hits the idle timeout") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+    auto ex = c.read_exception(10000);
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::timeout);
+  }
+  CHECK(d.wait_for_log("path=victim channels=1"));
+  CHECK(d.wait_for_log("status=error"));
+  CHECK_FALSE(xt::exists(root / "victim"));
+  check_still_serving(d, root, local);
+  check_no_partials(root.path());
+}
+
+}  // TEST_SUITE
