@@ -47,6 +47,19 @@ TEST_CASE("xduc uploads and downloads through xdfsd with -p 4, --json and a sess
   CHECK(d.log().find("status=ok") != std::string::npos);
 }
 
+TEST_CASE("xduc -p 8 moves a 1 GiB random file up and down byte-identically") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  xt::write_random_file(local / "gig", 1ull << 30, 1234);
+  auto up = xt::xduc({"-q", "-p", "8", local / "gig", url(d, "gig")});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  CHECK(xt::files_equal(local / "gig", root / "gig"));
+  ::unlink((root / "gig.back").c_str());
+  auto down = xt::xduc({"-q", "-p", "8", url(d, "gig"), local / "gig.back"});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "gig", local / "gig.back"));
+}
+
 TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());
