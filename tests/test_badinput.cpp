@@ -186,6 +186,29 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
   CHECK_FALSE(xt::exists(root / "x"));
 }
 
+TEST_CASE("the session limit refuses one more session, then frees up") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--max-sessions", "1", "--idle-timeout", "2"});
+  {
+    xt::RawChannel holder(d.port());  // a session that is accepted, then sends nothing
+    holder.send_nego(xt::make_nego(Mode::upload, "x", 1, 0, 10));
+    auto reply = holder.read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == Event::nego_reply);
+    xt::RawChannel extra(d.port());
+    extra.send_nego(xt::make_nego(Mode::upload, "y", 1, 0, 10));
+    auto ex = extra.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::limit_exceeded);
+    CHECK(ex->message.find("sessions") != std::string::npos);
+    auto gone = holder.read_exception();  // the idle timeout ends the held session
+    REQUIRE(gone.has_value());
+    CHECK(gone->code == errc::timeout);
+  }
+  CHECK(d.wait_for_log("status=error: timed out"));
+  check_still_serving(d, root, local);
+}
+
 TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps serving") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path(), {"--idle-timeout", "2"});

@@ -2,6 +2,7 @@
 // n = 1, 4 and 16, both directions, byte for byte; and the errors a client must see.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -252,6 +253,67 @@ TEST_CASE("cancelling a transfer removes the partial file on both sides") {
   CHECK(srv.wait_for_log("status=error: cancelled"));
   CHECK_FALSE(xt::exists(root / "big"));
   check_no_partials(root.path());
+}
+
+}  // TEST_SUITE
+
+namespace {
+
+// A small tmpfs mounted for the test (root only); unmounted at scope exit.
+class SmallFs {
+public:
+  SmallFs(const std::string& where, const char* options) : where_(where) {
+    ::mkdir(where.c_str(), 0755);
+    mounted_ = ::mount("tmpfs", where.c_str(), "tmpfs", 0, options) == 0;
+  }
+  ~SmallFs() {
+    if (mounted_) ::umount2(where_.c_str(), MNT_DETACH);
+  }
+  bool mounted() const { return mounted_; }
+  void remount_readonly() { ::mount(nullptr, where_.c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr); }
+
+private:
+  std::string where_;
+  bool mounted_ = false;
+};
+
+}  // namespace
+
+TEST_SUITE("transfer") {
+
+TEST_CASE("disk full and read-only file systems: named errors, nothing partial left, old file kept") {
+  xt::TempDir root, local;
+  SmallFs small(root / "small", "size=1m");
+  SmallFs ro(root / "ro", "size=1m");
+  SmallFs mine(local / "small", "size=1m");
+  if (!small.mounted() || !ro.mounted() || !mine.mounted()) {
+    MESSAGE("skipped: mounting a tmpfs needs root");
+    return;
+  }
+  ro.remount_readonly();
+  xt::InProcessServer srv(config_for(root));
+  const xdfs::Endpoint ep{"127.0.0.1", srv.port()};
+  xt::write_random_file(local / "f", 4 << 20, 21);
+  xdfs::TransferOptions opt;
+  opt.channels = 4;
+  opt.block_size = 64 * 1024;
+  bool remote = false;
+
+  CHECK(error_of([&] { xdfs::upload(local / "f", ep, "small/f", opt); }, &remote) == xdfs::errc::disk_full);
+  CHECK(remote);
+  CHECK(xt::list_dir(root / "small").empty());
+
+  CHECK(error_of([&] { xdfs::upload(local / "f", ep, "ro/f", opt); }, &remote) == xdfs::errc::permission_denied);
+  CHECK(remote);
+
+  xt::write_random_file(root / "big", 4 << 20, 22);
+  xt::write_file(local / "small/big", "old");
+  CHECK(error_of([&] { xdfs::download(ep, "big", local / "small/big", opt); }, &remote) == xdfs::errc::disk_full);
+  CHECK_FALSE(remote);
+  CHECK(xt::read_file(local / "small/big") == "old");
+  CHECK(xt::list_dir(local / "small") == std::vector<std::string>{"big"});
+  // The server saw the client's exception and ended the session.
+  CHECK(srv.wait_for_log("status=error: disk full"));
 }
 
 }  // TEST_SUITE
