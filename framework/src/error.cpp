@@ -47,7 +47,9 @@ const char* to_string(errc e) noexcept {
 }
 
 errc errc_from_wire(std::uint32_t v) noexcept {
-  if (v > static_cast<std::uint32_t>(errc::cancelled)) return errc::protocol_error;
+  // An exception header always reports a failure: "ok" there is as invalid as an unknown code,
+  // and must never let a peer turn a failed transfer into a success.
+  if (v == 0 || v > static_cast<std::uint32_t>(errc::cancelled)) return errc::protocol_error;
   return static_cast<errc>(v);
 }
 

@@ -225,9 +225,13 @@ std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b,
     e.code = errc_from_wire(r.getCode());
     auto msg = r.getMessage();
     // Keep what we show a user to one bounded line.
-    std::string text(msg.cStr(), std::min<std::size_t>(msg.size(), 512));
+    std::size_t len = std::min<std::size_t>(msg.size(), 512);
+    // Never cut a UTF-8 sequence in half: back up over continuation bytes.
+    if (len < msg.size())
+      while (len > 0 && (static_cast<unsigned char>(msg.cStr()[len]) & 0xC0) == 0x80) --len;
+    std::string text(msg.cStr(), len);
     for (auto& c : text)
-      if (c == '\n' || c == '\r' || static_cast<unsigned char>(c) < 0x20) c = ' ';
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) c = ' ';
     e.message = std::move(text);
     e.channel_index = r.getChannelIndex();
     e.offset = r.getOffset();

@@ -61,7 +61,8 @@ private:
   std::string context_;
 };
 
-/// Clamps an unknown wire code to protocol_error so a hostile peer cannot make us print garbage.
+/// Maps an exception header's code; ok and unknown codes become protocol_error, so a hostile
+/// peer can neither make us print garbage nor report its failure as success.
 errc errc_from_wire(std::uint32_t v) noexcept;
 
 }  // namespace xdfs

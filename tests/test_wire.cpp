@@ -1,0 +1,555 @@
+// Unit tests for XDOPI (framework/include/xdfs/wire.hpp) and files::check_relative_path.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xdfs/error.hpp"
+#include "xdfs/files.hpp"
+#include "xdfs/types.hpp"
+#include "xdfs/wire.hpp"
+
+namespace {
+
+using namespace xdfs;
+namespace w = xdfs::wire;
+
+constexpr std::array<w::Event, 12> all_events{
+    w::Event::nego, w::Event::nego_reply, w::Event::xftsmu,    w::Event::xftsmd,
+    w::Event::xpathm, w::Event::eofr,     w::Event::eoft,      w::Event::noop,
+    w::Event::conm, w::Event::zxdfs,      w::Event::ack,       w::Event::exception,
+};
+
+std::optional<w::FrameHeader> decode_bytes(const w::HeaderBytes& b, std::string* why = nullptr) {
+  return w::decode(std::span<const std::uint8_t, w::frame_header_size>(b), why);
+}
+
+void put_le32(std::uint8_t* p, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+
+std::uint64_t get_le64(const std::uint8_t* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void put_le64(std::uint8_t* p, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+
+w::Negotiation sample_negotiation() {
+  w::Negotiation n;
+  n.version = 7;
+  for (std::size_t i = 0; i < n.session.bytes.size(); ++i)
+    n.session.bytes[i] = static_cast<std::uint8_t>(0xA0 + i);
+  n.channel_index = 3;
+  n.channel_count = 9;
+  n.mode = Mode::download;
+  n.remote_path = "dir/sub/file.bin";
+  n.block_size = 256 * 1024;
+  n.tcp_window = 4 * 1024 * 1024;
+  n.extended_flags = 0x0123456789ABCDEFull;
+  n.file_size = 0xFEDCBA9876543210ull;
+  n.window = 123456789012ull;
+  return n;
+}
+
+void check_header_roundtrip(const w::FrameHeader& h) {
+  const auto bytes = w::encode(h);
+  std::string why = "untouched";
+  const auto d = decode_bytes(bytes, &why);
+  REQUIRE(d.has_value());
+  CHECK(d->event == h.event);
+  CHECK(d->flags == h.flags);
+  CHECK(d->length == h.length);
+  CHECK(d->offset == h.offset);
+  CHECK(d->aux == h.aux);
+  CHECK(w::encode(*d) == bytes);
+}
+
+// Finds the list pointers of the root struct of a single-segment, flat-array Cap'n Proto
+// message: returns the byte offsets of list pointers with byte-sized elements and `count`
+// elements. Used to patch messages without the (private) schema header.
+std::vector<std::size_t> find_byte_list_pointers(const std::vector<std::uint8_t>& msg, std::uint32_t count) {
+  std::vector<std::size_t> found;
+  REQUIRE(msg.size() >= 16);
+  // Segment table: one segment -> (count-1 = 0, size), one word.
+  REQUIRE(msg[0] == 0);
+  const std::uint64_t root = get_le64(&msg[8]);
+  REQUIRE((root & 3) == 0);  // struct pointer
+  const auto off = static_cast<std::int32_t>(static_cast<std::uint32_t>(root)) >> 2;
+  const auto data_words = static_cast<std::uint16_t>(root >> 32);
+  const auto ptr_count = static_cast<std::uint16_t>(root >> 48);
+  const std::size_t data_start = 16 + static_cast<std::size_t>(off) * 8;
+  const std::size_t ptr_start = data_start + data_words * 8u;
+  for (std::size_t i = 0; i < ptr_count; ++i) {
+    const std::size_t at = ptr_start + i * 8;
+    REQUIRE(at + 8 <= msg.size());
+    const std::uint64_t p = get_le64(&msg[at]);
+    if ((p & 3) != 1) continue;                  // not a list pointer
+    if (((p >> 32) & 7) != 2) continue;          // not byte-sized elements
+    if ((p >> 35) != count) continue;
+    found.push_back(at);
+  }
+  return found;
+}
+
+}  // namespace
+
+TEST_SUITE("wire") {
+
+TEST_CASE("frame header round trip for every event") {
+  for (auto e : all_events) {
+    CAPTURE(w::to_string(e));
+    w::FrameHeader h;
+    h.event = e;
+    h.flags = 0x5A;
+    const bool data = e == w::Event::xftsmu || e == w::Event::xftsmd;
+    h.length = data ? w::max_block_size : w::max_control_payload;
+    h.offset = 0x0102030405060708ull;
+    h.aux = 0xF0E0D0C0B0A09080ull;
+    check_header_roundtrip(h);
+    // And the small values.
+    h.flags = 0;
+    h.length = 0;
+    h.offset = 0;
+    h.aux = 0;
+    check_header_roundtrip(h);
+    CHECK(w::is_known(static_cast<std::uint8_t>(e)));
+    CHECK(std::string(w::to_string(e)) != "?");
+  }
+}
+
+TEST_CASE("frame header byte layout is little-endian and fixed") {
+  w::FrameHeader h;
+  h.event = w::Event::xftsmu;  // 3
+  h.flags = 0x81;
+  h.length = 0x00012345;
+  h.offset = 0x1122334455667788ull;
+  h.aux = 0x0000000000000102ull;
+  const auto b = w::encode(h);
+  const std::array<std::uint8_t, 24> expected{
+      0x03, 0x81, 0x00, 0x00,                          // event, flags, reserved
+      0x45, 0x23, 0x01, 0x00,                          // length
+      0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,  // offset
+      0x02, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // aux
+  };
+  CHECK(b.size() == w::frame_header_size);
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    CAPTURE(i);
+    CHECK(b[i] == expected[i]);
+  }
+  // Decoding the hand-written bytes gives the same header.
+  w::HeaderBytes raw{};
+  std::memcpy(raw.data(), expected.data(), raw.size());
+  auto d = decode_bytes(raw);
+  REQUIRE(d);
+  CHECK(d->event == w::Event::xftsmu);
+  CHECK(d->flags == 0x81);
+  CHECK(d->length == 0x12345u);
+  CHECK(d->offset == 0x1122334455667788ull);
+  CHECK(d->aux == 0x102u);
+}
+
+TEST_CASE("frame header decode refuses unknown events") {
+  for (int raw : {0, 13, 14, 100, 255}) {
+    CAPTURE(raw);
+    CHECK_FALSE(w::is_known(static_cast<std::uint8_t>(raw)));
+    w::FrameHeader h;
+    auto b = w::encode(h);
+    b[0] = static_cast<std::uint8_t>(raw);
+    std::string why;
+    CHECK_FALSE(decode_bytes(b, &why).has_value());
+    CHECK_FALSE(why.empty());
+    CHECK(why.find(std::to_string(raw)) != std::string::npos);
+  }
+}
+
+TEST_CASE("frame header decode refuses non-zero reserved bytes") {
+  for (std::size_t idx : {std::size_t{2}, std::size_t{3}}) {
+    for (std::uint8_t v : {std::uint8_t{1}, std::uint8_t{0x80}, std::uint8_t{0xFF}}) {
+      CAPTURE(idx);
+      CAPTURE(static_cast<int>(v));
+      w::FrameHeader h;
+      h.event = w::Event::ack;
+      auto b = w::encode(h);
+      b[idx] = v;
+      std::string why;
+      CHECK_FALSE(decode_bytes(b, &why).has_value());
+      CHECK_FALSE(why.empty());
+    }
+  }
+}
+
+TEST_CASE("frame header decode bounds payload lengths") {
+  for (auto e : all_events) {
+    CAPTURE(w::to_string(e));
+    const bool data = e == w::Event::xftsmu || e == w::Event::xftsmd;
+    w::FrameHeader h;
+    h.event = e;
+    auto b = w::encode(h);
+    // Exactly at the limit: accepted.
+    const std::uint32_t limit = data ? w::max_block_size : w::max_control_payload;
+    put_le32(&b[4], limit);
+    std::string why;
+    auto ok = decode_bytes(b, &why);
+    REQUIRE(ok.has_value());
+    CHECK(ok->length == limit);
+    // One past and far past: refused, with a reason.
+    for (std::uint32_t len : {limit + 1, 0xFFFFFFFFu}) {
+      CAPTURE(len);
+      put_le32(&b[4], len);
+      why.clear();
+      CHECK_FALSE(decode_bytes(b, &why).has_value());
+      CHECK_FALSE(why.empty());
+    }
+    // A control payload of a data block's size is refused for control frames only.
+    put_le32(&b[4], w::max_control_payload + 1);
+    CHECK(decode_bytes(b).has_value() == data);
+  }
+}
+
+TEST_CASE("preamble round trip and bad magic") {
+  for (std::uint16_t v : {std::uint16_t{0}, std::uint16_t{1}, protocol_version, std::uint16_t{0xBEEF}}) {
+    const auto p = w::encode_preamble(v);
+    CHECK(p[0] == 'x');
+    CHECK(p[1] == 'D');
+    CHECK(p[2] == 'F');
+    CHECK(p[3] == 'S');
+    CHECK(p[4] == static_cast<std::uint8_t>(v & 0xFF));
+    CHECK(p[5] == static_cast<std::uint8_t>(v >> 8));
+    CHECK(p[6] == 0);
+    CHECK(p[7] == 0);
+    auto d = w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(p));
+    REQUIRE(d.has_value());
+    CHECK(*d == v);
+  }
+  CHECK(w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(w::encode_preamble())) == protocol_version);
+  for (std::size_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    auto p = w::encode_preamble();
+    p[i] ^= 0x20;  // "xDFS" -> case flipped in one position
+    CHECK_FALSE(w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(p)).has_value());
+  }
+  const w::PreambleBytes http{'G', 'E', 'T', ' ', '/', ' ', 'H', 'T'};
+  CHECK_FALSE(w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(http)).has_value());
+  const w::PreambleBytes zero{};
+  CHECK_FALSE(w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(zero)).has_value());
+}
+
+TEST_CASE("negotiation round trip") {
+  const auto n = sample_negotiation();
+  const auto bytes = w::encode(n);
+  CHECK(bytes.size() % 8 == 0);
+  CHECK(bytes.size() <= w::max_control_payload);
+  std::string why;
+  auto d = w::decode_negotiation(bytes, &why);
+  REQUIRE_MESSAGE(d.has_value(), why);
+  CHECK(*d == n);
+  CHECK(d->session.hex() == n.session.hex());
+
+  // Each mode survives, including path.
+  for (Mode m : {Mode::upload, Mode::download, Mode::path}) {
+    auto n2 = n;
+    n2.mode = m;
+    auto d2 = w::decode_negotiation(w::encode(n2));
+    REQUIRE(d2);
+    CHECK(d2->mode == m);
+    CHECK(*d2 == n2);
+  }
+  // Defaults survive too (an empty path, zero fields).
+  w::Negotiation def;
+  auto dd = w::decode_negotiation(w::encode(def));
+  REQUIRE(dd);
+  CHECK(*dd == def);
+  // A path of exactly max_path_bytes is accepted.
+  auto n3 = n;
+  n3.remote_path = std::string(w::max_path_bytes, 'p');
+  auto d3 = w::decode_negotiation(w::encode(n3));
+  REQUIRE(d3);
+  CHECK(*d3 == n3);
+}
+
+TEST_CASE("negotiation reply and exception header round trips") {
+  w::NegotiationReply r{0x1122334455667788ull, 0x99AABBCCDDEEFF00ull, 0x00400000u};
+  std::string why;
+  auto dr = w::decode_reply(w::encode(r), &why);
+  REQUIRE_MESSAGE(dr.has_value(), why);
+  CHECK(*dr == r);
+  CHECK(dr->file_size == 0x1122334455667788ull);
+  CHECK(dr->window == 0x99AABBCCDDEEFF00ull);
+  CHECK(dr->block_size == 0x00400000u);
+
+  w::ExceptionHeader e{errc::disk_full, "no space left on device while writing 'a/b'", 5, 0xDEADBEEFCAFEull};
+  auto de = w::decode_exception(w::encode(e), &why);
+  REQUIRE_MESSAGE(de.has_value(), why);
+  CHECK(*de == e);
+
+  // Every failure code survives unchanged (0, "ok", is not a failure: see below).
+  for (std::uint32_t c = 1; c <= static_cast<std::uint32_t>(errc::cancelled); ++c) {
+    CAPTURE(c);
+    w::ExceptionHeader x{static_cast<errc>(c), "m", 1, 2};
+    auto dx = w::decode_exception(w::encode(x));
+    REQUIRE(dx);
+    CHECK(*dx == x);
+  }
+}
+
+TEST_CASE("every truncation of a negotiation is refused or differs") {
+  const auto n = sample_negotiation();
+  const auto bytes = w::encode(n);
+  REQUIRE(bytes.size() > 16);
+  std::size_t refused = 0;
+  for (std::size_t len = 0; len < bytes.size(); ++len) {
+    CAPTURE(len);
+    std::string why;
+    auto d = w::decode_negotiation(std::span<const std::uint8_t>(bytes.data(), len), &why);
+    if (d) {
+      CHECK_FALSE(*d == n);
+    } else {
+      ++refused;
+      CHECK_FALSE(why.empty());
+    }
+    if (len % 8 != 0) CHECK_FALSE(d.has_value());  // not whole words: never a message
+  }
+  CHECK(refused >= bytes.size() - bytes.size() / 8);
+}
+
+TEST_CASE("flipping any byte of a negotiation never crashes") {
+  const auto n = sample_negotiation();
+  const auto bytes = w::encode(n);
+  std::size_t decoded = 0;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    for (std::uint8_t mask : {std::uint8_t{0xFF}, std::uint8_t{0x01}, std::uint8_t{0x80}}) {
+      CAPTURE(i);
+      CAPTURE(static_cast<int>(mask));
+      auto b = bytes;
+      b[i] ^= mask;
+      std::string why;
+      auto d = w::decode_negotiation(b, &why);
+      if (d) {
+        ++decoded;
+        // Whatever decodes still satisfies the decoder's own checks.
+        CHECK(d->remote_path.size() <= w::max_path_bytes);
+        CHECK(static_cast<unsigned>(d->mode) <= static_cast<unsigned>(Mode::path));
+      } else {
+        CHECK_FALSE(why.empty());
+      }
+    }
+  }
+  // Flipping a byte inside the path text or a scalar field still decodes: the loop ran.
+  CHECK(decoded > 0);
+}
+
+TEST_CASE("garbage and empty control messages are refused") {
+  std::string why;
+  CHECK_FALSE(w::decode_negotiation({}, &why).has_value());
+  CHECK_FALSE(why.empty());
+  why.clear();
+  CHECK_FALSE(w::decode_reply({}, &why).has_value());
+  CHECK_FALSE(why.empty());
+  why.clear();
+  CHECK_FALSE(w::decode_exception({}, &why).has_value());
+  CHECK_FALSE(why.empty());
+
+  std::mt19937_64 rng(0x5EEDull);
+  for (int round = 0; round < 64; ++round) {
+    CAPTURE(round);
+    std::vector<std::uint8_t> junk(64);
+    for (std::size_t i = 0; i < junk.size(); i += 8) {
+      const std::uint64_t v = rng();
+      put_le64(&junk[i], v);
+    }
+    why.clear();
+    CHECK_FALSE(w::decode_negotiation(junk, &why).has_value());
+    CHECK_FALSE(why.empty());
+  }
+
+  // Over the control payload limit, even if whole words.
+  std::vector<std::uint8_t> big(w::max_control_payload + 8, 0);
+  CHECK_FALSE(w::decode_negotiation(big).has_value());
+  // An oversized but otherwise valid message (a long path) is refused by size.
+  auto n = sample_negotiation();
+  n.remote_path = std::string(w::max_control_payload, 'x');
+  CHECK_FALSE(w::decode_negotiation(w::encode(n)).has_value());
+}
+
+TEST_CASE("session GUID of the wrong length is refused") {
+  auto n = sample_negotiation();
+  n.remote_path = "p";  // 2 bytes with NUL: cannot be mistaken for the 16-byte GUID
+  const auto bytes = w::encode(n);
+  REQUIRE(w::decode_negotiation(bytes) == n);
+  const auto at = find_byte_list_pointers(bytes, 16);
+  REQUIRE(at.size() == 1);
+  for (std::uint64_t count : {0ull, 1ull, 8ull, 15ull}) {
+    CAPTURE(count);
+    auto b = bytes;
+    std::uint64_t p = get_le64(&b[at[0]]);
+    p = (p & ((1ull << 35) - 1)) | (count << 35);
+    put_le64(&b[at[0]], p);
+    std::string why;
+    CHECK_FALSE(w::decode_negotiation(b, &why).has_value());
+    CHECK(why.find("GUID") != std::string::npos);
+  }
+  // Longer than the bytes behind the pointer: malformed, refused.
+  auto b = bytes;
+  std::uint64_t p = get_le64(&b[at[0]]);
+  p = (p & ((1ull << 35) - 1)) | (4096ull << 35);
+  put_le64(&b[at[0]], p);
+  CHECK_FALSE(w::decode_negotiation(b).has_value());
+  // A null GUID pointer (zero bytes) is refused too.
+  b = bytes;
+  put_le64(&b[at[0]], 0);
+  std::string why;
+  CHECK_FALSE(w::decode_negotiation(b, &why).has_value());
+  CHECK(why.find("GUID") != std::string::npos);
+}
+
+TEST_CASE("unknown mode is refused") {
+  auto up = sample_negotiation();
+  up.mode = Mode::upload;
+  auto down = up;
+  down.mode = Mode::download;
+  const auto a = w::encode(up);
+  const auto b = w::encode(down);
+  REQUIRE(a.size() == b.size());
+  std::vector<std::size_t> diff;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) diff.push_back(i);
+  REQUIRE(diff.size() == 1);  // the mode field, nothing else
+  for (std::uint8_t bad : {std::uint8_t{3}, std::uint8_t{7}, std::uint8_t{0xFF}}) {
+    auto m = a;
+    m[diff[0]] = bad;
+    std::string why;
+    CHECK_FALSE(w::decode_negotiation(m, &why).has_value());
+    CHECK(why.find("mode") != std::string::npos);
+  }
+  auto m = a;
+  m[diff[0]] = 2;
+  auto d = w::decode_negotiation(m);
+  REQUIRE(d);
+  CHECK(d->mode == Mode::path);
+}
+
+TEST_CASE("remote path over max_path_bytes is refused") {
+  auto n = sample_negotiation();
+  n.remote_path = std::string(5000, 'a');
+  const auto bytes = w::encode(n);
+  REQUIRE(bytes.size() <= w::max_control_payload);
+  std::string why;
+  CHECK_FALSE(w::decode_negotiation(bytes, &why).has_value());
+  CHECK(why.find("5000") != std::string::npos);
+
+  n.remote_path = std::string(w::max_path_bytes + 1, 'b');
+  CHECK_FALSE(w::decode_negotiation(w::encode(n)).has_value());
+}
+
+TEST_CASE("exception message is flattened to one bounded line") {
+  w::ExceptionHeader e;
+  e.code = errc::io_error;
+  e.channel_index = 2;
+  e.offset = 4096;
+  std::string msg;
+  for (int i = 0; i < 100; ++i) msg += "line " + std::to_string(i) + "\n\r\t";
+  REQUIRE(msg.size() > 512);
+  e.message = msg;
+  auto d = w::decode_exception(w::encode(e));
+  REQUIRE(d);
+  CHECK(d->message.size() == 512);
+  CHECK(d->message.find('\n') == std::string::npos);
+  CHECK(d->message.find('\r') == std::string::npos);
+  for (char c : d->message) CHECK(static_cast<unsigned char>(c) >= 0x20);
+  CHECK(d->message.rfind("line 0   line 1   ", 0) == 0);
+  CHECK(d->code == errc::io_error);
+  CHECK(d->channel_index == 2);
+  CHECK(d->offset == 4096);
+
+  // A short message with one newline keeps its length.
+  e.message = "disk\nfull";
+  d = w::decode_exception(w::encode(e));
+  REQUIRE(d);
+  CHECK(d->message == "disk full");
+
+  // DEL is a control character too; a cut never splits a UTF-8 sequence.
+  e.message = std::string("a\x7f") + "b";
+  d = w::decode_exception(w::encode(e));
+  REQUIRE(d);
+  CHECK(d->message == "a b");
+  std::string utf;
+  while (utf.size() < 600) utf += "\xc3\xa9";  // é, two bytes each; 511 is mid-sequence
+  e.message = "x" + utf;
+  d = w::decode_exception(w::encode(e));
+  REQUIRE(d);
+  CHECK(d->message.size() == 511);
+  CHECK((static_cast<unsigned char>(d->message.back()) & 0xC0) != 0xC0);  // ends on a whole character
+}
+
+TEST_CASE("unknown exception code maps to protocol_error") {
+  CHECK(errc_from_wire(10) == errc::io_error);
+  CHECK(errc_from_wire(static_cast<std::uint32_t>(errc::cancelled)) == errc::cancelled);
+  CHECK(errc_from_wire(static_cast<std::uint32_t>(errc::cancelled) + 1) == errc::protocol_error);
+  CHECK(errc_from_wire(999) == errc::protocol_error);
+  CHECK(errc_from_wire(0xFFFFFFFFu) == errc::protocol_error);
+  // "ok" in an exception header is a lie: it must not turn a failure into a success.
+  CHECK(errc_from_wire(0) == errc::protocol_error);
+  auto ok_claim = w::decode_exception(w::encode(w::ExceptionHeader{errc::ok, "x", 0, 0}));
+  REQUIRE(ok_claim);
+  CHECK(ok_claim->code != errc::ok);
+
+  for (std::uint32_t code : {22u, 999u, 0x80000000u, 0xFFFFFFFFu}) {
+    CAPTURE(code);
+    w::ExceptionHeader e{static_cast<errc>(code), "boom", 1, 2};
+    auto d = w::decode_exception(w::encode(e));
+    REQUIRE(d);
+    CHECK(d->code == errc::protocol_error);
+    CHECK(d->message == "boom");
+  }
+}
+
+TEST_CASE("check_relative_path") {
+  for (const char* ok : {"a", "a/b.txt", "a/./b", "..foo", "foo..", "a/..b/c", ".../x", "a.b/c..d"}) {
+    CAPTURE(ok);
+    auto s = files::check_relative_path(ok);
+    CHECK(static_cast<bool>(s));
+    CHECK(s.code == errc::ok);
+  }
+  {
+    auto s = files::check_relative_path("");
+    CHECK_FALSE(static_cast<bool>(s));
+    CHECK(s.code == errc::bad_argument);
+    CHECK_FALSE(s.message.empty());
+  }
+  for (const char* bad : {"/etc/passwd", "/", "..", "a/../b", "a/..", "../x", "a/b/../../..", "./.."}) {
+    CAPTURE(bad);
+    auto s = files::check_relative_path(bad);
+    CHECK_FALSE(static_cast<bool>(s));
+    CHECK(s.code == errc::path_escape);
+    CHECK_FALSE(s.message.empty());
+  }
+  {
+    std::string nul("a/b");
+    nul.push_back('\0');
+    nul += "c";
+    auto s = files::check_relative_path(nul);
+    CHECK_FALSE(static_cast<bool>(s));
+    CHECK(s.code == errc::bad_argument);
+    CHECK_FALSE(s.message.empty());
+  }
+  {
+    auto s = files::check_relative_path(std::string(5000, 'a'));
+    CHECK_FALSE(static_cast<bool>(s));
+    CHECK(s.code == errc::bad_argument);
+  }
+  {
+    auto s = files::check_relative_path(std::string(w::max_path_bytes, 'a'));
+    CHECK(static_cast<bool>(s));
+  }
+}
+
+}  // TEST_SUITE("wire")
