@@ -73,6 +73,20 @@ void BlockPipe::set_error(errc code, std::string what) noexcept {
 
 namespace {
 
+// Steps an iovec array past n transferred bytes (a short pwritev/preadv): whole entries are
+// dropped, a partial one is trimmed. Returns the new first entry and count.
+void advance(iovec*& iov, int& cnt, std::size_t n) noexcept {
+  while (cnt > 0 && n >= iov->iov_len) {
+    n -= iov->iov_len;
+    ++iov;
+    --cnt;
+  }
+  if (cnt > 0 && n > 0) {
+    iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+    iov->iov_len -= n;
+  }
+}
+
 // Writes every byte of iov at offset (or at the current position when offset < 0), retrying on
 // short writes and EINTR. Returns 0 or an errno.
 int write_all(int fd, iovec* iov, int cnt, std::int64_t offset) {
@@ -84,16 +98,7 @@ int write_all(int fd, iovec* iov, int cnt, std::int64_t offset) {
     }
     if (n == 0) return EIO;
     if (offset >= 0) offset += n;
-    auto left = static_cast<std::size_t>(n);
-    while (cnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --cnt;
-    }
-    if (cnt > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    advance(iov, cnt, static_cast<std::size_t>(n));
   }
   return 0;
 }
@@ -219,9 +224,10 @@ void DiskReader::run() {
     if (!source_.zero) {
       // Read the whole run; a short read means the file shrank under us.
       std::uint64_t pos = next_;
-      std::size_t first = 0;
-      while (first < n) {
-        ssize_t r = ::preadv(source_.fd, iov + first, static_cast<int>(n - first), static_cast<off_t>(pos));
+      iovec* cur = iov;
+      int left = static_cast<int>(n);
+      while (left > 0) {
+        ssize_t r = ::preadv(source_.fd, cur, left, static_cast<off_t>(pos));
         if (r < 0) {
           if (errno == EINTR) continue;
           pipe_.set_error(errc_from_errno(errno), "read at offset " + std::to_string(pos) + ": " + std::strerror(errno));
@@ -232,15 +238,7 @@ void DiskReader::run() {
           return;
         }
         pos += static_cast<std::uint64_t>(r);
-        auto left = static_cast<std::size_t>(r);
-        while (first < n && left >= iov[first].iov_len) {
-          left -= iov[first].iov_len;
-          ++first;
-        }
-        if (first < n && left > 0) {
-          iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-          iov[first].iov_len -= left;
-        }
+        advance(cur, left, static_cast<std::size_t>(r));
       }
     }
     next_ = off;

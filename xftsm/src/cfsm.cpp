@@ -16,6 +16,30 @@ using A = Action;
   {st, E::channel_lost, S::failed, A::abort},               \
   {st, E::timeout, S::failed, A::abort}
 
+// After the session is accepted, a sender (client upload, server download) and a receiver
+// (client download, server upload) behave the same whichever end they are: the duality the
+// paper notes between the right-hand sides of its figures.
+#define XDFS_SENDER_ROWS                                                  \
+  {S::transferring, E::block_ready, S::transferring, A::send_block},      \
+  {S::transferring, E::block_sent, S::transferring, A::send_block},       \
+  {S::transferring, E::ack_received, S::transferring, A::open_window},    \
+  {S::transferring, E::all_sent, S::draining, A::send_eofr},              \
+  XDFS_FAILURES(S::transferring),                                         \
+  {S::draining, E::block_sent, S::draining, A::none},                     \
+  {S::draining, E::ack_received, S::draining, A::none},                   \
+  {S::draining, E::committed, S::done, A::finish},                        \
+  XDFS_FAILURES(S::draining)
+
+#define XDFS_RECEIVER_ROWS                                                \
+  {S::transferring, E::block_received, S::transferring, A::queue_write},  \
+  {S::transferring, E::block_written, S::transferring, A::send_ack},      \
+  {S::transferring, E::ack_sent, S::transferring, A::none},               \
+  {S::transferring, E::all_received, S::draining, A::commit},             \
+  XDFS_FAILURES(S::transferring),                                         \
+  {S::draining, E::ack_sent, S::draining, A::none},                       \
+  {S::draining, E::committed, S::done, A::finish},                        \
+  XDFS_FAILURES(S::draining)
+
 // Client, upload (Fig. 11): the client is the sender.
 constexpr Transition client_upload[] = {
     {S::idle, E::start, S::connecting, A::connect_channels},
@@ -23,15 +47,7 @@ constexpr Transition client_upload[] = {
     XDFS_FAILURES(S::connecting),
     {S::negotiating, E::accepted, S::transferring, A::start_sending},
     XDFS_FAILURES(S::negotiating),
-    {S::transferring, E::block_ready, S::transferring, A::send_block},
-    {S::transferring, E::block_sent, S::transferring, A::send_block},
-    {S::transferring, E::ack_received, S::transferring, A::open_window},
-    {S::transferring, E::all_sent, S::draining, A::send_eofr},
-    XDFS_FAILURES(S::transferring),
-    {S::draining, E::block_sent, S::draining, A::none},
-    {S::draining, E::ack_received, S::draining, A::none},
-    {S::draining, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::draining),
+    XDFS_SENDER_ROWS,
 };
 
 // Client, download (Fig. 9): the client is the receiver.
@@ -41,14 +57,7 @@ constexpr Transition client_download[] = {
     XDFS_FAILURES(S::connecting),
     {S::negotiating, E::accepted, S::transferring, A::start_receiving},
     XDFS_FAILURES(S::negotiating),
-    {S::transferring, E::block_received, S::transferring, A::queue_write},
-    {S::transferring, E::block_written, S::transferring, A::send_ack},
-    {S::transferring, E::ack_sent, S::transferring, A::none},
-    {S::transferring, E::all_received, S::draining, A::commit},
-    XDFS_FAILURES(S::transferring),
-    {S::draining, E::ack_sent, S::draining, A::none},
-    {S::draining, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::draining),
+    XDFS_RECEIVER_ROWS,
 };
 
 // Server, upload (Fig. 10): the server is the receiver.
@@ -57,14 +66,7 @@ constexpr Transition server_upload[] = {
     {S::joining, E::channel_joined, S::joining, A::add_channel},
     {S::joining, E::all_joined, S::transferring, A::open_and_reply},
     XDFS_FAILURES(S::joining),
-    {S::transferring, E::block_received, S::transferring, A::queue_write},
-    {S::transferring, E::block_written, S::transferring, A::send_ack},
-    {S::transferring, E::ack_sent, S::transferring, A::none},
-    {S::transferring, E::all_received, S::draining, A::commit},
-    XDFS_FAILURES(S::transferring),
-    {S::draining, E::ack_sent, S::draining, A::none},
-    {S::draining, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::draining),
+    XDFS_RECEIVER_ROWS,
 };
 
 // Server, download (Fig. 8): the server is the sender.
@@ -73,17 +75,11 @@ constexpr Transition server_download[] = {
     {S::joining, E::channel_joined, S::joining, A::add_channel},
     {S::joining, E::all_joined, S::transferring, A::open_and_reply},
     XDFS_FAILURES(S::joining),
-    {S::transferring, E::block_ready, S::transferring, A::send_block},
-    {S::transferring, E::block_sent, S::transferring, A::send_block},
-    {S::transferring, E::ack_received, S::transferring, A::open_window},
-    {S::transferring, E::all_sent, S::draining, A::send_eofr},
-    XDFS_FAILURES(S::transferring),
-    {S::draining, E::block_sent, S::draining, A::none},
-    {S::draining, E::ack_received, S::draining, A::none},
-    {S::draining, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::draining),
+    XDFS_SENDER_ROWS,
 };
 
+#undef XDFS_SENDER_ROWS
+#undef XDFS_RECEIVER_ROWS
 #undef XDFS_FAILURES
 
 }  // namespace
