@@ -28,6 +28,7 @@ const char* usage =
     "  --join-timeout SEC       deadline for all n channels to arrive (default 10)\n"
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
+    "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
     "  -h, --help               this text\n";
 
 [[noreturn]] void bad(const std::string& why) {
@@ -87,6 +88,8 @@ int main(int argc, char** argv) {
       cfg.idle_timeout = seconds(i);
     } else if (a == "--fsync") {
       cfg.fsync = true;
+    } else if (a == "--allow-memory-mode") {
+      cfg.allow_memory_mode = true;
     } else {
       bad("unknown option '" + a + "' (see --help)");
     }

@@ -21,6 +21,8 @@ const char* usage =
     "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
     "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
     "  --fsync                flush a downloaded file to disk before renaming it into place\n"
+    "  --memory SIZE          benchmark mode: move SIZE bytes memory to memory, no disk at either\n"
+    "                         end (the local path is ignored; xdfsd needs --allow-memory-mode)\n"
     "  -q, --quiet            no progress line\n"
     "  --json                 print a one-line JSON summary at the end\n"
     "  -h, --help             this text\n";
@@ -86,6 +88,11 @@ int main(int argc, char** argv) {
       opt.tcp_window = static_cast<std::uint32_t>(*v);
     } else if (a == "--fsync") {
       opt.fsync = true;
+    } else if (a == "--memory") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v) bad("--memory takes a size, e.g. 4G");
+      opt.memory = true;
+      opt.memory_size = *v;
     } else if (a == "-q" || a == "--quiet") {
       quiet = true;
     } else if (a == "--json") {
@@ -106,7 +113,7 @@ int main(int argc, char** argv) {
   auto url = xdfs::cli::parse_url(up ? dst : src, why);
   if (!url) bad(why);
   if (down && url->path.empty()) bad("'" + src + "' names no remote file");
-  if (up && src == "-") bad("uploading from standard input is not supported; name a file");
+  if (up && src == "-" && !opt.memory) bad("uploading from standard input is not supported; name a file");
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;

@@ -317,3 +317,29 @@ TEST_CASE("disk full and read-only file systems: named errors, nothing partial l
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("transfer") {
+
+TEST_CASE("memory-to-memory mode moves bytes without touching a file, only where allowed") {
+  xt::TempDir root;
+  auto cfg = config_for(root);
+  xdfs::TransferOptions opt;
+  opt.memory = true;
+  opt.memory_size = (48ull << 20) + 5;
+  opt.channels = 4;
+  {
+    xt::InProcessServer refusing(cfg);
+    CHECK(error_of([&] { xdfs::upload("/dev/zero", {"127.0.0.1", refusing.port()}, "m", opt); }) ==
+          xdfs::errc::bad_argument);
+  }
+  cfg.allow_memory_mode = true;
+  xt::InProcessServer srv(cfg);
+  auto up = xdfs::upload("/dev/zero", {"127.0.0.1", srv.port()}, "m", opt);
+  CHECK(up.bytes == opt.memory_size);
+  auto down = xdfs::download({"127.0.0.1", srv.port()}, "m", "/dev/null", opt);
+  CHECK(down.bytes == opt.memory_size);
+  CHECK(xt::list_dir(root.path()).empty());
+  CHECK(srv.wait_for_log("mode=download path=m channels=4 bytes=50331653"));
+}
+
+}  // TEST_SUITE

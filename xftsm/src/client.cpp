@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <boost/asio/connect.hpp>
@@ -56,6 +57,14 @@ public:
 
   TransferResult upload(const std::string& local) {
     check_options();
+    if (opt_.memory) {
+      size_ = opt_.memory_size;
+      nego_.file_size = size_;
+      nego_.extended_flags |= wire::flag_memory;
+      if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += "memory";
+      memory_source_ = true;
+      return run();
+    }
     int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
     source_ = files::Fd(fd);
@@ -71,7 +80,13 @@ public:
 
   TransferResult download(const std::string& local) {
     check_options();
-    prepare_sink(local);
+    if (opt_.memory) {
+      nego_.file_size = opt_.memory_size;
+      nego_.extended_flags |= wire::flag_memory;
+      sink_ = piod::Sink{-1, true, true};
+    } else {
+      prepare_sink(local);
+    }
     nego_.window = std::uint64_t(slots_) * opt_.block_size;
     return run();
   }
@@ -106,6 +121,11 @@ private:
     }
     if (::stat(local.c_str(), &sb) == 0 && !S_ISREG(sb.st_mode)) {
       if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, "'" + local + "' is a directory", false);
+      // /dev/null needs no writes at all.
+      if (S_ISCHR(sb.st_mode) && sb.st_rdev == makedev(1, 3)) {
+        sink_ = piod::Sink{-1, true, true};
+        return;
+      }
       // A device or FIFO is written in place, in order, and never replaced.
       int fd = ::open(local.c_str(), O_WRONLY | O_CLOEXEC);
       if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
@@ -237,7 +257,8 @@ private:
       p.file_size = size_;
       p.window = reply_->window;
       p.data_event = wire::Event::xftsmu;
-      sender_ = std::make_unique<Sender>(io_, machine_, channels_, *this, p, piod::Source{source_.get(), size_, false});
+      sender_ = std::make_unique<Sender>(io_, machine_, channels_, *this, p,
+                                         piod::Source{source_.get(), size_, memory_source_});
       sender_->start();
     } else {
       size_ = reply_->file_size;
@@ -309,6 +330,7 @@ private:
   unsigned replied_ = 0;
   std::optional<wire::NegotiationReply> reply_;
   files::Fd source_;
+  bool memory_source_ = false;
   files::Fd in_place_;
   files::PendingFile pending_;
   piod::Sink sink_;

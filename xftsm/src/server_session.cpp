@@ -81,7 +81,10 @@ public:
     fail_early(errc::shutting_down, "server is stopping", Event::local_error);
   }
 
-  files::Status commit() override { return pending_.commit(nego_.file_size, env_.config.fsync); }
+  files::Status commit() override {
+    if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
+    return pending_.commit(nego_.file_size, env_.config.fsync);
+  }
 
   void finished(errc code, const std::string& message, bool from_peer) override {
     if (code != errc::ok) pending_.discard();
@@ -98,7 +101,26 @@ private:
     p.idle_timeout = env_.config.idle_timeout;
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
-    if (nego_.mode == Mode::upload) {
+    const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
+    if (nego_.mode == Mode::upload && memory) {
+      p.file_size = nego_.file_size;
+      p.data_event = wire::Event::xftsmu;
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{-1, true, true});
+      reply.window = receiver_->window();
+      send_reply(reply);
+      receiver_->start();
+    } else if (nego_.mode == Mode::download && memory) {
+      if (nego_.window < nego_.block_size)
+        return fail_early(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window),
+                          Event::local_error);
+      p.file_size = nego_.file_size;
+      p.window = nego_.window;
+      p.data_event = wire::Event::xftsmd;
+      reply.file_size = p.file_size;
+      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p, piod::Source{-1, p.file_size, true});
+      send_reply(reply);
+      sender_->start();
+    } else if (nego_.mode == Mode::upload) {
       auto [dir, name] = files::split_parent(nego_.remote_path);
       files::Fd dirfd;
       if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)

@@ -34,6 +34,7 @@ struct ServerConfig {
   std::chrono::milliseconds join_timeout{10000};       ///< all n channels must arrive in this
   std::chrono::milliseconds idle_timeout{60000};       ///< a session with no progress this long ends
   bool fsync = false;                     ///< fdatasync received files before renaming them into place
+  bool allow_memory_mode = false;         ///< accept memory-to-memory sessions (benchmarks)
   /// Where log lines go (one line each, no newline). Default: stderr with a timestamp.
   std::function<void(const std::string&)> log;
 };

@@ -47,6 +47,15 @@ enum class Event : std::uint8_t {
 };
 
 const char* to_string(Event e) noexcept;
+
+/// Bits of Negotiation::extended_flags.
+enum ExtendedFlag : std::uint64_t {
+  /// Memory-to-memory: no file at the server. Upload: the server discards what it receives.
+  /// Download: the server sends file_size zero bytes. For benchmarks; servers allow it only
+  /// when configured to.
+  flag_memory = 1u << 0,
+};
+inline constexpr std::uint64_t known_flags = flag_memory;
 bool is_known(std::uint8_t raw) noexcept;
 
 struct FrameHeader {

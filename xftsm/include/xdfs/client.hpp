@@ -37,6 +37,11 @@ struct TransferOptions {
   std::chrono::milliseconds connect_timeout{15000};  ///< connect + negotiation
   std::chrono::milliseconds idle_timeout{60000};     ///< no progress this long fails the transfer
   bool fsync = false;                    ///< download: fdatasync before renaming into place
+  /// Memory-to-memory benchmark mode: no disk at either end. Upload sends memory_size zero
+  /// bytes that the server discards; download receives memory_size bytes the server makes up,
+  /// and discards them. The local path is ignored. The server must allow it.
+  bool memory = false;
+  std::uint64_t memory_size = 0;
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};
