@@ -20,6 +20,10 @@ const char* usage =
     "  --root DIR               directory to serve; nothing outside it is reachable\n"
     "  --listen HOST:PORT       address to listen on (port 0 picks a free port)\n"
     "  --port-file FILE         write the bound port to FILE once listening\n"
+    "  --state-dir DIR          server identity lives here (default ~/.local/state/xdfsd)\n"
+    "  --authorized-keys FILE   client keys admitted (default STATE-DIR/authorized_keys), lines of\n"
+    "                           'xdfs-x25519 KEY [rw|ro] [subdir=DIR]' (see xduc pubkey)\n"
+    "  --print-key              print the server's public key and exit\n"
     "  --max-sessions N         sessions at once (default 64)\n"
     "  --max-channels N         channels per session (default 256)\n"
     "  --max-block-size SIZE    largest block a client may ask for (default 16M)\n"
@@ -41,6 +45,7 @@ const char* usage =
 int main(int argc, char** argv) {
   xdfs::ServerConfig cfg;
   std::string port_file;
+  bool print_key = false;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -63,6 +68,12 @@ int main(int argc, char** argv) {
       cfg.listen = value(i);
     } else if (a == "--port-file") {
       port_file = value(i);
+    } else if (a == "--state-dir") {
+      cfg.state_dir = value(i);
+    } else if (a == "--authorized-keys") {
+      cfg.authorized_keys = value(i);
+    } else if (a == "--print-key") {
+      print_key = true;
     } else if (a == "--max-sessions") {
       auto v = xdfs::cli::parse_uint(value(i), 1, 100000);
       if (!v) bad("--max-sessions takes a number from 1 to 100000");
@@ -97,6 +108,10 @@ int main(int argc, char** argv) {
   if (cfg.root.empty()) bad("--root DIR is required (see --help)");
   try {
     xdfs::Server server(cfg, xdfs::xftsm::server_factory());
+    if (print_key) {
+      fmt::print("{}\n", xdfs::xsec::format_public(server.public_key()));
+      return 0;
+    }
     if (!port_file.empty()) {
       std::string tmp = port_file + ".tmp";
       std::ofstream(tmp) << server.port() << "\n";

@@ -14,13 +14,21 @@
 namespace {
 
 const char* usage =
-    "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [-q] [--json] SRC DST\n"
+    "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC DST\n"
+    "       xduc keygen | pubkey\n"
     "Copies one file; exactly one of SRC and DST is xdfs://HOST[:PORT]/PATH (default port 7721).\n"
     "DST may be a local directory, '-' (standard output) or a device such as /dev/null.\n"
     "  -p, --parallel N       parallel TCP channels (default 1)\n"
     "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
     "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
     "  --fsync                flush a downloaded file to disk before renaming it into place\n"
+    "  --protect MODE         clear | integrity | private (default private): clear MACs control\n"
+    "                         frames only, integrity MACs every frame, private encrypts every frame\n"
+    "  --identity FILE        private key (default ~/.config/xdfs/id_x25519, made on first use)\n"
+    "  --known-hosts FILE     pinned server keys (default ~/.config/xdfs/known_hosts)\n"
+    "  --strict-host-key      refuse a server whose key is not pinned yet (default: pin on first use)\n"
+    "keygen makes the key if missing and prints its public half; pubkey prints the public half.\n"
+    "Give that line, followed by rw or ro, to the server's authorized_keys.\n"
     "  --memory SIZE          benchmark mode: move SIZE bytes memory to memory, no disk at either\n"
     "                         end (the local path is ignored; xdfsd needs --allow-memory-mode)\n"
     "  -q, --quiet            no progress line\n"
@@ -88,6 +96,16 @@ int main(int argc, char** argv) {
       opt.tcp_window = static_cast<std::uint32_t>(*v);
     } else if (a == "--fsync") {
       opt.fsync = true;
+    } else if (a == "--protect") {
+      auto p = xdfs::xsec::parse_protect(value(i));
+      if (!p) bad("--protect takes clear, integrity or private");
+      opt.protect = *p;
+    } else if (a == "--identity") {
+      opt.identity_file = value(i);
+    } else if (a == "--known-hosts") {
+      opt.known_hosts_file = value(i);
+    } else if (a == "--strict-host-key") {
+      opt.strict_host_key = true;
     } else if (a == "--memory") {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v) bad("--memory takes a size, e.g. 4G");
@@ -101,6 +119,20 @@ int main(int argc, char** argv) {
       bad("unknown option '" + a + "' (see --help)");
     } else {
       positional.push_back(a);
+    }
+  }
+  if (positional.size() == 1 && (positional[0] == "keygen" || positional[0] == "pubkey")) {
+    const std::string path =
+        opt.identity_file.empty() ? xdfs::xsec::default_config_dir() + "/id_x25519" : opt.identity_file;
+    try {
+      bool created = false;
+      auto key = positional[0] == "keygen" ? xdfs::xsec::load_or_create_key(path, &created) : xdfs::xsec::load_key(path);
+      if (created) fmt::print(stderr, "xduc: made a new key in {}\n", path);
+      fmt::print("{}\n", xdfs::xsec::format_public(key.public_key));
+      return 0;
+    } catch (const xdfs::Error& e) {
+      fmt::print(stderr, "xduc: {}\n", e.what());
+      return 1;
     }
   }
   if (positional.size() != 2) bad("expected SRC and DST (see --help)");
@@ -121,6 +153,7 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   opt.cancel = &g_cancel;
+  if (!quiet) opt.notice = [](const std::string& line) { fmt::print(stderr, "xduc: {}\n", line); };
 
   ProgressLine line;
   const bool show = !quiet && ::isatty(STDERR_FILENO) && !(down && dst == "-" && ::isatty(STDOUT_FILENO));

@@ -292,8 +292,16 @@ void RawChannel::send_preamble(std::uint16_t version) {
 
 void RawChannel::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload) {
   auto hb = xdfs::wire::encode(h);
+  std::vector<std::uint8_t> body = payload;
+  std::uint8_t tag[16];
+  std::size_t tag_len = 0;
+  if (guard_) {
+    tag_len = guard_->tag_bytes(h.event);
+    guard_->seal(hb, body, tag);
+  }
   send_bytes(hb.data(), hb.size());
-  if (!payload.empty()) send_bytes(payload);
+  if (!body.empty()) send_bytes(body);
+  if (tag_len) send_bytes(tag, tag_len);
 }
 
 void RawChannel::send_nego(const xdfs::wire::Negotiation& n) {
@@ -301,8 +309,39 @@ void RawChannel::send_nego(const xdfs::wire::Negotiation& n) {
   xdfs::wire::FrameHeader h;
   h.event = xdfs::wire::Event::nego;
   h.length = static_cast<std::uint32_t>(payload.size());
-  send_preamble();
-  send_frame(h, payload);
+  auto pre = xdfs::wire::encode_preamble();
+  auto hb = xdfs::wire::encode(h);
+  opening_.assign(pre.begin(), pre.end());
+  opening_.insert(opening_.end(), hb.begin(), hb.end());
+  opening_.insert(opening_.end(), payload.begin(), payload.end());
+  send_bytes(opening_);
+}
+
+bool RawChannel::establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::KeyPair* id) {
+  const auto self = id ? *id : test_identity();
+  send_nego(n);
+  xdfs::xsec::NoiseXX noise(true, self, opening_);
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::Event::handshake;
+  auto m1 = noise.write_message_1();
+  h.length = static_cast<std::uint32_t>(m1.size());
+  send_frame(h, m1);
+  auto m2 = read_frame();
+  if (!m2 || m2->first.event != xdfs::wire::Event::handshake || !noise.read_message_2(m2->second)) return false;
+  server_key_ = noise.remote_static();
+  auto m3 = noise.write_message_3();
+  h.length = static_cast<std::uint32_t>(m3.size());
+  send_frame(h, m3);
+  auto keys = noise.split();
+  secret_ = keys.session_secret;
+  guard_ = std::make_unique<xdfs::xsec::FrameProtector>(static_cast<xdfs::xsec::Protect>(n.protect),
+                                                         static_cast<xdfs::xsec::Cipher>(n.cipher), keys.send,
+                                                         keys.recv);
+  return true;
+}
+
+xdfs::xsec::KeyPair test_identity() {
+  return xdfs::xsec::load_key(xdfs::xsec::default_config_dir() + "/id_x25519");
 }
 
 void RawChannel::shutdown_write() { ::shutdown(fd_, SHUT_WR); }
@@ -327,6 +366,12 @@ std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> Raw
   if (!h) return std::nullopt;
   std::vector<std::uint8_t> payload(h->length);
   if (!payload.empty() && !read_exact(payload.data(), payload.size(), timeout_ms)) return std::nullopt;
+  if (guard_) {
+    std::uint8_t tag[16];
+    const auto n = guard_->tag_bytes(h->event);
+    if (n && !read_exact(tag, n, timeout_ms)) return std::nullopt;
+    if (!guard_->open(hb, payload, tag)) return std::nullopt;
+  }
   return std::make_pair(*h, std::move(payload));
 }
 

@@ -15,6 +15,7 @@
 
 #include "xdfs/server.hpp"
 #include "xdfs/wire.hpp"
+#include "xdfs/xsec.hpp"
 
 namespace xt {
 
@@ -106,6 +107,15 @@ public:
   void send_preamble(std::uint16_t version = xdfs::protocol_version);
   void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {});
   void send_nego(const xdfs::wire::Negotiation& n);
+  /// Sends the negotiation header and runs the Noise XX handshake as the test client (the
+  /// identity in $XDFS_CONFIG_DIR unless one is given); from then on frames are protected.
+  /// Returns false if the server refused.
+  bool establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::KeyPair* id = nullptr);
+  /// The server key seen in establish().
+  xdfs::xsec::Key32 server_key() const { return server_key_; }
+  xdfs::xsec::Key32 session_secret() const { return secret_; }
+  /// The bytes establish() or send_nego() sent first (preamble and NEGO frame).
+  const std::vector<std::uint8_t>& opening() const { return opening_; }
   void shutdown_write();
   /// Reads one frame within timeout; nullopt on EOF/timeout/bad header.
   std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> read_frame(int timeout_ms = 10000);
@@ -117,7 +127,14 @@ public:
 private:
   bool read_exact(void* dst, std::size_t n, int timeout_ms);
   int fd_ = -1;
+  std::unique_ptr<xdfs::xsec::FrameProtector> guard_;
+  xdfs::xsec::Key32 server_key_{};
+  xdfs::xsec::Key32 secret_{};
+  std::vector<std::uint8_t> opening_;
 };
+
+/// The test client's identity (made by the test runner).
+xdfs::xsec::KeyPair test_identity();
 
 /// A negotiation header with sensible defaults for raw tests.
 xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,

@@ -151,10 +151,10 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
       expect(c, errc::path_escape, "");
     }
     xt::RawChannel c(d.port());
-    c.send_nego(xt::make_nego(Mode::download, "out/passwd", 1, 0));
+    REQUIRE(c.establish(xt::make_nego(Mode::download, "out/passwd", 1, 0)));
     expect(c, errc::path_escape, "outside the root");
     xt::RawChannel c2(d.port());
-    c2.send_nego(xt::make_nego(Mode::upload, "out/evil", 1, 0, 5));
+    REQUIRE(c2.establish(xt::make_nego(Mode::upload, "out/evil", 1, 0, 5)));
     expect(c2, errc::path_escape, "outside the root");
     CHECK_FALSE(xt::exists("/etc/evil"));
   }
@@ -164,22 +164,34 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
   }
   SUBCASE("channels that never arrive") {
     xt::RawChannel c(d.port());
-    c.send_nego(xt::make_nego(Mode::upload, "x", 3, 0, 10));
+    REQUIRE(c.establish(xt::make_nego(Mode::upload, "x", 3, 0, 10)));
     expect(c, errc::timeout, "only 1 of 3 channels");
   }
   SUBCASE("a duplicate and a mismatched channel") {
     auto n0 = xt::make_nego(Mode::upload, "x", 3, 0, 10);
     xt::RawChannel c0(d.port());
-    c0.send_nego(n0);
-    xt::RawChannel dup(d.port());
-    dup.send_nego(n0);
+    REQUIRE(c0.establish(n0));
+    xt::RawChannel again(d.port());  // a second first channel for the same session
+    again.send_nego(n0);
+    expect(again, errc::bad_channel, "already exists");
+    auto join = n0;
+    join.join = true;
+    join.join_nonce.assign(32, 7);
+    xt::RawChannel dup(d.port());  // a join that claims channel 0, which is taken
+    dup.send_nego(join);
     expect(dup, errc::bad_channel, "duplicate channel index 0");
-    auto other = n0;
+    auto other = join;
     other.channel_index = 1;
     other.remote_path = "y";
     xt::RawChannel mism(d.port());
     mism.send_nego(other);
     expect(mism, errc::bad_channel, "does not match");
+    auto stranger = join;
+    stranger.channel_index = 1;
+    stranger.session = xdfs::SessionId::random();
+    xt::RawChannel lost(d.port());
+    lost.send_nego(stranger);
+    expect(lost, errc::bad_channel, "to join");
   }
   check_still_serving(d, root, local);
   check_no_partials(root.path());
@@ -191,7 +203,7 @@ TEST_CASE("the session limit refuses one more session, then frees up") {
   xt::XdfsdProcess d(root.path(), {"--max-sessions", "1", "--idle-timeout", "2"});
   {
     xt::RawChannel holder(d.port());  // a session that is accepted, then sends nothing
-    holder.send_nego(xt::make_nego(Mode::upload, "x", 1, 0, 10));
+    REQUIRE(holder.establish(xt::make_nego(Mode::upload, "x", 1, 0, 10)));
     auto reply = holder.read_frame();
     REQUIRE(reply.has_value());
     REQUIRE(reply->first.event == Event::nego_reply);
@@ -217,7 +229,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
   // Joins an upload session of 1 channel for a file of 4 blocks and reads the server's reply.
   auto start_upload = [&](xt::RawChannel& c) {
     auto n = xt::make_nego(Mode::upload, "victim", 1, 0, 4 * bs);
-    c.send_nego(n);
+    REQUIRE(c.establish(n));
     auto reply = c.read_frame();
     REQUIRE(reply.has_value());
     REQUIRE(reply->first.event == Event::nego_reply);

@@ -19,10 +19,11 @@ namespace {
 using namespace xdfs;
 namespace w = xdfs::wire;
 
-constexpr std::array<w::Event, 12> all_events{
+constexpr std::array<w::Event, 13> all_events{
     w::Event::nego, w::Event::nego_reply, w::Event::xftsmu,    w::Event::xftsmd,
     w::Event::xpathm, w::Event::eofr,     w::Event::eoft,      w::Event::noop,
     w::Event::conm, w::Event::zxdfs,      w::Event::ack,       w::Event::exception,
+    w::Event::handshake,
 };
 
 std::optional<w::FrameHeader> decode_bytes(const w::HeaderBytes& b, std::string* why = nullptr) {
@@ -158,7 +159,7 @@ TEST_CASE("frame header byte layout is little-endian and fixed") {
 }
 
 TEST_CASE("frame header decode refuses unknown events") {
-  for (int raw : {0, 13, 14, 100, 255}) {
+  for (int raw : {0, 14, 15, 100, 255}) {
     CAPTURE(raw);
     CHECK_FALSE(w::is_known(static_cast<std::uint8_t>(raw)));
     w::FrameHeader h;
@@ -292,7 +293,7 @@ TEST_CASE("negotiation reply and exception header round trips") {
   CHECK(*de == e);
 
   // Every failure code survives unchanged (0, "ok", is not a failure: see below).
-  for (std::uint32_t c = 1; c <= static_cast<std::uint32_t>(errc::cancelled); ++c) {
+  for (std::uint32_t c = 1; c <= static_cast<std::uint32_t>(xdfs::last_errc); ++c) {
     CAPTURE(c);
     w::ExceptionHeader x{static_cast<errc>(c), "m", 1, 2};
     auto dx = w::decode_exception(w::encode(x));
@@ -493,7 +494,7 @@ TEST_CASE("exception message is flattened to one bounded line") {
 TEST_CASE("unknown exception code maps to protocol_error") {
   CHECK(errc_from_wire(10) == errc::io_error);
   CHECK(errc_from_wire(static_cast<std::uint32_t>(errc::cancelled)) == errc::cancelled);
-  CHECK(errc_from_wire(static_cast<std::uint32_t>(errc::cancelled) + 1) == errc::protocol_error);
+  CHECK(errc_from_wire(static_cast<std::uint32_t>(xdfs::last_errc) + 1) == errc::protocol_error);
   CHECK(errc_from_wire(999) == errc::protocol_error);
   CHECK(errc_from_wire(0xFFFFFFFFu) == errc::protocol_error);
   // "ok" in an exception header is a lie: it must not turn a failure into a success.
@@ -502,7 +503,7 @@ TEST_CASE("unknown exception code maps to protocol_error") {
   REQUIRE(ok_claim);
   CHECK(ok_claim->code != errc::ok);
 
-  for (std::uint32_t code : {22u, 999u, 0x80000000u, 0xFFFFFFFFu}) {
+  for (std::uint32_t code : {static_cast<std::uint32_t>(xdfs::last_errc) + 1, 999u, 0x80000000u, 0xFFFFFFFFu}) {
     CAPTURE(code);
     w::ExceptionHeader e{static_cast<errc>(code), "boom", 1, 2};
     auto d = w::decode_exception(w::encode(e));

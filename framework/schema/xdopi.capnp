@@ -24,7 +24,11 @@ struct Negotiation {
   extendedFlags @8 :UInt64;      # bit set of ExtendedFlag
   fileSize @9 :UInt64;           # upload: bytes the client will send
   window @10 :UInt64;            # download: bytes the client lets be unacknowledged
-  credentials @11 :Data;         # reserved for xSec
+  credentials @11 :Data;         # reserved
+  protect @12 :UInt8;            # xSec protection: 0 clear, 1 integrity, 2 private
+  cipher @13 :UInt8;             # private mode AEAD: 0 AES-256-GCM, 1 ChaCha20-Poly1305
+  join @14 :Bool;                # false: first channel (Noise XX); true: joins with the session secret
+  joinNonce @15 :Data;           # join: the client's 32 fresh random bytes
 }
 
 # The server's answer on each channel once all n have joined.

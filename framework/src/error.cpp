@@ -42,6 +42,9 @@ const char* to_string(errc e) noexcept {
     case errc::internal: return "internal error";
     case errc::state_violation: return "state machine violation";
     case errc::cancelled: return "cancelled";
+    case errc::auth_failed: return "authentication failed";
+    case errc::integrity_error: return "integrity check failed";
+    case errc::insecure_key_file: return "insecure key file";
   }
   return "unknown error";
 }
@@ -49,7 +52,7 @@ const char* to_string(errc e) noexcept {
 errc errc_from_wire(std::uint32_t v) noexcept {
   // An exception header always reports a failure: "ok" there is as invalid as an unknown code,
   // and must never let a peer turn a failed transfer into a success.
-  if (v == 0 || v > static_cast<std::uint32_t>(errc::cancelled)) return errc::protocol_error;
+  if (v == 0 || v > static_cast<std::uint32_t>(last_errc)) return errc::protocol_error;
   return static_cast<errc>(v);
 }
 

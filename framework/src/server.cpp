@@ -13,6 +13,7 @@
 #include <fmt/core.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -60,6 +61,7 @@ struct Server::Impl {
   ServerConfig config;
   runtime::HandlerFactory factory;
   files::Fd root;
+  xsec::KeyPair key;
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   asio::signal_set signals{io};
@@ -73,7 +75,7 @@ struct Server::Impl {
   void accept();
   void handshake(tcp::socket s);
   void reject(std::shared_ptr<tcp::socket> s, const std::string& peer, errc code, const std::string& message);
-  void admit(tcp::socket s, wire::Negotiation nego, const std::string& peer);
+  void admit(tcp::socket s, wire::Negotiation nego, std::vector<std::uint8_t> opening, const std::string& peer);
   void reap(const SessionId& id);
   void begin_stop();
 };
@@ -86,6 +88,17 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   int fd = ::open(c.root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw Error(errc_from_errno(errno), "root '" + c.root + "': " + std::strerror(errno));
   impl_->root = files::Fd(fd);
+  if (c.state_dir.empty()) {
+    if (const char* s = std::getenv("XDFS_STATE_DIR"); s && *s) c.state_dir = s;
+    else if (const char* x = std::getenv("XDG_STATE_HOME"); x && *x) c.state_dir = std::string(x) + "/xdfsd";
+    else c.state_dir = std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") + "/.local/state/xdfsd";
+  }
+  if (c.authorized_keys.empty()) c.authorized_keys = c.state_dir + "/authorized_keys";
+  bool created = false;
+  impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
+  if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
+  // A malformed authorized-keys file is an error now rather than at the first client.
+  if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
   std::string host;
   std::uint16_t port = 0;
   if (!xdsi::parse_host_port(c.listen, 7721, host, port))
@@ -114,6 +127,7 @@ std::uint16_t Server::port() const noexcept {
 
 std::size_t Server::active_sessions() const noexcept { return impl_->active.load(); }
 std::size_t Server::rejected_channels() const noexcept { return impl_->rejected.load(); }
+const xsec::Key32& Server::public_key() const noexcept { return impl_->key.public_key; }
 
 void Server::stop() {
   asio::post(impl_->io, [impl = impl_.get()] { impl->begin_stop(); });
@@ -130,8 +144,10 @@ void Server::run(bool handle_signals) {
       d.begin_stop();
     });
   }
-  d.log(fmt::format("listening on {}:{} root={}", d.acceptor.local_endpoint().address().to_string(),
-                    d.acceptor.local_endpoint().port(), d.config.root));
+  d.log(fmt::format("listening on {}:{} root={} key={}", d.acceptor.local_endpoint().address().to_string(),
+                    d.acceptor.local_endpoint().port(), d.config.root, xsec::fingerprint(d.key.public_key)));
+  if (::access(d.config.authorized_keys.c_str(), F_OK) != 0)
+    d.log("no authorized keys at " + d.config.authorized_keys + ": every client will be refused until one is added");
   d.accept();
   d.io.run();
   // Sessions still registered (none after a clean stop) are joined here.
@@ -231,7 +247,10 @@ void Server::Impl::handshake(tcp::socket sock) {
         if ((n_.extended_flags & wire::flag_memory) && !config.allow_memory_mode)
           return refuse(errc::bad_argument, "memory mode is disabled on this server (xdfsd --allow-memory-mode)");
         if (auto s = files::check_relative_path(n_.remote_path); !s) return refuse(s.code, s.message);
-        admit(std::move(*st->s), std::move(n_), st->peer);
+        std::vector<std::uint8_t> opening(st->pre.begin(), st->pre.end());
+        opening.insert(opening.end(), st->hdr.begin(), st->hdr.end());
+        opening.insert(opening.end(), st->payload.begin(), st->payload.end());
+        admit(std::move(*st->s), std::move(n_), std::move(opening), st->peer);
       });
     });
   });
@@ -264,8 +283,15 @@ void Server::Impl::reject(std::shared_ptr<tcp::socket> s, const std::string& pee
   });
 }
 
-void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, const std::string& peer) {
+void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, std::vector<std::uint8_t> opening,
+                         const std::string& peer) {
   auto it = sessions.find(nego.session);
+  if (nego.join && it == sessions.end())
+    return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::bad_channel,
+                  "no session " + nego.session.short_hex() + " to join");
+  if (!nego.join && it != sessions.end())
+    return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::bad_channel,
+                  "session " + nego.session.short_hex() + " already exists");
   if (it == sessions.end()) {
     if (stopping) return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::shutting_down, "server is stopping");
     if (sessions.size() >= config.max_sessions)
@@ -276,7 +302,7 @@ void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, const std::strin
     sp->guard.emplace(sp->io.get_executor());
     const SessionId id = nego.session;
     sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
-        sp->io, config, root.get(), id, peer, nego,
+        sp->io, config, root.get(), key, id, peer, nego,
         [this, sp](SessionReport r) {
           // Session thread: log the end line and let the loop run dry (lingering closes last).
           log(format_report(r));
@@ -299,9 +325,9 @@ void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, const std::strin
   if (ec) return;  // the peer is already gone
   // Owned until the session thread adopts it: closed if that thread has already ended.
   auto fd = std::make_shared<files::Fd>(s.release());
-  asio::post(sp->io, [sp, fd, protocol, nego = std::move(nego), peer]() mutable {
+  asio::post(sp->io, [sp, fd, protocol, nego = std::move(nego), opening = std::move(opening), peer]() mutable {
     tcp::socket moved(sp->io, protocol, fd->release());
-    sp->handler->add_channel(std::move(moved), std::move(nego), peer);
+    sp->handler->add_channel(std::move(moved), std::move(nego), std::move(opening), peer);
   });
 }
 

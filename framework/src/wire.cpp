@@ -84,12 +84,13 @@ const char* to_string(Event e) noexcept {
     case Event::zxdfs: return "ZxDFS";
     case Event::ack: return "ACK";
     case Event::exception: return "EXCEPTION";
+    case Event::handshake: return "HANDSHAKE";
   }
   return "?";
 }
 
 bool is_known(std::uint8_t raw) noexcept {
-  return raw >= static_cast<std::uint8_t>(Event::nego) && raw <= static_cast<std::uint8_t>(Event::exception);
+  return raw >= static_cast<std::uint8_t>(Event::nego) && raw <= static_cast<std::uint8_t>(Event::handshake);
 }
 
 HeaderBytes encode(const FrameHeader& h) noexcept {
@@ -158,6 +159,10 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setExtendedFlags(n.extended_flags);
   r.setFileSize(n.file_size);
   r.setWindow(n.window);
+  r.setProtect(n.protect);
+  r.setCipher(n.cipher);
+  r.setJoin(n.join);
+  r.setJoinNonce(kj::arrayPtr(n.join_nonce.data(), n.join_nonce.size()));
   return to_bytes(msg);
 }
 
@@ -209,6 +214,19 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.extended_flags = r.getExtendedFlags();
     n.file_size = r.getFileSize();
     n.window = r.getWindow();
+    n.protect = r.getProtect();
+    n.cipher = r.getCipher();
+    if (n.protect > 2 || n.cipher > 1) {
+      set_why(why, "unknown protection " + std::to_string(n.protect) + " or cipher " + std::to_string(n.cipher));
+      return std::nullopt;
+    }
+    n.join = r.getJoin();
+    auto jn = r.getJoinNonce();
+    if (n.join ? jn.size() != 32 : jn.size() != 0) {
+      set_why(why, "join nonce of " + std::to_string(jn.size()) + " bytes");
+      return std::nullopt;
+    }
+    n.join_nonce.assign(jn.begin(), jn.end());
     return n;
   });
 }

@@ -62,32 +62,59 @@ void Channel::async_read_header(HeaderHandler h) {
                      if (ec) return h(ec, {});
                      auto hdr = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(in_header_), &error_text_);
                      if (!hdr) return h(make_error_code(boost::system::errc::protocol_error), {});
+                     if (guard_ && hdr->length == 0) {
+                       // Nothing else will be read for this frame: check it now.
+                       return read_tag_then({}, [h, hv = *hdr](const ErrorCode& ec2) { h(ec2, hv); });
+                     }
                      h({}, *hdr);
                    });
 }
 
 void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
   asio::async_read(socket_, asio::buffer(dst.data(), dst.size()),
-                   [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+                   [this, dst, h = std::move(h)](const ErrorCode& ec, std::size_t) {
+                     if (ec || !guard_) return h(ec);
+                     read_tag_then(dst, std::move(h));
+                   });
 }
 
-void Channel::send(const wire::FrameHeader& hdr, std::span<const std::uint8_t> payload, Handler h) {
-  out_.push_back(Out{wire::encode(hdr), false, {}, payload, std::move(h)});
+void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
+  const std::size_t n = guard_->tag_bytes(static_cast<wire::Event>(in_header_[0]));
+  auto check = [this, payload, h = std::move(h)](const ErrorCode& ec, std::size_t) {
+    if (ec) return h(ec);
+    if (!guard_->open(in_header_, payload, in_tag_.data())) {
+      error_text_ = "frame failed its integrity check (modified, replayed, reordered or a frame was dropped)";
+      return h(integrity_failure);
+    }
+    h({});
+  };
+  if (n == 0) return check({}, 0);
+  asio::async_read(socket_, asio::buffer(in_tag_.data(), n), std::move(check));
+}
+
+void Channel::enqueue(Out o) {
+  if (guard_ && !o.raw) {
+    o.tag_len = guard_->tag_bytes(static_cast<wire::Event>(o.header[0]));
+    guard_->seal(o.header, o.payload, o.tag.data());
+  }
+  out_.push_back(std::move(o));
   if (out_.size() == 1) pump();
+}
+
+void Channel::send(const wire::FrameHeader& hdr, std::span<std::uint8_t> payload, Handler h) {
+  enqueue(Out{wire::encode(hdr), false, {}, payload, std::move(h)});
 }
 
 void Channel::send(const wire::FrameHeader& hdr, std::vector<std::uint8_t> payload, Handler h) {
   Out o{wire::encode(hdr), false, std::move(payload), {}, std::move(h)};
   o.payload = o.owned;
-  out_.push_back(std::move(o));
-  if (out_.size() == 1) pump();
+  enqueue(std::move(o));
 }
 
 void Channel::send_raw(std::vector<std::uint8_t> bytes, Handler h) {
   Out o{{}, true, std::move(bytes), {}, std::move(h)};
   o.payload = o.owned;
-  out_.push_back(std::move(o));
-  if (out_.size() == 1) pump();
+  enqueue(std::move(o));
 }
 
 void Channel::send_control(wire::Event ev, std::vector<std::uint8_t> payload, Handler h) {
@@ -100,8 +127,9 @@ void Channel::send_control(wire::Event ev, std::vector<std::uint8_t> payload, Ha
 void Channel::pump() {
   // std::deque keeps element addresses stable on push_back, so the front's buffers stay valid.
   Out& o = out_.front();
-  std::array<asio::const_buffer, 2> bufs{asio::buffer(o.header, o.raw ? 0 : o.header.size()),
-                                         asio::buffer(o.payload.data(), o.payload.size())};
+  std::array<asio::const_buffer, 3> bufs{asio::buffer(o.header, o.raw ? 0 : o.header.size()),
+                                         asio::buffer(o.payload.data(), o.payload.size()),
+                                         asio::buffer(o.tag.data(), o.tag_len)};
   asio::async_write(socket_, bufs, [this](const ErrorCode& ec, std::size_t) {
     Handler done = std::move(out_.front().done);
     out_.pop_front();

@@ -18,6 +18,7 @@
 
 #include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
+#include "xdfs/xsec.hpp"
 #include "xdfs/xftsm/cfsm.hpp"
 #include "xdfs/xftsm/transfer.hpp"
 
@@ -142,6 +143,19 @@ private:
   }
 
   TransferResult run() {
+    const std::string dir = xsec::default_config_dir();
+    const std::string id_path = opt_.identity_file.empty() ? dir + "/id_x25519" : opt_.identity_file;
+    known_hosts_path_ = opt_.known_hosts_file.empty() ? dir + "/known_hosts" : opt_.known_hosts_file;
+    try {
+      bool created = false;
+      identity_ = xsec::load_or_create_key(id_path, &created);
+      if (created && opt_.notice)
+        opt_.notice("made a new client key " + xsec::fingerprint(identity_.public_key) + " in " + id_path);
+    } catch (const Error& e) {
+      throw TransferError(e.code(), e.context(), false);
+    }
+    nego_.protect = static_cast<std::uint8_t>(opt_.protect);
+    nego_.cipher = static_cast<std::uint8_t>(xsec::preferred_cipher());
     start_ = Clock::now();
     if (machine_.fire(Event::start) != Action::connect_channels) throw TransferError(errc::internal, machine_.why(), false);
     deadline_.expires_after(opt_.connect_timeout);
@@ -171,22 +185,26 @@ private:
     return TransferResult{size_, seconds_, opt_.channels};
   }
 
+  // Channel 0 connects and runs the full handshake first; the others then join in parallel.
   void connect_all(const tcp::resolver::results_type& results) {
+    results_ = results;
     channels_.resize(opt_.channels);
-    for (std::uint32_t i = 0; i < opt_.channels; ++i) {
-      channels_[i] = std::make_unique<xdsi::Channel>(tcp::socket(io_), i);
-      auto& ch = *channels_[i];
-      boost::asio::async_connect(ch.socket(), results, [this, &ch](const ErrorCode& ec, const tcp::endpoint&) {
-        if (machine_.finished()) return;
-        if (ec) {
-          const errc code = ec == boost::asio::error::connection_refused ? errc::connection_refused
-                                                                         : errc::connection_failed;
-          return fail_early(code, fmt::format("{}:{}: {}", endpoint_.host, endpoint_.port, ec.message()), false,
-                            Event::local_error);
-        }
-        on_connected(ch);
-      });
-    }
+    connect(0);
+  }
+
+  void connect(std::uint32_t i) {
+    channels_[i] = std::make_unique<xdsi::Channel>(tcp::socket(io_), i);
+    auto& ch = *channels_[i];
+    boost::asio::async_connect(ch.socket(), results_, [this, &ch](const ErrorCode& ec, const tcp::endpoint&) {
+      if (machine_.finished()) return;
+      if (ec) {
+        const errc code =
+            ec == boost::asio::error::connection_refused ? errc::connection_refused : errc::connection_failed;
+        return fail_early(code, fmt::format("{}:{}: {}", endpoint_.host, endpoint_.port, ec.message()), false,
+                          Event::local_error);
+      }
+      on_connected(ch);
+    });
   }
 
   void on_connected(xdsi::Channel& ch) {
@@ -195,6 +213,11 @@ private:
     xdsi::apply(ch.socket(), so);
     auto n = nego_;
     n.channel_index = ch.index();
+    n.join = ch.index() != 0;
+    if (n.join) {
+      n.join_nonce.resize(32);
+      xsec::random_fill(n.join_nonce);
+    }
     auto payload = wire::encode(n);
     wire::FrameHeader h;
     h.event = wire::Event::nego;
@@ -204,12 +227,69 @@ private:
     std::vector<std::uint8_t> bytes(pre.begin(), pre.end());
     bytes.insert(bytes.end(), hb.begin(), hb.end());
     bytes.insert(bytes.end(), payload.begin(), payload.end());
+    std::vector<std::uint8_t> opening = bytes;
     ch.send_raw(std::move(bytes), [this, &ch](const ErrorCode& ec) {
       if (ec && !machine_.finished()) channel_lost(ch, ec);
     });
+    const auto mode = static_cast<xsec::Protect>(nego_.protect);
+    const auto cipher = static_cast<xsec::Cipher>(nego_.cipher);
+    if (!n.join) {
+      xsec::client_establish(ch, std::move(opening), identity_, mode, cipher,
+                             [this](const xsec::Key32& k) { return check_server(k); },
+                             [this, &ch](xsec::HandshakeResult r) {
+                               if (machine_.finished()) return;
+                               if (r.code != errc::ok) return secure_failed(r);
+                               secret_ = r.session_secret;
+                               secured(ch);
+                               for (std::uint32_t i = 1; i < opt_.channels; ++i) connect(i);
+                             });
+    } else {
+      xsec::client_join(ch, std::move(opening), n.join_nonce, secret_, mode, cipher,
+                        [this, &ch](xsec::HandshakeResult r) {
+                          if (machine_.finished()) return;
+                          if (r.code != errc::ok) return secure_failed(r);
+                          secured(ch);
+                        });
+    }
+  }
+
+  void secured(xdsi::Channel& ch) {
     read_reply(ch);
     if (++connected_ == opt_.channels && !machine_.fire(Event::connected))
       fail_early(errc::state_violation, machine_.why(), false, Event::local_error);
+  }
+
+  void secure_failed(const xsec::HandshakeResult& r) {
+    fail_early(r.code, r.message, r.remote, r.remote ? Event::peer_exception : Event::local_error);
+  }
+
+  // Known hosts: trust on first use (with a notice) unless strict; a changed key is refused.
+  xsec::HandshakeResult check_server(const xsec::Key32& key) {
+    xsec::HandshakeResult r;
+    const std::string where = endpoint_.host + ":" + std::to_string(endpoint_.port);
+    xsec::KnownHosts hosts(known_hosts_path_);
+    auto pinned = hosts.lookup(where);
+    if (pinned && *pinned == key) return r;
+    r.code = errc::auth_failed;
+    if (pinned) {
+      r.message = "the server key of " + where + " changed: pinned " + xsec::fingerprint(*pinned) + ", offered " +
+                  xsec::fingerprint(key) + "; if that is expected, remove its line from " + known_hosts_path_;
+      return r;
+    }
+    if (opt_.strict_host_key) {
+      r.message = "unknown server key " + xsec::fingerprint(key) + " for " + where +
+                  " (--strict-host-key: add it to " + known_hosts_path_ + " first)";
+      return r;
+    }
+    try {
+      hosts.add(where, key);
+    } catch (const Error& e) {
+      r.message = e.what();
+      return r;
+    }
+    if (opt_.notice)
+      opt_.notice("new server " + where + " with key " + xsec::fingerprint(key) + " pinned in " + known_hosts_path_);
+    return xsec::HandshakeResult{};
   }
 
   void read_reply(xdsi::Channel& ch) {
@@ -322,6 +402,10 @@ private:
   wire::Negotiation nego_;
   std::uint32_t slots_ = 32;
   tcp::resolver resolver_;
+  tcp::resolver::results_type results_;
+  xsec::KeyPair identity_;
+  std::string known_hosts_path_;
+  xsec::Key32 secret_{};
   boost::asio::steady_timer deadline_;
   boost::asio::steady_timer ticker_;
   boost::asio::steady_timer linger_;

@@ -5,8 +5,10 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <map>
 
 #include "xdfs/files.hpp"
+#include "xdfs/xsec.hpp"
 #include "xdfs/xftsm/cfsm.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
 #include "xdfs/xftsm/transfer.hpp"
@@ -26,7 +28,8 @@ void refuse_channel(xdsi::tcp::socket sock, errc code, const std::string& messag
 bool same_session(const wire::Negotiation& a, const wire::Negotiation& b) {
   return a.version == b.version && a.channel_count == b.channel_count && a.mode == b.mode &&
          a.remote_path == b.remote_path && a.block_size == b.block_size && a.tcp_window == b.tcp_window &&
-         a.extended_flags == b.extended_flags && a.file_size == b.file_size && a.window == b.window;
+         a.extended_flags == b.extended_flags && a.file_size == b.file_size && a.window == b.window &&
+         a.protect == b.protect && a.cipher == b.cipher;
 }
 
 class ServerSession final : public runtime::SessionHandler, public TransferHost {
@@ -39,24 +42,33 @@ public:
         linger_(env.io),
         start_(Clock::now()) {}
 
-  void add_channel(xdsi::tcp::socket sock, wire::Negotiation n, std::string peer) override {
+  void add_channel(xdsi::tcp::socket sock, wire::Negotiation n, std::vector<std::uint8_t> opening,
+                   std::string peer) override {
     if (machine_.state() != State::idle && machine_.state() != State::joining)
       return refuse_channel(std::move(sock), errc::bad_channel,
                             fmt::format("session {} already has its {} channels", env_.id.short_hex(),
                                         nego_.channel_count));
+    const auto idx = n.channel_index;
     if (machine_.state() == State::joining) {
       if (!same_session(n, nego_))
         return refuse_channel(std::move(sock), errc::bad_channel,
-                              fmt::format("channel {} does not match the negotiation of session {}", n.channel_index,
+                              fmt::format("channel {} does not match the negotiation of session {}", idx,
                                           env_.id.short_hex()));
-      if (channels_[n.channel_index])
+      if (channels_[idx] || handshaking_.count(idx))
         return refuse_channel(std::move(sock), errc::bad_channel,
-                              fmt::format("duplicate channel index {} in session {}", n.channel_index,
-                                          env_.id.short_hex()));
+                              fmt::format("duplicate channel index {} in session {}", idx, env_.id.short_hex()));
     }
-    auto action = machine_.fire(Event::channel_joined);
-    if (!action) return refuse_channel(std::move(sock), errc::state_violation, machine_.why());
-    if (*action == Action::register_session) {
+    xdsi::SocketOptions opts;
+    opts.tcp_window = std::min(n.tcp_window, env_.config.max_tcp_window);
+    xdsi::apply(sock, opts);
+    auto ch = std::make_unique<xdsi::Channel>(std::move(sock), idx);
+    auto& chr = *ch;
+    handshaking_[idx] = std::move(ch);
+    const auto mode = static_cast<xsec::Protect>(nego_.protect);
+    const auto cipher = static_cast<xsec::Cipher>(nego_.cipher);
+    if (machine_.state() == State::idle) {
+      // The first channel registers the session and runs the full (Noise XX) handshake.
+      if (machine_.fire(Event::channel_joined) != Action::register_session) return;
       channels_.resize(nego_.channel_count);
       join_timer_.expires_after(env_.config.join_timeout);
       join_timer_.async_wait([this](const xdsi::ErrorCode& ec) {
@@ -65,14 +77,16 @@ public:
                                               nego_.channel_count, env_.config.join_timeout.count()),
                    Event::timeout);
       });
+      xsec::server_establish(chr, std::move(opening), env_.key, mode, cipher,
+                             [this](const xsec::Key32& k) { return check_client(k); },
+                             [this, idx](xsec::HandshakeResult r) { secured(idx, std::move(r), true); });
+      return;
     }
-    xdsi::SocketOptions opts;
-    opts.tcp_window = std::min(n.tcp_window, env_.config.max_tcp_window);
-    xdsi::apply(sock, opts);
-    channels_[n.channel_index] = std::make_unique<xdsi::Channel>(std::move(sock), n.channel_index);
-    if (++joined_ < nego_.channel_count) return;
-    join_timer_.cancel();
-    if (machine_.fire(Event::all_joined) == Action::open_and_reply) open_and_reply();
+    if (!established_) {
+      waiting_.push_back({idx, std::move(opening), std::move(n.join_nonce)});
+      return;
+    }
+    start_join(idx, std::move(opening), std::move(n.join_nonce));
   }
 
   void shutdown() override {
@@ -92,9 +106,90 @@ public:
   }
 
 private:
+  struct Waiting {
+    std::uint32_t index;
+    std::vector<std::uint8_t> opening;
+    std::vector<std::uint8_t> nonce;
+  };
+
+  void start_join(std::uint32_t idx, std::vector<std::uint8_t> opening, std::vector<std::uint8_t> nonce) {
+    xsec::server_join(*handshaking_[idx], std::move(opening), std::move(nonce), secret_,
+                      static_cast<xsec::Protect>(nego_.protect), static_cast<xsec::Cipher>(nego_.cipher),
+                      [this, idx](xsec::HandshakeResult r) { secured(idx, std::move(r), false); });
+  }
+
+  // Authorization of the first channel's client key: listed, allowed this mode, confined.
+  xsec::HandshakeResult check_client(const xsec::Key32& key) {
+    xsec::HandshakeResult r;
+    const std::string who = "client key " + xsec::fingerprint(key);
+    try {
+      auto keys = xsec::AuthorizedKeys::load(env_.config.authorized_keys);
+      const auto* perm = keys.find(key);
+      if (!perm) {
+        r.code = errc::auth_failed;
+        r.message = who + " is not in the server's authorized keys";
+        return r;
+      }
+      if (!perm->write && nego_.mode == Mode::upload) {
+        r.code = errc::permission_denied;
+        r.message = who + " may only download (read-only)";
+        return r;
+      }
+      if (!perm->subdir.empty()) {
+        if (auto st = files::open_beneath(env_.root_fd, perm->subdir, O_PATH | O_DIRECTORY, 0, confined_root_); !st) {
+          r.code = st.code;
+          r.message = who + " is confined to " + st.message;
+          return r;
+        }
+      }
+      client_key_ = key;
+    } catch (const Error& e) {
+      r.code = errc::auth_failed;
+      r.message = std::string("the server cannot check client keys: ") + e.what();
+    }
+    return r;
+  }
+
+  int root_fd() const noexcept { return confined_root_ ? confined_root_.get() : env_.root_fd; }
+
+  // A channel finished its handshake (or failed it).
+  void secured(std::uint32_t idx, xsec::HandshakeResult r, bool first) {
+    if (machine_.finished()) return;
+    auto it = handshaking_.find(idx);
+    if (it == handshaking_.end()) return;
+    auto ch = std::move(it->second);
+    handshaking_.erase(it);
+    if (r.code != errc::ok) {
+      if (first) {
+        channels_[idx] = std::move(ch);  // so the failure reaches this client
+        return fail_early(r.code, r.message, Event::local_error);
+      }
+      // A channel that cannot prove the session secret does not join; the session goes on
+      // waiting for the real one (bounded by the join timeout).
+      env_.log(fmt::format("session {} refused channel {}: {}: {}", env_.id.short_hex(), idx, to_string(r.code),
+                           r.message));
+      ch->close();
+      return;
+    }
+    channels_[idx] = std::move(ch);
+    if (first) {
+      established_ = true;
+      secret_ = r.session_secret;
+      for (auto& w : waiting_) start_join(w.index, std::move(w.opening), std::move(w.nonce));
+      waiting_.clear();
+    } else if (!machine_.fire(Event::channel_joined)) {
+      return fail_early(errc::state_violation, machine_.why(), Event::local_error);
+    }
+    if (++joined_ < nego_.channel_count) return;
+    join_timer_.cancel();
+    if (machine_.fire(Event::all_joined) == Action::open_and_reply) open_and_reply();
+  }
+
   void open_and_reply() {
-    env_.log(fmt::format("session {} start peer={} mode={} path={} channels={} block={}", env_.id.short_hex(), env_.peer,
-                         to_string(nego_.mode), nego_.remote_path, nego_.channel_count, nego_.block_size));
+    env_.log(fmt::format("session {} start peer={} mode={} path={} channels={} block={} protect={} client={}",
+                         env_.id.short_hex(), env_.peer, to_string(nego_.mode), nego_.remote_path, nego_.channel_count,
+                         nego_.block_size, xsec::to_string(static_cast<xsec::Protect>(nego_.protect)),
+                         xsec::fingerprint(client_key_)));
     TransferParams p;
     p.block_size = nego_.block_size;
     p.slots = static_cast<std::uint32_t>(std::max<std::size_t>(env_.config.ring_bytes / nego_.block_size, 4));
@@ -123,7 +218,7 @@ private:
     } else if (nego_.mode == Mode::upload) {
       auto [dir, name] = files::split_parent(nego_.remote_path);
       files::Fd dirfd;
-      if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
+      if (auto st = files::open_beneath(root_fd(), dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
         return fail_early(st.code, st.message, Event::local_error);
       if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.id.short_hex(), pending_); !st)
         return fail_early(st.code, st.message, Event::local_error);
@@ -134,7 +229,7 @@ private:
       send_reply(reply);
       receiver_->start();
     } else {
-      if (auto st = files::open_beneath(env_.root_fd, nego_.remote_path, O_RDONLY | O_NONBLOCK, 0, source_); !st)
+      if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK, 0, source_); !st)
         return fail_early(st.code, st.message, Event::local_error);
       struct stat sb {};
       if (::fstat(source_.get(), &sb) != 0)
@@ -166,6 +261,10 @@ private:
     if (machine_.finished()) return;
     if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
     join_timer_.cancel();
+    // Channels still in their handshake hear the reason too (in clear: they have no keys yet).
+    for (auto& [i, ch] : handshaking_)
+      if (!channels_[i]) channels_[i] = std::move(ch);
+    handshaking_.clear();
     pending_.discard();
     tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::milliseconds(2000));
     report(code, message);
@@ -190,7 +289,13 @@ private:
   runtime::SessionEnv& env_;
   wire::Negotiation nego_;
   Machine machine_;
-  ChannelList channels_;
+  ChannelList channels_;                                         // secured channels by index
+  std::map<std::uint32_t, std::unique_ptr<xdsi::Channel>> handshaking_;  // still proving themselves
+  std::vector<Waiting> waiting_;                                 // joins that came before the first handshake ended
+  bool established_ = false;
+  xsec::Key32 secret_{};
+  xsec::Key32 client_key_{};
+  files::Fd confined_root_;
   unsigned joined_ = 0;
   boost::asio::steady_timer join_timer_;
   boost::asio::steady_timer linger_;

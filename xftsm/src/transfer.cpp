@@ -165,6 +165,8 @@ void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   if (machine_.finished() || ec == werr::operation_aborted) return;
   if (ec == boost::system::errc::protocol_error)
     return fail(errc::protocol_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
+  if (ec == xdsi::integrity_failure)
+    return fail(errc::integrity_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
   fail(errc::peer_aborted, describe(ch, ec), true, true, Event::channel_lost);
 }
 
@@ -226,7 +228,7 @@ void Sender::pump() {
     h.length = b.length;
     h.offset = b.offset;
     auto& ch = *channels_[pick];
-    ch.send(h, std::span<const std::uint8_t>(pipe_.slot_data(b.slot), b.length),
+    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), b.length),
             [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
               if (machine_.finished()) return;
               if (ec) return channel_error(ch, ec);

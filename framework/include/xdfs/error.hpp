@@ -33,7 +33,13 @@ enum class errc : std::uint32_t {
   internal = 19,             ///< a bug: an invariant did not hold
   state_violation = 20,      ///< a state machine was fed an event its table does not allow
   cancelled = 21,            ///< the local user stopped the transfer
+  auth_failed = 22,          ///< a key was not accepted (unknown client, unknown or changed server, bad join proof)
+  integrity_error = 23,      ///< a frame failed its check: modified, replayed, reordered or dropped
+  insecure_key_file = 24,    ///< a private key file others can read
 };
+
+/// The highest code defined; wire codes above it are unknown.
+inline constexpr errc last_errc = errc::insecure_key_file;
 
 const std::error_category& category() noexcept;
 

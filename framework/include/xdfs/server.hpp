@@ -18,12 +18,19 @@
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
+#include "xdfs/xsec.hpp"
 
 namespace xdfs {
 
 /// Server settings. Every limit bounds something a client controls.
 struct ServerConfig {
   std::string root;                       ///< directory served; nothing outside it is reachable
+  /// Where the server keeps its identity (server_x25519, made on first start, mode 0600).
+  /// Empty: $XDFS_STATE_DIR, else $XDG_STATE_HOME/xdfsd, else ~/.local/state/xdfsd.
+  std::string state_dir;
+  /// Client keys admitted, with their permissions. Empty: <state_dir>/authorized_keys.
+  /// Read at each session start, so edits apply without a restart.
+  std::string authorized_keys;
   std::string listen = "127.0.0.1:7721";  ///< HOST:PORT; port 0 picks a free one
   unsigned max_sessions = 64;             ///< sessions at once; more are refused
   unsigned max_channels = 256;            ///< n per session; more is refused
@@ -57,8 +64,9 @@ namespace runtime {
 /// Given to a mode when a session registers. Lives as long as the session.
 struct SessionEnv {
   boost::asio::io_context& io;   ///< the session's own loop, run by its network thread
-  const ServerConfig& config;
+  const ServerConfig& config;    ///< state_dir and authorized_keys resolved
   int root_fd;                   ///< O_PATH descriptor of the root
+  const xsec::KeyPair& key;      ///< the server's identity
   SessionId id;
   std::string peer;
   wire::Negotiation first;       ///< the first channel's negotiation
@@ -72,8 +80,10 @@ struct SessionEnv {
 class SessionHandler {
 public:
   virtual ~SessionHandler() = default;
-  /// A channel that passed the handshake checks and names this session's GUID.
-  virtual void add_channel(xdsi::tcp::socket socket, wire::Negotiation nego, std::string peer) = 0;
+  /// A channel that passed the handshake checks and names this session's GUID. `opening` is
+  /// the preamble and NEGO frame as received: the security handshake binds them.
+  virtual void add_channel(xdsi::tcp::socket socket, wire::Negotiation nego, std::vector<std::uint8_t> opening,
+                           std::string peer) = 0;
   /// The server is stopping: fail the session, remove partial files, tell the peer.
   virtual void shutdown() = 0;
 };
@@ -102,6 +112,8 @@ public:
   std::size_t active_sessions() const noexcept;
   /// Channels refused at the handshake so far (thread-safe).
   std::size_t rejected_channels() const noexcept;
+  /// The server's public key.
+  const xsec::Key32& public_key() const noexcept;
 
 private:
   struct Impl;

@@ -44,6 +44,7 @@ enum class Event : std::uint8_t {
   zxdfs = 10,     ///< zero-copy negotiation (reserved)
   ack = 11,       ///< cumulative count of bytes the receiver has written (in `offset`)
   exception = 12, ///< error for the peer (Cap'n Proto ExceptionHeader)
+  handshake = 13, ///< xSec handshake message (Noise XX or join proof)
 };
 
 const char* to_string(Event e) noexcept;
@@ -92,6 +93,10 @@ struct Negotiation {
   std::uint64_t extended_flags = 0;
   std::uint64_t file_size = 0;  ///< upload: size of the file the client sends
   std::uint64_t window = 0;     ///< download: unacknowledged bytes the client accepts
+  std::uint8_t protect = 2;     ///< xsec::Protect: 0 clear, 1 integrity, 2 private
+  std::uint8_t cipher = 0;      ///< xsec::Cipher for private mode
+  bool join = false;            ///< joins an established session with its secret
+  std::vector<std::uint8_t> join_nonce;  ///< join: 32 fresh random bytes from the client
   bool operator==(const Negotiation&) const = default;
 };
 

@@ -38,6 +38,23 @@ std::string peer_name(const tcp::socket& s);
 /// Parses "HOST:PORT", "[v6]:PORT" or "HOST" (with default_port).
 bool parse_host_port(const std::string& text, std::uint16_t default_port, std::string& host, std::uint16_t& port);
 
+/// What the security layer plugs into a channel: every frame passes through it once the
+/// channel is authenticated. Sealing happens when a frame is queued, so frames are sealed in
+/// the order they go on the wire.
+class FrameGuard {
+public:
+  virtual ~FrameGuard() = default;
+  /// Tag bytes that follow the payload of a frame of this event (0 when it is not protected).
+  virtual std::size_t tag_bytes(wire::Event e) const noexcept = 0;
+  /// Protects an outgoing frame: may encrypt the payload in place; writes tag_bytes() bytes.
+  virtual void seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) = 0;
+  /// Checks (and decrypts in place) an incoming frame; false if it fails.
+  virtual bool open(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, const std::uint8_t* tag) = 0;
+};
+
+/// Error a read reports when a frame fails the guard's check.
+inline const ErrorCode integrity_failure = make_error_code(boost::system::errc::bad_message);
+
 /// One framed, full-duplex xDFS channel. All calls happen on the owning session's thread.
 /// Writes are queued, so control frames may be sent while a data block is in flight.
 class Channel {
@@ -56,14 +73,21 @@ public:
   bool sending() const noexcept { return !out_.empty(); }
   std::size_t queued() const noexcept { return out_.size(); }
 
+  /// From now on every frame is sealed and checked by g.
+  void protect(std::unique_ptr<FrameGuard> g) noexcept { guard_ = std::move(g); }
+  bool protected_() const noexcept { return static_cast<bool>(guard_); }
+
   /// Reads one frame header. A header that does not decode is reported as protocol_error with
-  /// the reason in last_error_text().
+  /// the reason in last_error_text(). On a protected channel a frame without payload is checked
+  /// before the handler runs (integrity_failure if it fails).
   void async_read_header(HeaderHandler h);
-  /// Reads exactly dst.size() payload bytes.
+  /// Reads exactly dst.size() payload bytes of the frame whose header was just read; on a
+  /// protected channel also its tag, then checks and decrypts it in place.
   void async_read_payload(std::span<std::uint8_t> dst, Handler h);
 
-  /// Queues a frame whose payload the caller keeps alive until h runs.
-  void send(const wire::FrameHeader& hdr, std::span<const std::uint8_t> payload, Handler h);
+  /// Queues a frame whose payload the caller keeps alive until h runs. On a protected channel
+  /// the payload may be encrypted in place.
+  void send(const wire::FrameHeader& hdr, std::span<std::uint8_t> payload, Handler h);
   /// Queues a frame that owns its payload.
   void send(const wire::FrameHeader& hdr, std::vector<std::uint8_t> payload, Handler h = {});
   /// Queues bytes that are not a frame (the channel preamble).
@@ -87,10 +111,14 @@ private:
     wire::HeaderBytes header;
     bool raw = false;  // no header: payload only
     std::vector<std::uint8_t> owned;
-    std::span<const std::uint8_t> payload;
+    std::span<std::uint8_t> payload;
     Handler done;
+    std::array<std::uint8_t, 16> tag{};
+    std::size_t tag_len = 0;
   };
+  void enqueue(Out o);
   void pump();
+  void read_tag_then(std::span<std::uint8_t> payload, Handler h);
 
   tcp::socket socket_;
   std::uint32_t index_;
@@ -98,6 +126,8 @@ private:
   std::deque<Out> out_;
   std::string error_text_;
   std::array<std::uint8_t, 4096> drain_{};
+  std::array<std::uint8_t, 16> in_tag_{};
+  std::unique_ptr<FrameGuard> guard_;
 };
 
 }  // namespace xdfs::xdsi

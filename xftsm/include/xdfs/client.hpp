@@ -15,6 +15,7 @@
 #include <string>
 
 #include "xdfs/error.hpp"
+#include "xdfs/xsec.hpp"
 
 namespace xdfs {
 
@@ -45,6 +46,17 @@ struct TransferOptions {
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};
+  /// xSec: how frames are protected (every channel is authenticated in every mode).
+  xsec::Protect protect = xsec::Protect::private_;
+  /// This client's private key; empty: <config>/id_x25519, made on first use (mode 0600).
+  /// <config> is $XDFS_CONFIG_DIR, else $XDG_CONFIG_HOME/xdfs, else ~/.config/xdfs.
+  std::string identity_file;
+  /// Pinned server keys; empty: <config>/known_hosts.
+  std::string known_hosts_file;
+  /// Refuse a server whose key is not pinned yet (default: pin it on first use, with a notice).
+  bool strict_host_key = false;
+  /// One-line notices for the user (a new key made, a server key pinned).
+  std::function<void(const std::string&)> notice;
   /// Set to true from any thread (a signal handler too) to cancel; partial files are removed.
   const std::atomic<bool>* cancel = nullptr;
 };
