@@ -407,3 +407,139 @@ xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std:
 }
 
 }  // namespace xt
+
+namespace xt {
+namespace {
+
+bool read_all(int fd, void* dst, std::size_t n) {
+  auto p = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+bool write_all(int fd, const void* src, std::size_t n) {
+  auto p = static_cast<const char*>(src);
+  while (n > 0) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+int connect_loopback(std::uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
+
+Relay::Relay(std::uint16_t target, xdfs::xsec::Protect mode) : target_(target), mode_(mode) {
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::listen(listen_fd_, 64);
+  socklen_t len = sizeof a;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+  port_ = ntohs(a.sin_port);
+  acceptor_ = std::thread([this] {
+    while (!stop_) {
+      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      std::lock_guard<std::mutex> g(mu_);
+      fds_.push_back(c);
+      workers_.emplace_back([this, c] { serve(c); });
+    }
+  });
+}
+
+Relay::~Relay() {
+  stop_ = true;
+  ::shutdown(listen_fd_, SHUT_RDWR);
+  ::close(listen_fd_);
+  acceptor_.join();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+  }
+  for (auto& t : workers_) t.join();
+  for (int fd : fds_) ::close(fd);
+}
+
+void Relay::serve(int client) {
+  int server = connect_loopback(target_);
+  if (server < 0) return;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    fds_.push_back(server);
+  }
+  // Client to server: the opening (preamble + NEGO frame) may be rewritten, the rest is copied.
+  std::thread up([this, client, server] {
+    std::vector<std::uint8_t> opening(8 + 24);
+    if (!read_all(client, opening.data(), opening.size())) return;
+    auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(opening.data() + 8, 24));
+    if (!h) return;
+    opening.resize(32 + h->length);
+    if (!read_all(client, opening.data() + 32, h->length)) return;
+    if (rewrite_opening) rewrite_opening(opening);
+    write_all(server, opening.data(), opening.size());
+    char buf[65536];
+    ssize_t n;
+    while ((n = ::recv(client, buf, sizeof buf, 0)) > 0)
+      if (!write_all(server, buf, static_cast<std::size_t>(n))) break;
+    ::shutdown(server, SHUT_WR);
+  });
+  // Server to client: frame by frame, so that the hook can tamper with protected frames.
+  std::size_t data_index = 0;
+  std::vector<std::uint8_t> held;
+  while (true) {
+    xdfs::wire::HeaderBytes hb{};
+    if (!read_all(server, hb.data(), hb.size())) break;
+    auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(hb));
+    if (!h) break;
+    const bool data = h->event == xdfs::wire::Event::xftsmu || h->event == xdfs::wire::Event::xftsmd;
+    std::size_t tag = 0;
+    if (h->event != xdfs::wire::Event::handshake) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
+    std::vector<std::uint8_t> frame(hb.begin(), hb.end());
+    frame.resize(24 + h->length + tag);
+    if (!read_all(server, frame.data() + 24, h->length + tag)) break;
+    Verdict v = Verdict::pass;
+    if (hook && h->event != xdfs::wire::Event::handshake) v = hook(*h, data ? data_index : SIZE_MAX);
+    if (data) ++data_index;
+    if (v == Verdict::cut) break;
+    if (v == Verdict::drop) continue;
+    if (v == Verdict::flip_payload_bit && h->length > 0) frame[24 + h->length / 2] ^= 0x10;
+    if (v == Verdict::flip_header_bit) frame[8] ^= 0x01;  // lowest bit of the offset field
+    if (v == Verdict::swap_with_next) {
+      held = std::move(frame);
+      continue;
+    }
+    if (!write_all(client, frame.data(), frame.size())) break;
+    if (v == Verdict::duplicate) write_all(client, frame.data(), frame.size());
+    if (!held.empty()) {
+      write_all(client, held.data(), held.size());
+      held.clear();
+    }
+  }
+  ::shutdown(client, SHUT_RDWR);
+  ::shutdown(server, SHUT_RDWR);
+  up.join();
+}
+
+}  // namespace xt

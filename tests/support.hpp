@@ -4,7 +4,9 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -139,5 +141,36 @@ xdfs::xsec::KeyPair test_identity();
 /// A negotiation header with sensible defaults for raw tests.
 xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,
                                   std::uint64_t file_size = 0);
+
+}  // namespace xt
+
+namespace xt {
+
+/// A man in the middle on loopback: forwards each connection to the server and lets a test
+/// rewrite the client's opening bytes or tamper with the server's frames.
+class Relay {
+public:
+  enum class Verdict { pass, drop, duplicate, flip_payload_bit, flip_header_bit, swap_with_next, cut };
+  /// Decides the fate of each server-to-client frame after the handshake (protected frames).
+  using Hook = std::function<Verdict(const xdfs::wire::FrameHeader& h, std::size_t data_index)>;
+
+  Relay(std::uint16_t target, xdfs::xsec::Protect mode);
+  ~Relay();
+  std::uint16_t port() const { return port_; }
+  std::function<void(std::vector<std::uint8_t>& opening)> rewrite_opening;
+  Hook hook;
+
+private:
+  void serve(int client);
+  int listen_fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::uint16_t target_;
+  xdfs::xsec::Protect mode_;
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::vector<std::thread> workers_;
+  std::vector<int> fds_;
+  std::atomic<bool> stop_{false};
+};
 
 }  // namespace xt

@@ -1,0 +1,467 @@
+// xSec: identities, Noise XX, joins, frame protection, and what a man in the middle can and
+// cannot do in each protection mode.
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "support.hpp"
+#include "xdfs/client.hpp"
+#include "xdfs/xsec.hpp"
+
+namespace xs = xdfs::xsec;
+namespace w = xdfs::wire;
+using xdfs::errc;
+
+namespace {
+
+xdfs::errc error_of(const std::function<void()>& fn, bool* remote = nullptr, std::string* what = nullptr) {
+  try {
+    fn();
+  } catch (const xdfs::TransferError& e) {
+    if (remote) *remote = e.remote();
+    if (what) *what = e.what();
+    return e.code();
+  }
+  return errc::ok;
+}
+
+struct Noise {
+  xs::KeyPair client = xs::KeyPair::generate();
+  xs::KeyPair server = xs::KeyPair::generate();
+};
+
+void check_no_partials(const std::string& dir) {
+  for (auto& name : xt::list_dir(dir)) {
+    INFO("left behind: " << name);
+    CHECK(name.find(".part") == std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("xsec") {
+
+TEST_CASE("Noise XX: both sides agree on keys and learn each other's identity") {
+  Noise k;
+  std::vector<std::uint8_t> prologue{1, 2, 3};
+  xs::NoiseXX i(true, k.client, prologue), r(false, k.server, prologue);
+  REQUIRE(r.read_message_1(i.write_message_1()));
+  auto m2 = r.write_message_2();
+  REQUIRE(i.read_message_2(m2));
+  CHECK(i.remote_static() == k.server.public_key);
+  REQUIRE(r.read_message_3(i.write_message_3()));
+  CHECK(r.remote_static() == k.client.public_key);
+  auto a = i.split(), b = r.split();
+  CHECK(a.send == b.recv);
+  CHECK(a.recv == b.send);
+  CHECK(a.send != a.recv);
+  CHECK(a.session_secret == b.session_secret);
+  // Fresh ephemerals: a second handshake between the same identities yields other keys.
+  xs::NoiseXX i2(true, k.client, prologue), r2(false, k.server, prologue);
+  REQUIRE(r2.read_message_1(i2.write_message_1()));
+  REQUIRE(i2.read_message_2(r2.write_message_2()));
+  REQUIRE(r2.read_message_3(i2.write_message_3()));
+  CHECK(i2.split().send != a.send);
+}
+
+TEST_CASE("Noise XX: a changed prologue (negotiation header) or a modified message fails") {
+  Noise k;
+  std::vector<std::uint8_t> sent{'p', 'r', 'i', 'v'}, seen{'c', 'l', 'e', 'a'};
+  xs::NoiseXX i(true, k.client, sent), r(false, k.server, seen);
+  REQUIRE(r.read_message_1(i.write_message_1()));
+  CHECK_FALSE(i.read_message_2(r.write_message_2()));
+
+  for (std::size_t at : {0u, 40u, 80u, 95u}) {
+    CAPTURE(at);
+    xs::NoiseXX i2(true, k.client, sent), r2(false, k.server, sent);
+    REQUIRE(r2.read_message_1(i2.write_message_1()));
+    auto m2 = r2.write_message_2();
+    m2[at] ^= 1;
+    CHECK_FALSE(i2.read_message_2(m2));
+  }
+  xs::NoiseXX i3(true, k.client, sent), r3(false, k.server, sent);
+  REQUIRE(r3.read_message_1(i3.write_message_1()));
+  REQUIRE(i3.read_message_2(r3.write_message_2()));
+  auto m3 = i3.write_message_3();
+  m3[10] ^= 4;
+  CHECK_FALSE(r3.read_message_3(m3));
+  CHECK_FALSE(r3.read_message_3(std::vector<std::uint8_t>(5)));
+  // A low-order point as ephemeral key is refused.
+  xs::NoiseXX r4(false, k.server, sent);
+  REQUIRE(r4.read_message_1(std::vector<std::uint8_t>(32, 0)));
+  CHECK(r4.write_message_2().empty());
+}
+
+TEST_CASE("joins: keys depend on the secret and both nonces; a recorded join proof does not replay") {
+  xs::Key32 secret{}, other{};
+  secret[0] = 1;
+  other[0] = 2;
+  std::vector<std::uint8_t> cn(32, 3), sn(32, 4), sn2(32, 5), opening{9, 9};
+  auto k = xs::derive_join_keys(secret, cn, sn, opening);
+  auto same = xs::derive_join_keys(secret, cn, sn, opening);
+  CHECK(k.client_to_server == same.client_to_server);
+  CHECK(k.client_to_server != k.server_to_client);
+  auto proof = xs::join_proof(k, "client", cn, sn);
+  // The server picks a fresh nonce each time: yesterday's proof fails today.
+  auto fresh = xs::derive_join_keys(secret, cn, sn2, opening);
+  CHECK_FALSE(xs::equal_constant_time(proof, xs::join_proof(fresh, "client", cn, sn2)));
+  // Another session's secret gives other keys and proofs.
+  auto wrong = xs::derive_join_keys(other, cn, sn, opening);
+  CHECK_FALSE(xs::equal_constant_time(proof, xs::join_proof(wrong, "client", cn, sn)));
+  // So does another negotiation header.
+  auto changed = xs::derive_join_keys(secret, cn, sn, std::vector<std::uint8_t>{9, 8});
+  CHECK(changed.client_to_server != k.client_to_server);
+  // Client and server proofs differ: a reflected proof is useless.
+  CHECK_FALSE(xs::equal_constant_time(proof, xs::join_proof(k, "server", cn, sn)));
+}
+
+TEST_CASE("frame protection: each mode detects what it claims") {
+  xs::Key32 a{}, b{};
+  a[0] = 1;
+  b[0] = 2;
+  for (auto mode : {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_}) {
+    for (auto cipher : {xs::Cipher::aes256gcm, xs::Cipher::chacha20poly1305}) {
+      CAPTURE(xs::to_string(mode));
+      CAPTURE(xs::to_string(cipher));
+      xs::FrameProtector tx(mode, cipher, a, b), rx(mode, cipher, b, a);
+      auto make = [](w::Event e, std::size_t len, std::uint64_t off) {
+        w::FrameHeader h;
+        h.event = e;
+        h.length = static_cast<std::uint32_t>(len);
+        h.offset = off;
+        return std::make_pair(w::encode(h), xt::random_bytes(len, off + 1));
+      };
+      struct Sealed {
+        w::HeaderBytes h;
+        std::vector<std::uint8_t> body;
+        std::array<std::uint8_t, 16> tag;
+      };
+      auto seal = [&](w::Event e, std::size_t len, std::uint64_t off) {
+        auto [h, body] = make(e, len, off);
+        Sealed s{h, body, {}};
+        tx.seal(s.h, s.body, s.tag.data());
+        return s;
+      };
+      const bool data_protected = mode != xs::Protect::clear;
+      auto d0 = seal(w::Event::xftsmd, 1000, 0);
+      auto d1 = seal(w::Event::xftsmd, 1000, 1000);
+      auto c2 = seal(w::Event::eofr, 0, 2000);
+      auto plain = make(w::Event::xftsmd, 1000, 0).second;
+      CHECK((d0.body == plain) == (mode != xs::Protect::private_));  // only private hides bytes
+
+      // In order and untouched: every frame opens and decrypts.
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x0 = d0, x1 = d1, x2 = c2;
+        CHECK(r.open(x0.h, x0.body, x0.tag.data()));
+        CHECK(x0.body == plain);
+        CHECK(r.open(x1.h, x1.body, x1.tag.data()));
+        CHECK(r.open(x2.h, x2.body, x2.tag.data()));
+      }
+      // A flipped payload bit.
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x0 = d0;
+        x0.body[10] ^= 1;
+        CHECK(r.open(x0.h, x0.body, x0.tag.data()) == !data_protected);
+      }
+      // A flipped bit in a control frame's header: caught in every mode.
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x0 = d0, x1 = d1, x2 = c2;
+        REQUIRE(r.open(x0.h, x0.body, x0.tag.data()));
+        REQUIRE(r.open(x1.h, x1.body, x1.tag.data()));
+        x2.h[9] ^= 1;
+        CHECK_FALSE(r.open(x2.h, x2.body, x2.tag.data()));
+      }
+      // Replay, reorder, drop: the counters catch them where frames carry tags; in clear mode the
+      // next control frame still notices that the count is off.
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x0 = d0, again = d0;
+        REQUIRE(r.open(x0.h, x0.body, x0.tag.data()));
+        CHECK(r.open(again.h, again.body, again.tag.data()) == !data_protected);
+      }
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x1 = d1;
+        CHECK(r.open(x1.h, x1.body, x1.tag.data()) == !data_protected);  // d1 before d0
+      }
+      {
+        xs::FrameProtector r(mode, cipher, b, a);
+        auto x0 = d0, x2 = c2;  // d1 dropped
+        REQUIRE(r.open(x0.h, x0.body, x0.tag.data()));
+        CHECK_FALSE(r.open(x2.h, x2.body, x2.tag.data()));
+      }
+    }
+  }
+}
+
+TEST_CASE("key files: made 0600 in a 0700 directory; loose permissions refused") {
+  xt::TempDir dir;
+  bool created = false;
+  auto k = xs::load_or_create_key(dir / "sub/id", &created);
+  CHECK(created);
+  struct stat st {};
+  REQUIRE(::stat((dir / "sub/id").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  REQUIRE(::stat((dir / "sub").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0700);
+  CHECK(xs::load_or_create_key(dir / "sub/id", &created).public_key == k.public_key);
+  CHECK_FALSE(created);
+  for (mode_t m : {0644, 0640, 0604, 0660}) {
+    CAPTURE(m);
+    ::chmod((dir / "sub/id").c_str(), m);
+    try {
+      xs::load_key(dir / "sub/id");
+      FAIL("a loose key file was accepted");
+    } catch (const xdfs::Error& e) {
+      CHECK(e.code() == errc::insecure_key_file);
+      CHECK(std::string(e.what()).find("chmod 600") != std::string::npos);
+    }
+  }
+  xt::write_file(dir / "junk", "not a key");
+  ::chmod((dir / "junk").c_str(), 0600);
+  CHECK_THROWS_AS(xs::load_key(dir / "junk"), xdfs::Error);
+  CHECK(xs::parse_public(xs::format_public(k.public_key)) == k.public_key);
+  CHECK_FALSE(xs::parse_public("xdfs-x25519 AAAA").has_value());
+  CHECK_FALSE(xs::parse_public("ssh-ed25519 AAAA").has_value());
+}
+
+TEST_CASE("authorized keys: permissions and clear errors for bad lines") {
+  auto a = xs::KeyPair::generate(), b = xs::KeyPair::generate(), c = xs::KeyPair::generate();
+  auto keys = xs::AuthorizedKeys::parse("# comment\n\n" + xs::format_public(a.public_key) + " rw\n" +
+                                            xs::format_public(b.public_key) + " ro subdir=pub  # reader\n",
+                                        "ak");
+  REQUIRE(keys.find(a.public_key));
+  CHECK(keys.find(a.public_key)->write);
+  REQUIRE(keys.find(b.public_key));
+  CHECK_FALSE(keys.find(b.public_key)->write);
+  CHECK(keys.find(b.public_key)->subdir == "pub");
+  CHECK(keys.find(c.public_key) == nullptr);
+  try {
+    xs::AuthorizedKeys::parse(xs::format_public(a.public_key) + "\nxdfs-x25519 nonsense\n", "ak");
+    FAIL("bad line accepted");
+  } catch (const xdfs::Error& e) {
+    CHECK(std::string(e.what()).find("ak:2") != std::string::npos);
+  }
+  CHECK_THROWS_AS(xs::AuthorizedKeys::parse(xs::format_public(a.public_key) + " rwx\n", "ak"), xdfs::Error);
+}
+
+TEST_CASE("authentication end to end: unknown client, unknown or changed server, read-only, confinement") {
+  xt::TempDir root, local, state;
+  auto me = xt::test_identity();
+  auto reader = xs::KeyPair::generate();
+  const std::string stranger_dir = local / "stranger";
+  ::mkdir((root / "pub").c_str(), 0755);
+  xt::write_file(root / "pub/readme", "public words");
+  xt::write_file(root / "secret", "not for readers");
+  xt::write_file(state / "authorized_keys", xs::format_public(me.public_key) + " rw\n" +
+                                                xs::format_public(reader.public_key) + " ro subdir=pub\n");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.state_dir = state.path();
+  xt::InProcessServer srv(cfg);
+  const xdfs::Endpoint ep{"127.0.0.1", srv.port()};
+  xt::write_random_file(local / "f", 70000, 1);
+  bool remote = false;
+  std::string what;
+
+  SUBCASE("an unknown client key is refused by the server") {
+    xdfs::TransferOptions o;
+    o.identity_file = stranger_dir + "/id";
+    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(remote);
+    CHECK(what.find("not in the server's authorized keys") != std::string::npos);
+    CHECK_FALSE(xt::exists(root / "f"));
+  }
+  SUBCASE("strict host key: an unknown server is refused, a pinned one accepted, a changed one refused") {
+    xdfs::TransferOptions o;
+    o.known_hosts_file = local / "kh";
+    o.strict_host_key = true;
+    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
+    CHECK_FALSE(remote);
+    CHECK(what.find("unknown server key") != std::string::npos);
+    CHECK_FALSE(xt::exists(root / "f"));
+    // Trust on first use pins it, with a notice.
+    o.strict_host_key = false;
+    std::string notice;
+    o.notice = [&](const std::string& s) { notice = s; };
+    xdfs::upload(local / "f", ep, "f", o);
+    CHECK(notice.find("pinned") != std::string::npos);
+    o.strict_host_key = true;
+    xdfs::upload(local / "f", ep, "f2", o);
+    CHECK(xt::files_equal(local / "f", root / "f2"));
+    // Another key at the same address is refused even without strict mode.
+    xt::write_file(local / "kh", "127.0.0.1:" + std::to_string(srv.port()) + " " +
+                                     xs::format_public(xs::KeyPair::generate().public_key) + "\n");
+    o.strict_host_key = false;
+    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f3", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(what.find("changed") != std::string::npos);
+    CHECK_FALSE(xt::exists(root / "f3"));
+  }
+  SUBCASE("a read-only key downloads, cannot upload, and sees only its subdirectory") {
+    xdfs::TransferOptions o;
+    o.identity_file = local / "reader-id";
+    auto made = xs::load_or_create_key(o.identity_file);
+    xt::write_file(state / "authorized_keys", xs::format_public(made.public_key) + " ro subdir=pub\n");
+    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::permission_denied);
+    CHECK(remote);
+    xdfs::download(ep, "readme", local / "readme", o);
+    CHECK(xt::read_file(local / "readme") == "public words");
+    CHECK(error_of([&] { xdfs::download(ep, "../secret", local / "s", o); }) == errc::path_escape);
+    CHECK(error_of([&] { xdfs::download(ep, "secret", local / "s", o); }) == errc::no_such_file);
+    CHECK_FALSE(xt::exists(local / "s"));
+  }
+  SUBCASE("a client key file others can read is refused before connecting") {
+    xdfs::TransferOptions o;
+    o.identity_file = local / "loose";
+    xs::load_or_create_key(o.identity_file);
+    ::chmod(o.identity_file.c_str(), 0644);
+    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == errc::insecure_key_file);
+  }
+}
+
+TEST_CASE("a channel presenting another session's secret cannot join") {
+  xt::TempDir root;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.join_timeout = std::chrono::milliseconds(1500);
+  xt::InProcessServer srv(cfg);
+  auto victim = xt::make_nego(xdfs::Mode::upload, "v", 2, 0, 10);
+  xt::RawChannel a(srv.port());
+  REQUIRE(a.establish(victim));
+  auto other = xt::make_nego(xdfs::Mode::upload, "o", 2, 0, 10);
+  xt::RawChannel b(srv.port());
+  REQUIRE(b.establish(other));
+  REQUIRE(a.session_secret() != b.session_secret());
+
+  // Channel 1 of the victim's session, keyed with the other session's secret.
+  auto join = victim;
+  join.channel_index = 1;
+  join.join = true;
+  join.join_nonce = xt::random_bytes(32, 11);
+  xt::RawChannel c(srv.port());
+  c.send_nego(join);
+  auto answer = c.read_frame();
+  REQUIRE(answer.has_value());
+  REQUIRE(answer->first.event == w::Event::handshake);
+  REQUIRE(answer->second.size() == 64);
+  std::span<const std::uint8_t> sn(answer->second.data(), 32);
+  auto keys = xs::derive_join_keys(b.session_secret(), join.join_nonce, sn, c.opening());
+  // The server's proof does not verify under the wrong secret either.
+  CHECK_FALSE(xs::equal_constant_time(xs::join_proof(keys, "server", join.join_nonce, sn),
+                                      std::span<const std::uint8_t>(answer->second.data() + 32, 32)));
+  auto proof = xs::join_proof(keys, "client", join.join_nonce, sn);
+  w::FrameHeader h;
+  h.event = w::Event::handshake;
+  h.length = 32;
+  c.send_frame(h, std::vector<std::uint8_t>(proof.begin(), proof.end()));
+  CHECK(c.wait_closed());
+  CHECK(srv.wait_for_log("refused channel 1: authentication failed"));
+  // The victim's session never got its second channel.
+  auto ex = a.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::timeout);
+  CHECK_FALSE(xt::exists(root / "v"));
+}
+
+TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no file is kept") {
+  xt::TempDir root, local;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  const std::uint32_t bs = 64 * 1024;
+  xt::write_random_file(root / "src", 8 * bs + 100, 5);
+
+  auto download_via = [&](xt::Relay& relay, xs::Protect mode) {
+    xdfs::TransferOptions o;
+    o.protect = mode;
+    o.block_size = bs;
+    o.ring_bytes = 4 * bs;
+    o.known_hosts_file = local / "kh";
+    o.idle_timeout = std::chrono::milliseconds(5000);
+    return error_of([&] { xdfs::download({"127.0.0.1", relay.port()}, "src", local / "dst", o); });
+  };
+
+  SUBCASE("an untouched relay changes nothing") {
+    for (auto mode : {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_}) {
+      xt::Relay relay(srv.port(), mode);
+      CHECK(download_via(relay, mode) == errc::ok);
+      CHECK(xt::files_equal(root / "src", local / "dst"));
+      ::unlink((local / "dst").c_str());
+    }
+  }
+  SUBCASE("lowering the protection in the negotiation header breaks the handshake") {
+    for (auto mode : {xs::Protect::integrity, xs::Protect::private_}) {
+      xt::Relay relay(srv.port(), mode);
+      relay.rewrite_opening = [](std::vector<std::uint8_t>& opening) {
+        auto n = w::decode_negotiation(std::span<const std::uint8_t>(opening.data() + 32, opening.size() - 32));
+        REQUIRE(n.has_value());
+        n->protect = static_cast<std::uint8_t>(xs::Protect::clear);
+        auto payload = w::encode(*n);
+        w::FrameHeader h;
+        h.event = w::Event::nego;
+        h.length = static_cast<std::uint32_t>(payload.size());
+        auto hb = w::encode(h);
+        opening.resize(8);
+        opening.insert(opening.end(), hb.begin(), hb.end());
+        opening.insert(opening.end(), payload.begin(), payload.end());
+      };
+      CHECK(download_via(relay, mode) == errc::auth_failed);
+      CHECK_FALSE(xt::exists(local / "dst"));
+    }
+  }
+  SUBCASE("clear mode does not claim to protect data: the relay really does change bytes") {
+    xt::Relay relay(srv.port(), xs::Protect::clear);
+    relay.hook = [](const w::FrameHeader&, std::size_t data_index) {
+      return data_index == 2 ? xt::Relay::Verdict::flip_payload_bit : xt::Relay::Verdict::pass;
+    };
+    CHECK(download_via(relay, xs::Protect::clear) == errc::ok);
+    CHECK_FALSE(xt::files_equal(root / "src", local / "dst"));
+  }
+  SUBCASE("tampering with frames") {
+    using V = xt::Relay::Verdict;
+    struct Case {
+      const char* name;
+      V verdict;
+      bool on_control;  // tamper with the EOFR frame instead of the third data frame
+      std::vector<xs::Protect> modes;
+      std::vector<errc> expect;
+    };
+    const std::vector<Case> cases{
+        {"flip a payload bit", V::flip_payload_bit, false, {xs::Protect::integrity, xs::Protect::private_},
+         {errc::integrity_error}},
+        {"flip a control frame bit", V::flip_header_bit, true,
+         {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_}, {errc::integrity_error}},
+        {"replay a frame", V::duplicate, false, {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_},
+         {errc::integrity_error, errc::protocol_error}},
+        {"drop a frame", V::drop, false, {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_},
+         {errc::integrity_error}},
+        {"reorder two frames", V::swap_with_next, false, {xs::Protect::integrity, xs::Protect::private_},
+         {errc::integrity_error}},
+        {"cut the stream", V::cut, false, {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_},
+         {errc::peer_aborted}},
+    };
+    for (const auto& c : cases) {
+      for (auto mode : c.modes) {
+        CAPTURE(c.name);
+        CAPTURE(xs::to_string(mode));
+        xt::Relay relay(srv.port(), mode);
+        relay.hook = [&c](const w::FrameHeader& h, std::size_t data_index) {
+          const bool target = c.on_control ? h.event == w::Event::eofr : data_index == 2;
+          return target ? c.verdict : V::pass;
+        };
+        auto got = download_via(relay, mode);
+        CHECK_MESSAGE(std::find(c.expect.begin(), c.expect.end(), got) != c.expect.end(),
+                      "got " << xdfs::to_string(got));
+        CHECK_FALSE(xt::exists(local / "dst"));
+        check_no_partials(local.path());
+      }
+    }
+  }
+}
+
+}  // TEST_SUITE
