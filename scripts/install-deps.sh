@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing xDFS needs, from Debian packages, only if missing.
 set -euo pipefail
-pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libfmt-dev capnproto libcapnp-dev doctest-dev)
+pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libfmt-dev capnproto libcapnp-dev doctest-dev
+      clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

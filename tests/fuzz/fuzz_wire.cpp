@@ -1,0 +1,49 @@
+// libFuzzer harness for the frame and control-message parsers: everything a peer can send
+// before and after the handshake goes through these functions.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "xdfs/wire.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size == 0) return 0;
+  namespace w = xdfs::wire;
+  const std::uint8_t which = data[0] % 5;
+  std::span<const std::uint8_t> rest(data + 1, size - 1);
+  std::string why;
+  switch (which) {
+    case 0:
+      if (rest.size() >= w::frame_header_size) {
+        auto h = w::decode(std::span<const std::uint8_t, w::frame_header_size>(rest.data(), w::frame_header_size), &why);
+        if (h) {
+          auto again = w::encode(*h);
+          auto h2 = w::decode(std::span<const std::uint8_t, w::frame_header_size>(again), &why);
+          if (!h2 || h2->length != h->length || h2->offset != h->offset) __builtin_trap();
+        }
+      }
+      break;
+    case 1:
+      if (auto n = w::decode_negotiation(rest, &why)) {
+        // Whatever decodes must encode and decode to the same thing.
+        auto again = w::decode_negotiation(w::encode(*n), &why);
+        if (!again || !(*again == *n)) __builtin_trap();
+      }
+      break;
+    case 2:
+      (void)w::decode_reply(rest, &why);
+      break;
+    case 3:
+      if (auto e = w::decode_exception(rest, &why)) {
+        if (e->code == xdfs::errc::ok || e->message.size() > 512) __builtin_trap();
+        for (char c : e->message)
+          if (static_cast<unsigned char>(c) < 0x20) __builtin_trap();
+      }
+      break;
+    case 4:
+      if (rest.size() >= w::preamble_size)
+        (void)w::decode_preamble(std::span<const std::uint8_t, w::preamble_size>(rest.data(), w::preamble_size));
+      break;
+  }
+  return 0;
+}
