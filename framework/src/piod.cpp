@@ -1,6 +1,7 @@
 #include "xdfs/piod.hpp"
 
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -32,17 +33,16 @@ bool EventFd::drain() noexcept {
   return ::read(fd_, &v, sizeof v) == static_cast<ssize_t>(sizeof v);
 }
 
-void BlockPipe::FreeDeleter::operator()(std::uint8_t* p) const noexcept { std::free(p); }
+void PoolDeleter::operator()(std::uint8_t* p) const noexcept { ::munmap(p, bytes); }
 
 BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
-    : block_size_(block_size), slots_(slots), forth_(slots), back_(slots) {
+    : block_size_(block_size), slots_(slots), memory_(nullptr, PoolDeleter{0}), forth_(slots), back_(slots) {
   const std::size_t bytes = static_cast<std::size_t>(block_size) * slots;
-  void* mem = nullptr;
-  // Page-aligned so the buffers suit O_DIRECT later and never straddle cache lines oddly.
-  if (::posix_memalign(&mem, 4096, bytes) != 0) throw std::bad_alloc();
-  memory_.reset(static_cast<std::uint8_t*>(mem));
-  // Touch every page now (not on the hot path) and give memory sources defined bytes.
-  std::memset(mem, 0, bytes);
+  // Anonymous pages: page-aligned, zero-filled (memory sources send defined bytes) and faulted
+  // in only when a slot is first used, so a small transfer never pays for the whole pool.
+  void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) throw std::bad_alloc();
+  memory_ = std::unique_ptr<std::uint8_t, PoolDeleter>(static_cast<std::uint8_t*>(mem), PoolDeleter{bytes});
 }
 
 BlockPipe::~BlockPipe() = default;

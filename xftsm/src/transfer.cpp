@@ -16,6 +16,13 @@ namespace {
 
 constexpr std::uint8_t max_per_channel = 2;
 
+// The pool never needs more slots than the file has blocks (a small file, a small pool), and
+// always has two so that reading and sending overlap.
+std::uint32_t pool_slots(const TransferParams& p) {
+  const std::uint64_t blocks = (p.file_size + p.block_size - 1) / p.block_size;
+  return static_cast<std::uint32_t>(std::max<std::uint64_t>(std::min<std::uint64_t>(p.slots, blocks), 2));
+}
+
 std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   if (ec == werr::eof) return "channel " + std::to_string(ch.index()) + " closed by the peer";
   if (ec == werr::connection_reset) return "channel " + std::to_string(ch.index()) + " reset by the peer";
@@ -57,7 +64,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       channels_(channels),
       host_(host),
       params_(p),
-      pipe_(p.block_size, std::max<std::uint32_t>(p.slots, 2)),
+      pipe_(p.block_size, pool_slots(p)),
       wake_(io, ::dup(pipe_.net_wake().fd())),
       watchdog_(io),
       linger_(io),

@@ -112,6 +112,12 @@ struct Source {
   bool zero = false;       ///< memory source: zero-filled blocks, no reads
 };
 
+/// Unmaps a block pool.
+struct PoolDeleter {
+  std::size_t bytes;
+  void operator()(std::uint8_t* p) const noexcept;
+};
+
 /// The shared state between one network thread and one disk thread.
 class BlockPipe {
 public:
@@ -150,12 +156,9 @@ public:
   const std::string& error_text() const noexcept { return error_text_; }
 
 private:
-  struct FreeDeleter {
-    void operator()(std::uint8_t* p) const noexcept;
-  };
   std::uint32_t block_size_;
   std::uint32_t slots_;
-  std::unique_ptr<std::uint8_t, FreeDeleter> memory_;
+  std::unique_ptr<std::uint8_t, PoolDeleter> memory_;
   SpscRing<Block> forth_;  // net -> disk
   SpscRing<Block> back_;   // disk -> net
   std::atomic<std::uint32_t> disk_seq_{0};
