@@ -403,6 +403,9 @@ xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std:
   g.block_size = 64 * 1024;
   g.file_size = file_size;
   g.window = 16 * 64 * 1024;
+  // Raw tests speak the protocol by hand: clear mode keeps data frames as plain blocks (control
+  // frames are still authenticated).
+  g.protect = 0;
   return g;
 }
 

@@ -267,12 +267,12 @@ TEST_CASE("EventFd notify and drain") {
   CHECK_FALSE(e.drain());
 }
 
-TEST_CASE("BlockPipe slots are distinct and block-sized") {
+TEST_CASE("BlockPipe slots are distinct and hold a block plus room for its tag") {
   BlockPipe pipe(4096, 16);
   CHECK(pipe.block_size() == 4096);
   CHECK(pipe.slots() == 16);
   for (std::uint32_t s = 1; s < 16; ++s)
-    CHECK(pipe.slot_data(s) - pipe.slot_data(s - 1) == 4096);
+    CHECK(pipe.slot_data(s) - pipe.slot_data(s - 1) == 4096 + xdfs::piod::slot_tag_room);
   CHECK(reinterpret_cast<std::uintptr_t>(pipe.slot_data(0)) % 4096 == 0);
   CHECK_FALSE(pipe.failed());
   CHECK(pipe.error_code() == errc::ok);

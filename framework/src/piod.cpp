@@ -37,7 +37,7 @@ void PoolDeleter::operator()(std::uint8_t* p) const noexcept { ::munmap(p, bytes
 
 BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
     : block_size_(block_size), slots_(slots), memory_(nullptr, PoolDeleter{0}), forth_(slots), back_(slots) {
-  const std::size_t bytes = static_cast<std::size_t>(block_size) * slots;
+  const std::size_t bytes = static_cast<std::size_t>(block_size + slot_tag_room) * slots;
   // Anonymous pages: page-aligned, zero-filled (memory sources send defined bytes) and faulted
   // in only when a slot is first used, so a small transfer never pays for the whole pool.
   void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -157,6 +157,15 @@ void DiskWriter::run() {
       pipe_.disk_wait(seen);
       continue;
     }
+    if (sink_.opener) {
+      for (const auto& blk : batch) {
+        if (!sink_.opener->open(pipe_.slot_data(blk.slot), blk.length, blk.offset)) {
+          pipe_.set_error(errc::integrity_error,
+                          "block at offset " + std::to_string(blk.offset) + " failed its integrity check");
+          return;
+        }
+      }
+    }
     if (sink_.seekable || sink_.discard) {
       // Blocks arrive from n channels roughly in order: write each contiguous run in one call.
       std::size_t start = 0;
@@ -242,6 +251,8 @@ void DiskReader::run() {
       }
     }
     next_ = off;
+    if (source_.sealer)
+      for (std::size_t i = 0; i < n; ++i) source_.sealer->seal(pipe_.slot_data(batch[i].slot), batch[i].length, batch[i].offset);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
   }

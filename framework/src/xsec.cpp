@@ -473,6 +473,15 @@ bool equal_constant_time(std::span<const std::uint8_t> a, std::span<const std::u
 // ---------------------------------------------------------------------------------------------
 // Frame protection
 
+namespace {
+// A separate key for MACs, so that one key never serves two primitives.
+Key32 mac_subkey(const Key32& k) {
+  static constexpr char label[] = "xdfs frame mac v1";
+  return hmac(k, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(label), sizeof label - 1));
+}
+bool is_data(wire::Event e) { return e == wire::Event::xftsmu || e == wire::Event::xftsmd; }
+}  // namespace
+
 FrameProtector::FrameProtector(Protect mode, Cipher cipher, const Key32& send_key, const Key32& recv_key)
     : mode_(mode), cipher_(cipher) {
   if (mode == Protect::private_) {
@@ -481,12 +490,11 @@ FrameProtector::FrameProtector(Protect mode, Cipher cipher, const Key32& send_ke
     dec_ = Botan::AEAD_Mode::create_or_throw(name, Botan::DECRYPTION);
     enc_->set_key(send_key.data(), send_key.size());
     dec_->set_key(recv_key.data(), recv_key.size());
-  } else {
-    mac_send_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
-    mac_recv_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
-    send_key_ = send_key;
-    recv_key_ = recv_key;
   }
+  mac_send_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
+  mac_recv_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
+  send_key_ = mac_subkey(send_key);
+  recv_key_ = mac_subkey(recv_key);
 }
 
 FrameProtector::~FrameProtector() = default;
@@ -506,12 +514,14 @@ void FrameProtector::seal(const wire::HeaderBytes& header, std::span<std::uint8_
   const auto n = nonce(send_n_++);
   const auto ev = static_cast<wire::Event>(header[0]);
   if (tag_bytes(ev) == 0) return;  // clear data frame: counted, not protected
-  if (mode_ != Protect::private_) {
-    // Botan 2's GMAC forgets its key at final(): key it for every frame (a cheap AES key schedule).
+  if (mode_ != Protect::private_ || is_data(ev)) {
+    // A data frame's payload ends with its block's own tag (made on the disk thread): covering
+    // that tag covers the data. Botan 2's GMAC forgets its key at final(): key it every frame.
+    auto covered = is_data(ev) ? payload.last(std::min<std::size_t>(payload.size(), tag_size)) : payload;
     mac_send_->set_key(send_key_.data(), send_key_.size());
     mac_send_->start(n.data(), n.size());
     mac_send_->update(header.data(), header.size());
-    mac_send_->update(payload.data(), payload.size());
+    mac_send_->update(covered.data(), covered.size());
     mac_send_->final(tag);
     return;
   }
@@ -530,12 +540,13 @@ bool FrameProtector::open(const wire::HeaderBytes& header, std::span<std::uint8_
   const auto n = nonce(recv_n_++);
   const auto ev = static_cast<wire::Event>(header[0]);
   if (tag_bytes(ev) == 0) return true;
-  if (mode_ != Protect::private_) {
+  if (mode_ != Protect::private_ || is_data(ev)) {
+    auto covered = is_data(ev) ? payload.last(std::min<std::size_t>(payload.size(), tag_size)) : payload;
     std::uint8_t expect[tag_size];
     mac_recv_->set_key(recv_key_.data(), recv_key_.size());
     mac_recv_->start(n.data(), n.size());
     mac_recv_->update(header.data(), header.size());
-    mac_recv_->update(payload.data(), payload.size());
+    mac_recv_->update(covered.data(), covered.size());
     mac_recv_->final(expect);
     return Botan::constant_time_compare(expect, tag, tag_size);
   }
@@ -549,6 +560,100 @@ bool FrameProtector::open(const wire::HeaderBytes& header, std::span<std::uint8_
     last.insert(last.end(), tag, tag + tag_size);
     dec_->finish(last);
     std::memcpy(payload.data() + bulk, last.data(), payload.size() - bulk);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace xdfs::xsec
+
+// ---------------------------------------------------------------------------------------------
+// Block payloads
+
+namespace xdfs::xsec {
+
+Key32 data_key(const Key32& session_secret, bool client_to_server) {
+  auto kdf = Botan::KDF::create_or_throw("HKDF(SHA-256)");
+  const std::string label = client_to_server ? "xdfs data c2s v1" : "xdfs data s2c v1";
+  auto out = kdf->derive_key(32, session_secret.data(), session_secret.size(), nullptr, 0,
+                             reinterpret_cast<const std::uint8_t*>(label.data()), label.size());
+  Key32 k;
+  std::memcpy(k.data(), out.data(), 32);
+  return k;
+}
+
+namespace {
+// A block is sealed once per session direction, so its offset is a unique nonce; the associated
+// data binds offset and length.
+std::array<std::uint8_t, 12> block_nonce(std::uint64_t offset) {
+  std::array<std::uint8_t, 12> n{'b', 'l', 'k', 0};
+  for (int i = 0; i < 8; ++i) n[4 + i] = static_cast<std::uint8_t>(offset >> (8 * i));
+  return n;
+}
+std::array<std::uint8_t, 12> block_ad(std::uint64_t offset, std::uint32_t len) {
+  std::array<std::uint8_t, 12> a{};
+  for (int i = 0; i < 8; ++i) a[i] = static_cast<std::uint8_t>(offset >> (8 * i));
+  for (int i = 0; i < 4; ++i) a[8 + i] = static_cast<std::uint8_t>(len >> (8 * i));
+  return a;
+}
+}  // namespace
+
+BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(mode), key_(key) {
+  if (mode == Protect::private_) {
+    enc_ = Botan::AEAD_Mode::create_or_throw(to_string(cipher), Botan::ENCRYPTION);
+    dec_ = Botan::AEAD_Mode::create_or_throw(to_string(cipher), Botan::DECRYPTION);
+    enc_->set_key(key.data(), key.size());
+    dec_->set_key(key.data(), key.size());
+  } else {
+    mac_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
+  }
+}
+
+BlockCrypto::~BlockCrypto() = default;
+
+void BlockCrypto::seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
+  const auto n = block_nonce(offset);
+  const auto ad = block_ad(offset, len);
+  if (mode_ != Protect::private_) {
+    mac_->set_key(key_.data(), key_.size());
+    mac_->start(n.data(), n.size());
+    mac_->update(ad.data(), ad.size());
+    mac_->update(data, len);
+    mac_->final(data + len);
+    return;
+  }
+  enc_->set_associated_data(ad.data(), ad.size());
+  enc_->start(n.data(), n.size());
+  const std::size_t g = enc_->update_granularity();
+  const std::size_t bulk = len / g * g;
+  if (bulk) enc_->process(data, bulk);
+  Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
+  enc_->finish(last);
+  std::memcpy(data + bulk, last.data(), last.size());  // the rest of the data, then the tag
+}
+
+bool BlockCrypto::open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
+  const auto n = block_nonce(offset);
+  const auto ad = block_ad(offset, len);
+  if (mode_ != Protect::private_) {
+    std::uint8_t expect[xsec::tag_size];
+    mac_->set_key(key_.data(), key_.size());
+    mac_->start(n.data(), n.size());
+    mac_->update(ad.data(), ad.size());
+    mac_->update(data, len);
+    mac_->final(expect);
+    return Botan::constant_time_compare(expect, data + len, xsec::tag_size);
+  }
+  try {
+    dec_->set_associated_data(ad.data(), ad.size());
+    dec_->start(n.data(), n.size());
+    const std::size_t g = dec_->update_granularity();
+    const std::size_t bulk = len / g * g;
+    if (bulk) dec_->process(data, bulk);
+    Botan::secure_vector<std::uint8_t> last(data + bulk, data + len + xsec::tag_size);
+    dec_->finish(last);
+    std::memcpy(data + bulk, last.data(), last.size());
     return true;
   } catch (const std::exception&) {
     return false;

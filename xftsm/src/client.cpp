@@ -338,15 +338,24 @@ private:
       p.window = reply_->window;
       p.data_event = wire::Event::xftsmu;
       sender_ = std::make_unique<Sender>(io_, machine_, channels_, *this, p,
-                                         piod::Source{source_.get(), size_, memory_source_});
+                                         piod::Source{source_.get(), size_, memory_source_, crypto(true)});
       sender_->start();
     } else {
       size_ = reply_->file_size;
       p.file_size = size_;
       p.data_event = wire::Event::xftsmd;
+      sink_.opener = crypto(false);
       receiver_ = std::make_unique<Receiver>(io_, machine_, channels_, *this, p, sink_);
       receiver_->start();
     }
+  }
+
+  // The block protection of this session's data direction (none in clear mode).
+  xsec::BlockCrypto* crypto(bool client_to_server) {
+    if (opt_.protect == xsec::Protect::clear) return nullptr;
+    block_crypto_ = std::make_unique<xsec::BlockCrypto>(opt_.protect, static_cast<xsec::Cipher>(nego_.cipher),
+                                                        xsec::data_key(secret_, client_to_server));
+    return block_crypto_.get();
   }
 
   void channel_lost(xdsi::Channel& ch, const ErrorCode& ec) {
@@ -419,6 +428,7 @@ private:
   files::PendingFile pending_;
   piod::Sink sink_;
   std::uint64_t size_ = 0;
+  std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
   Clock::time_point start_;

@@ -152,6 +152,16 @@ private:
 
   int root_fd() const noexcept { return confined_root_ ? confined_root_.get() : env_.root_fd; }
 
+  // The block protection of this session's data direction (none in clear mode).
+  xsec::BlockCrypto* crypto() {
+    const auto mode = static_cast<xsec::Protect>(nego_.protect);
+    if (mode == xsec::Protect::clear) return nullptr;
+    if (!block_crypto_)
+      block_crypto_ = std::make_unique<xsec::BlockCrypto>(mode, static_cast<xsec::Cipher>(nego_.cipher),
+                                                          xsec::data_key(secret_, nego_.mode == Mode::upload));
+    return block_crypto_.get();
+  }
+
   // A channel finished its handshake (or failed it).
   void secured(std::uint32_t idx, xsec::HandshakeResult r, bool first) {
     if (machine_.finished()) return;
@@ -200,7 +210,7 @@ private:
     if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;
       p.data_event = wire::Event::xftsmu;
-      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{-1, true, true});
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{-1, true, true, crypto()});
       reply.window = receiver_->window();
       send_reply(reply);
       receiver_->start();
@@ -212,7 +222,7 @@ private:
       p.window = nego_.window;
       p.data_event = wire::Event::xftsmd;
       reply.file_size = p.file_size;
-      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p, piod::Source{-1, p.file_size, true});
+      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p, piod::Source{-1, p.file_size, true, crypto()});
       send_reply(reply);
       sender_->start();
     } else if (nego_.mode == Mode::upload) {
@@ -224,7 +234,7 @@ private:
         return fail_early(st.code, st.message, Event::local_error);
       p.file_size = nego_.file_size;
       p.data_event = wire::Event::xftsmu;
-      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{pending_.fd(), true, false});
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{pending_.fd(), true, false, crypto()});
       reply.window = receiver_->window();
       send_reply(reply);
       receiver_->start();
@@ -245,7 +255,7 @@ private:
       p.data_event = wire::Event::xftsmd;
       reply.file_size = p.file_size;
       sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p,
-                                         piod::Source{source_.get(), p.file_size, false});
+                                         piod::Source{source_.get(), p.file_size, false, crypto()});
       send_reply(reply);
       sender_->start();
     }
@@ -302,6 +312,7 @@ private:
   Clock::time_point start_;
   files::PendingFile pending_;
   files::Fd source_;
+  std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
   bool reported_ = false;

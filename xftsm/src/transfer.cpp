@@ -232,10 +232,12 @@ void Sender::pump() {
     queued_ += b.length;
     FrameHeader h;
     h.event = params_.data_event;
-    h.length = b.length;
+    // The disk thread has sealed the block: its tag follows the data in the slot.
+    const auto tag = static_cast<std::uint32_t>(source_.sealer ? source_.sealer->tag_size() : 0);
+    h.length = b.length + tag;
     h.offset = b.offset;
     auto& ch = *channels_[pick];
-    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), b.length),
+    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), b.length + tag),
             [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
               if (machine_.finished()) return;
               if (ec) return channel_error(ch, ec);
@@ -363,7 +365,8 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   const std::uint64_t size = params_.file_size;
   const bool aligned = h.offset % bs == 0 && h.offset < size;
   const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
-  if (eofr_[idx] || !aligned || h.length != expect)
+  const std::uint64_t tag = sink_.opener ? sink_.opener->tag_size() : 0;
+  if (eofr_[idx] || !aligned || h.length != expect + tag)
     return fail(errc::protocol_error,
                 "bad block on channel " + std::to_string(idx) + ": offset " + std::to_string(h.offset) + " length " +
                     std::to_string(h.length) + " in a file of " + std::to_string(size) + " bytes",
@@ -390,8 +393,10 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           if (ec) return channel_error(ch, ec);
                           touch();
                           if (!fire(Event::block_received)) return;
-                          received_ += h.length;
-                          pipe_.to_disk(piod::Block{slot, h.length, h.offset});
+                          // The disk thread checks the block's own tag before writing it.
+                          const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
+                          received_ += h.length - tag;
+                          pipe_.to_disk(piod::Block{slot, h.length - tag, h.offset});
                           read_loop(ch);
                         });
 }

@@ -98,11 +98,28 @@ private:
   int fd_ = -1;
 };
 
+/// Protects block payloads on the disk threads, so that bulk cryptography runs beside the
+/// network thread instead of on it. Each instance is used by one disk thread only.
+class BlockSealer {
+public:
+  virtual ~BlockSealer() = default;
+  /// Bytes of tag stored right after a block's data.
+  virtual std::size_t tag_size() const noexcept = 0;
+  /// Protects data[0, len) in place and writes the tag at data + len.
+  virtual void seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) = 0;
+  /// Checks (and decrypts in place) the block whose tag is at data + len.
+  virtual bool open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) = 0;
+};
+
+/// Slack after every slot for a block's tag.
+inline constexpr std::uint32_t slot_tag_room = 64;
+
 /// Where received bytes go.
 struct Sink {
   int fd = -1;             ///< not owned
   bool seekable = true;    ///< regular file: pwritev at offsets; else in order with write(v)
   bool discard = false;    ///< memory sink: count the bytes, write nothing
+  BlockSealer* opener = nullptr;  ///< if set, every block is checked (and decrypted) before it is written
 };
 
 /// Where sent bytes come from.
@@ -110,6 +127,7 @@ struct Source {
   int fd = -1;             ///< not owned
   std::uint64_t size = 0;  ///< bytes to send
   bool zero = false;       ///< memory source: zero-filled blocks, no reads
+  BlockSealer* sealer = nullptr;  ///< if set, every block is sealed after it is read
 };
 
 /// Unmaps a block pool.
@@ -128,8 +146,9 @@ public:
 
   std::uint32_t block_size() const noexcept { return block_size_; }
   std::uint32_t slots() const noexcept { return slots_; }
+  /// A slot holds one block and, after its data, room for the block's tag.
   std::uint8_t* slot_data(std::uint32_t slot) noexcept {
-    return memory_.get() + static_cast<std::size_t>(slot) * block_size_;
+    return memory_.get() + static_cast<std::size_t>(slot) * (block_size_ + slot_tag_room);
   }
 
   // Network-thread side.

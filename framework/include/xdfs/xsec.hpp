@@ -14,6 +14,10 @@
 //   clear     : control frames carry a MAC; data frames are sent as they are (but still count)
 //   integrity : every frame carries a MAC (GMAC-AES-256 over header and payload)
 //   private   : every frame is AEAD-protected (AES-256-GCM with AES-NI, else ChaCha20-Poly1305)
+// The payload of a data frame is protected on the disk threads (BlockCrypto: a per-session,
+// per-direction key, the block's offset as nonce, its tag stored after the data), so that bulk
+// cryptography runs beside the network thread; the channel then authenticates the frame's header
+// and that tag with its own key and counter, which binds each block to its place in the stream.
 // All primitives come from Botan 2.
 #pragma once
 
@@ -29,6 +33,7 @@
 
 #include "xdfs/error.hpp"
 #include "xdfs/wire.hpp"
+#include "xdfs/piod.hpp"
 #include "xdfs/xdsi.hpp"
 
 namespace Botan {
@@ -157,6 +162,25 @@ JoinKeys derive_join_keys(const Key32& session_secret, std::span<const std::uint
 Key32 join_proof(const JoinKeys& k, const char* side, std::span<const std::uint8_t> client_nonce,
                  std::span<const std::uint8_t> server_nonce);
 bool equal_constant_time(std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) noexcept;
+/// The key that protects block payloads in one direction of a session.
+Key32 data_key(const Key32& session_secret, bool client_to_server);
+
+/// Seals and opens block payloads on a disk thread (integrity: GMAC tag; private: AEAD).
+class BlockCrypto final : public piod::BlockSealer {
+public:
+  BlockCrypto(Protect mode, Cipher cipher, const Key32& key);
+  ~BlockCrypto() override;
+  std::size_t tag_size() const noexcept override { return 16; }
+  void seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) override;
+  bool open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) override;
+
+private:
+  Protect mode_;
+  Key32 key_;
+  std::unique_ptr<Botan::AEAD_Mode> enc_, dec_;
+  std::unique_ptr<Botan::MessageAuthenticationCode> mac_;
+};
+
 /// Random bytes from the system RNG.
 void random_fill(std::span<std::uint8_t> out);
 
@@ -185,7 +209,7 @@ private:
   Cipher cipher_;
   std::unique_ptr<Botan::AEAD_Mode> enc_, dec_;
   std::unique_ptr<Botan::MessageAuthenticationCode> mac_send_, mac_recv_;
-  Key32 send_key_{}, recv_key_{};
+  Key32 send_key_{}, recv_key_{};          // GMAC keys: for every frame, or data frames in private mode
   std::uint64_t send_n_ = 0;
   std::uint64_t recv_n_ = 0;
 };
