@@ -20,6 +20,9 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <doctest/doctest.h>
+
+#include "xdfs/client.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
 
 extern char** environ;
@@ -338,6 +341,24 @@ bool RawChannel::establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::K
                                                          static_cast<xdfs::xsec::Cipher>(n.cipher), keys.send,
                                                          keys.recv);
   return true;
+}
+
+void check_no_partials(const std::string& dir) {
+  for (auto& name : list_dir(dir)) {
+    INFO("left behind: " << name);
+    CHECK(name.find(".part") == std::string::npos);
+  }
+}
+
+xdfs::errc error_of(const std::function<void()>& fn, bool* remote, std::string* what) {
+  try {
+    fn();
+  } catch (const xdfs::TransferError& e) {
+    if (remote) *remote = e.remote();
+    if (what) *what = e.what();
+    return e.code();
+  }
+  return xdfs::errc::ok;
 }
 
 xdfs::xsec::KeyPair test_identity() {

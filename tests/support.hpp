@@ -135,6 +135,13 @@ private:
   std::vector<std::uint8_t> opening_;
 };
 
+/// Fails the test for every temporary ".part" file left in dir: a failure path forgot to clean up.
+void check_no_partials(const std::string& dir);
+
+/// Runs fn and returns the code of the xdfs::TransferError it throws (errc::ok if none), with
+/// whether the server reported it and the one-line message.
+xdfs::errc error_of(const std::function<void()>& fn, bool* remote = nullptr, std::string* what = nullptr);
+
 /// The test client's identity (made by the test runner).
 xdfs::xsec::KeyPair test_identity();
 

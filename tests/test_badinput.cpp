@@ -26,12 +26,6 @@ void check_still_serving(xt::XdfsdProcess& d, const xt::TempDir& root, const xt:
   CHECK(xt::files_equal(local / "probe", local / "probe.back"));
 }
 
-void check_no_partials(const std::string& dir) {
-  for (auto& name : xt::list_dir(dir)) {
-    INFO("left behind: " << name);
-    CHECK(name.find(".part") == std::string::npos);
-  }
-}
 
 }  // namespace
 
@@ -194,7 +188,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     expect(lost, errc::bad_channel, "to join");
   }
   check_still_serving(d, root, local);
-  check_no_partials(root.path());
+  xt::check_no_partials(root.path());
   CHECK_FALSE(xt::exists(root / "x"));
 }
 
@@ -310,7 +304,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
   CHECK(d.wait_for_log("status=error"));
   CHECK_FALSE(xt::exists(root / "victim"));
   check_still_serving(d, root, local);
-  check_no_partials(root.path());
+  xt::check_no_partials(root.path());
 }
 
 }  // TEST_SUITE

@@ -24,22 +24,7 @@ xdfs::ServerConfig config_for(const xt::TempDir& root) {
 }
 
 // Temporary files left beside the final names would mean a failure path forgot to clean up.
-void check_no_partials(const std::string& dir) {
-  for (auto& name : xt::list_dir(dir)) {
-    INFO("left behind: " << name);
-    CHECK(name.find(".part") == std::string::npos);
-  }
-}
 
-xdfs::errc error_of(const std::function<void()>& fn, bool* remote = nullptr) {
-  try {
-    fn();
-  } catch (const xdfs::TransferError& e) {
-    if (remote) *remote = e.remote();
-    return e.code();
-  }
-  return xdfs::errc::ok;
-}
 
 }  // namespace
 
@@ -68,8 +53,8 @@ TEST_CASE("edge sizes move byte for byte in both directions with n = 1, 4, 16") 
       CHECK(xt::files_equal(local / name, local / (name + ".back")));
     }
   }
-  check_no_partials(root.path());
-  check_no_partials(local.path());
+  xt::check_no_partials(root.path());
+  xt::check_no_partials(local.path());
 }
 
 TEST_CASE("64 MiB of random bytes with n = 1, 4, 16, both directions") {
@@ -152,7 +137,7 @@ TEST_CASE("an upload replaces an existing file only when complete") {
   xt::write_random_file(local / "new", 1 << 20, 4);
   xdfs::upload(local / "new", {"127.0.0.1", srv.port()}, "target", {});
   CHECK(xt::files_equal(local / "new", root / "target"));
-  check_no_partials(root.path());
+  xt::check_no_partials(root.path());
 }
 
 TEST_CASE("a failed download leaves an existing destination untouched and no partial file") {
@@ -160,11 +145,11 @@ TEST_CASE("a failed download leaves an existing destination untouched and no par
   xt::InProcessServer srv(config_for(root));
   xt::write_file(local / "keep", "precious");
   bool remote = false;
-  CHECK(error_of([&] { xdfs::download({"127.0.0.1", srv.port()}, "missing", local / "keep", {}); }, &remote) ==
+  CHECK(xt::error_of([&] { xdfs::download({"127.0.0.1", srv.port()}, "missing", local / "keep", {}); }, &remote) ==
         xdfs::errc::no_such_file);
   CHECK(remote);
   CHECK(xt::read_file(local / "keep") == "precious");
-  check_no_partials(local.path());
+  xt::check_no_partials(local.path());
 }
 
 TEST_CASE("errors reach the client with their cause") {
@@ -181,40 +166,40 @@ TEST_CASE("errors reach the client with their cause") {
   bool remote = false;
 
   SUBCASE("no such remote file") {
-    CHECK(error_of([&] { xdfs::download(ep, "nope", local / "x", {}); }, &remote) == xdfs::errc::no_such_file);
+    CHECK(xt::error_of([&] { xdfs::download(ep, "nope", local / "x", {}); }, &remote) == xdfs::errc::no_such_file);
     CHECK(remote);
   }
   SUBCASE("'..' escape, absolute path and symlink escape are refused in both directions") {
     for (const char* p : {"../f", "sub/../../f", "/etc/passwd", "etc/passwd", "passwd"}) {
       CAPTURE(p);
-      CHECK(error_of([&] { xdfs::download(ep, p, local / "x", {}); }) == xdfs::errc::path_escape);
-      CHECK(error_of([&] { xdfs::upload(local / "f", ep, p, {}); }) == xdfs::errc::path_escape);
+      CHECK(xt::error_of([&] { xdfs::download(ep, p, local / "x", {}); }) == xdfs::errc::path_escape);
+      CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, p, {}); }) == xdfs::errc::path_escape);
     }
     CHECK_FALSE(xt::exists(local / "x"));
   }
   SUBCASE("upload onto a directory, download of a directory") {
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "sub", {}); }) == xdfs::errc::is_directory);
-    CHECK(error_of([&] { xdfs::download(ep, "sub", local / "x", {}); }) == xdfs::errc::is_directory);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "sub", {}); }) == xdfs::errc::is_directory);
+    CHECK(xt::error_of([&] { xdfs::download(ep, "sub", local / "x", {}); }) == xdfs::errc::is_directory);
   }
   SUBCASE("upload into a missing directory") {
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "no/such/dir/f", {}); }) == xdfs::errc::no_such_file);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "no/such/dir/f", {}); }) == xdfs::errc::no_such_file);
   }
   SUBCASE("too many channels, too large a block") {
     xdfs::TransferOptions o;
     o.channels = 9;
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote) == xdfs::errc::limit_exceeded);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote) == xdfs::errc::limit_exceeded);
     CHECK(remote);
     o.channels = 1;
     o.block_size = 4 << 20;
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == xdfs::errc::bad_argument);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == xdfs::errc::bad_argument);
   }
   SUBCASE("bad local arguments fail before any connection") {
     xdfs::TransferOptions o;
     o.channels = 0;
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == xdfs::errc::bad_argument);
-    CHECK(error_of([&] { xdfs::upload(local / "missing", ep, "f", {}); }) == xdfs::errc::no_such_file);
-    CHECK(error_of([&] { xdfs::upload(local.path(), ep, "f", {}); }) == xdfs::errc::is_directory);
-    CHECK(error_of([&] { xdfs::download(ep, "f", local / "no/such/dir/x", {}); }) == xdfs::errc::no_such_file);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == xdfs::errc::bad_argument);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "missing", ep, "f", {}); }) == xdfs::errc::no_such_file);
+    CHECK(xt::error_of([&] { xdfs::upload(local.path(), ep, "f", {}); }) == xdfs::errc::is_directory);
+    CHECK(xt::error_of([&] { xdfs::download(ep, "f", local / "no/such/dir/x", {}); }) == xdfs::errc::no_such_file);
   }
   SUBCASE("connection refused") {
     // A port that was just free: bind, read it, close.
@@ -226,10 +211,10 @@ TEST_CASE("errors reach the client with their cause") {
     socklen_t len = sizeof a;
     ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
     ::close(s);
-    CHECK(error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", ntohs(a.sin_port)}, "f", {}); }) ==
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", ntohs(a.sin_port)}, "f", {}); }) ==
           xdfs::errc::connection_refused);
   }
-  check_no_partials(root.path());
+  xt::check_no_partials(root.path());
   // After every refusal the server still serves.
   xdfs::upload(local / "f", ep, "ok", {});
   CHECK(xt::files_equal(local / "f", root / "ok"));
@@ -248,11 +233,11 @@ TEST_CASE("cancelling a transfer removes the partial file on both sides") {
   };
   opt.block_size = 64 * 1024;
   opt.ring_bytes = 256 * 1024;
-  CHECK(error_of([&] { xdfs::upload(local / "big", {"127.0.0.1", srv.port()}, "big", opt); }) == xdfs::errc::cancelled);
+  CHECK(xt::error_of([&] { xdfs::upload(local / "big", {"127.0.0.1", srv.port()}, "big", opt); }) == xdfs::errc::cancelled);
   // The server learns of it through the exception header and drops its partial file.
   CHECK(srv.wait_for_log("status=error: cancelled"));
   CHECK_FALSE(xt::exists(root / "big"));
-  check_no_partials(root.path());
+  xt::check_no_partials(root.path());
 }
 
 }  // TEST_SUITE
@@ -299,16 +284,16 @@ TEST_CASE("disk full and read-only file systems: named errors, nothing partial l
   opt.block_size = 64 * 1024;
   bool remote = false;
 
-  CHECK(error_of([&] { xdfs::upload(local / "f", ep, "small/f", opt); }, &remote) == xdfs::errc::disk_full);
+  CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "small/f", opt); }, &remote) == xdfs::errc::disk_full);
   CHECK(remote);
   CHECK(xt::list_dir(root / "small").empty());
 
-  CHECK(error_of([&] { xdfs::upload(local / "f", ep, "ro/f", opt); }, &remote) == xdfs::errc::permission_denied);
+  CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "ro/f", opt); }, &remote) == xdfs::errc::permission_denied);
   CHECK(remote);
 
   xt::write_random_file(root / "big", 4 << 20, 22);
   xt::write_file(local / "small/big", "old");
-  CHECK(error_of([&] { xdfs::download(ep, "big", local / "small/big", opt); }, &remote) == xdfs::errc::disk_full);
+  CHECK(xt::error_of([&] { xdfs::download(ep, "big", local / "small/big", opt); }, &remote) == xdfs::errc::disk_full);
   CHECK_FALSE(remote);
   CHECK(xt::read_file(local / "small/big") == "old");
   CHECK(xt::list_dir(local / "small") == std::vector<std::string>{"big"});
@@ -329,7 +314,7 @@ TEST_CASE("memory-to-memory mode moves bytes without touching a file, only where
   opt.channels = 4;
   {
     xt::InProcessServer refusing(cfg);
-    CHECK(error_of([&] { xdfs::upload("/dev/zero", {"127.0.0.1", refusing.port()}, "m", opt); }) ==
+    CHECK(xt::error_of([&] { xdfs::upload("/dev/zero", {"127.0.0.1", refusing.port()}, "m", opt); }) ==
           xdfs::errc::bad_argument);
   }
   cfg.allow_memory_mode = true;

@@ -16,28 +16,12 @@ using xdfs::errc;
 
 namespace {
 
-xdfs::errc error_of(const std::function<void()>& fn, bool* remote = nullptr, std::string* what = nullptr) {
-  try {
-    fn();
-  } catch (const xdfs::TransferError& e) {
-    if (remote) *remote = e.remote();
-    if (what) *what = e.what();
-    return e.code();
-  }
-  return errc::ok;
-}
 
 struct Noise {
   xs::KeyPair client = xs::KeyPair::generate();
   xs::KeyPair server = xs::KeyPair::generate();
 };
 
-void check_no_partials(const std::string& dir) {
-  for (auto& name : xt::list_dir(dir)) {
-    INFO("left behind: " << name);
-    CHECK(name.find(".part") == std::string::npos);
-  }
-}
 
 }  // namespace
 
@@ -304,7 +288,7 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
   SUBCASE("an unknown client key is refused by the server") {
     xdfs::TransferOptions o;
     o.identity_file = stranger_dir + "/id";
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
     CHECK(remote);
     CHECK(what.find("not in the server's authorized keys") != std::string::npos);
     CHECK_FALSE(xt::exists(root / "f"));
@@ -313,7 +297,7 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     xdfs::TransferOptions o;
     o.known_hosts_file = local / "kh";
     o.strict_host_key = true;
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::auth_failed);
     CHECK_FALSE(remote);
     CHECK(what.find("unknown server key") != std::string::npos);
     CHECK_FALSE(xt::exists(root / "f"));
@@ -330,7 +314,7 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     xt::write_file(local / "kh", "127.0.0.1:" + std::to_string(srv.port()) + " " +
                                      xs::format_public(xs::KeyPair::generate().public_key) + "\n");
     o.strict_host_key = false;
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f3", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f3", o); }, &remote, &what) == errc::auth_failed);
     CHECK(what.find("changed") != std::string::npos);
     CHECK_FALSE(xt::exists(root / "f3"));
   }
@@ -339,12 +323,12 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     o.identity_file = local / "reader-id";
     auto made = xs::load_or_create_key(o.identity_file);
     xt::write_file(state / "authorized_keys", xs::format_public(made.public_key) + " ro subdir=pub\n");
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::permission_denied);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }, &remote, &what) == errc::permission_denied);
     CHECK(remote);
     xdfs::download(ep, "readme", local / "readme", o);
     CHECK(xt::read_file(local / "readme") == "public words");
-    CHECK(error_of([&] { xdfs::download(ep, "../secret", local / "s", o); }) == errc::path_escape);
-    CHECK(error_of([&] { xdfs::download(ep, "secret", local / "s", o); }) == errc::no_such_file);
+    CHECK(xt::error_of([&] { xdfs::download(ep, "../secret", local / "s", o); }) == errc::path_escape);
+    CHECK(xt::error_of([&] { xdfs::download(ep, "secret", local / "s", o); }) == errc::no_such_file);
     CHECK_FALSE(xt::exists(local / "s"));
   }
   SUBCASE("a client key file others can read is refused before connecting") {
@@ -352,7 +336,7 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     o.identity_file = local / "loose";
     xs::load_or_create_key(o.identity_file);
     ::chmod(o.identity_file.c_str(), 0644);
-    CHECK(error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == errc::insecure_key_file);
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "f", o); }) == errc::insecure_key_file);
   }
 }
 
@@ -415,7 +399,7 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
     o.ring_bytes = 4 * bs;
     o.known_hosts_file = local / "kh";
     o.idle_timeout = std::chrono::milliseconds(5000);
-    return error_of([&] { xdfs::download({"127.0.0.1", relay.port()}, "src", local / "dst", o); });
+    return xt::error_of([&] { xdfs::download({"127.0.0.1", relay.port()}, "src", local / "dst", o); });
   };
 
   SUBCASE("an untouched relay changes nothing") {
@@ -490,7 +474,7 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
         CHECK_MESSAGE(std::find(c.expect.begin(), c.expect.end(), got) != c.expect.end(),
                       "got " << xdfs::to_string(got));
         CHECK_FALSE(xt::exists(local / "dst"));
-        check_no_partials(local.path());
+        xt::check_no_partials(local.path());
       }
     }
   }
