@@ -5,6 +5,7 @@ build="$1"
 src="$(cd "$(dirname "$0")" && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+export XDFS_CONFIG_DIR="$work/config"   # the consumer's client key is made here
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
 cmake --build "$work/build" >/dev/null
