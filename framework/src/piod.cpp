@@ -1,7 +1,9 @@
 #include "xdfs/piod.hpp"
 
 #include <sys/eventfd.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -47,10 +49,28 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
 
 BlockPipe::~BlockPipe() = default;
 
+namespace {
+long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value) noexcept {
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, nullptr, nullptr, 0);
+}
+}  // namespace
+
+void BlockPipe::wake_disk() noexcept {
+  // Paired with disk_wait(): either the sleeper sees the new sequence number, or we see it asleep.
+  disk_seq_.fetch_add(1, std::memory_order_seq_cst);
+  if (disk_sleeping_.load(std::memory_order_seq_cst)) futex(disk_seq_, FUTEX_WAKE_PRIVATE, 1);
+}
+
+void BlockPipe::disk_wait(std::uint32_t seen) noexcept {
+  disk_sleeping_.store(true, std::memory_order_seq_cst);
+  if (disk_seq_.load(std::memory_order_seq_cst) == seen) futex(disk_seq_, FUTEX_WAIT_PRIVATE, seen);
+  disk_sleeping_.store(false, std::memory_order_relaxed);
+}
+
 void BlockPipe::to_disk(const Block& b) noexcept {
   [[maybe_unused]] bool ok = forth_.try_push(b);
-  disk_seq_.fetch_add(1, std::memory_order_release);
-  disk_seq_.notify_one();
+  wake_disk();
 }
 
 void BlockPipe::disk_push(const Block& b) noexcept {
@@ -59,8 +79,7 @@ void BlockPipe::disk_push(const Block& b) noexcept {
 
 void BlockPipe::stop() noexcept {
   stop_.store(true, std::memory_order_release);
-  disk_seq_.fetch_add(1, std::memory_order_release);
-  disk_seq_.notify_one();
+  wake_disk();
 }
 
 void BlockPipe::set_error(errc code, std::string what) noexcept {

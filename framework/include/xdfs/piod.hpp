@@ -160,11 +160,16 @@ public:
   // Disk-thread side.
   bool disk_pop(Block& out) noexcept { return forth_.try_pop(out); }
   void disk_push(const Block& b) noexcept;
-  /// Sleeps until the network thread pushes something or stop() is called.
-  void disk_wait(std::uint32_t seen) noexcept { disk_seq_.wait(seen, std::memory_order_acquire); }
+  /// Sleeps until the network thread pushes something or stop() is called. A plain futex wait:
+  /// std::atomic::wait spins through sched_yield first, which costs context switches per block.
+  void disk_wait(std::uint32_t seen) noexcept;
   std::uint32_t disk_seq() const noexcept { return disk_seq_.load(std::memory_order_acquire); }
 
   /// Asks the disk thread to stop soon; safe from either thread.
+private:
+  void wake_disk() noexcept;
+
+public:
   void stop() noexcept;
   bool stopping() const noexcept { return stop_.load(std::memory_order_acquire); }
 
@@ -181,6 +186,7 @@ private:
   SpscRing<Block> forth_;  // net -> disk
   SpscRing<Block> back_;   // disk -> net
   std::atomic<std::uint32_t> disk_seq_{0};
+  std::atomic<bool> disk_sleeping_{false};  // lets the producer skip the wake-up syscall
   std::atomic<bool> stop_{false};
   EventFd net_wake_;
   std::atomic<bool> failed_{false};
