@@ -91,12 +91,14 @@ void Engine::fail(errc code, const std::string& message, bool from_peer, bool te
   watchdog_.cancel();
   ErrorCode ignored;
   wake_.cancel(ignored);
+  // The host drops its partial file first: once the peer reads the exception, nothing of this
+  // transfer may be left to see.
+  host_.finished(code, message, from_peer);
   if (tell_peer) {
     tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, done_bytes_}, linger_, params_.linger);
   } else {
     close_all();
   }
-  host_.finished(code, message, from_peer);
 }
 
 void Engine::finish_ok() {
