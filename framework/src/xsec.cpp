@@ -63,6 +63,60 @@ bool dh(Key32& out, const Key32& secret, const Key32& pub) {
   return acc != 0;  // an all-zero result means a low-order point: refuse it
 }
 
+using Nonce = std::array<std::uint8_t, 12>;
+
+// A 96-bit nonce: a 4-byte domain and a little-endian 64-bit counter (Noise's ChaChaPoly layout
+// when the domain is zero).
+Nonce counter_nonce(std::uint64_t n, std::array<std::uint8_t, 4> domain = {}) {
+  Nonce out{domain[0], domain[1], domain[2], domain[3]};
+  for (int i = 0; i < 8; ++i) out[4 + i] = static_cast<std::uint8_t>(n >> (8 * i));
+  return out;
+}
+
+// GMAC over a and b. Botan 2's GMAC forgets its key at final(): it is keyed for every message
+// (a cheap AES key schedule).
+void gmac(Botan::MessageAuthenticationCode& mac, const Key32& key, const Nonce& n, std::span<const std::uint8_t> a,
+          std::span<const std::uint8_t> b, std::uint8_t* out) {
+  mac.set_key(key.data(), key.size());
+  mac.start(n.data(), n.size());
+  mac.update(a.data(), a.size());
+  mac.update(b.data(), b.size());
+  mac.final(out);
+}
+
+// AEAD in place: the bulk of data is processed where it lies, only the last partial chunk and
+// the tag go through Botan's buffer.
+void aead_seal(Botan::AEAD_Mode& enc, const Nonce& n, std::span<const std::uint8_t> ad, std::uint8_t* data,
+               std::size_t len, std::uint8_t* tag) {
+  enc.set_associated_data(ad.data(), ad.size());
+  enc.start(n.data(), n.size());
+  const std::size_t g = enc.update_granularity();
+  const std::size_t bulk = len / g * g;
+  if (bulk) enc.process(data, bulk);
+  Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
+  enc.finish(last);
+  std::memcpy(data + bulk, last.data(), len - bulk);
+  std::memcpy(tag, last.data() + (len - bulk), 16);
+}
+
+bool aead_open(Botan::AEAD_Mode& dec, const Nonce& n, std::span<const std::uint8_t> ad, std::uint8_t* data,
+               std::size_t len, const std::uint8_t* tag) {
+  try {
+    dec.set_associated_data(ad.data(), ad.size());
+    dec.start(n.data(), n.size());
+    const std::size_t g = dec.update_granularity();
+    const std::size_t bulk = len / g * g;
+    if (bulk) dec.process(data, bulk);
+    Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
+    last.insert(last.end(), tag, tag + 16);
+    dec.finish(last);
+    std::memcpy(data + bulk, last.data(), len - bulk);
+    return true;
+  } catch (const std::exception&) {
+    return false;  // Botan reports a wrong tag by throwing
+  }
+}
+
 std::string mode_octal(mode_t m) {
   char buf[8];
   std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(m & 07777));
@@ -303,11 +357,7 @@ struct NoiseXX::Impl {
     n = 0;
     has_key = true;
   }
-  std::array<std::uint8_t, 12> nonce() const {
-    std::array<std::uint8_t, 12> out{};
-    for (int i = 0; i < 8; ++i) out[4 + i] = static_cast<std::uint8_t>(n >> (8 * i));
-    return out;
-  }
+  Nonce nonce() const { return counter_nonce(n); }
   void encrypt_and_hash(std::span<const std::uint8_t> pt, std::vector<std::uint8_t>& out) {
     std::vector<std::uint8_t> ct(pt.begin(), pt.end());
     if (has_key) {
@@ -499,71 +549,35 @@ FrameProtector::FrameProtector(Protect mode, Cipher cipher, const Key32& send_ke
 
 FrameProtector::~FrameProtector() = default;
 
-std::array<std::uint8_t, 12> FrameProtector::nonce(std::uint64_t n) const noexcept {
-  std::array<std::uint8_t, 12> out{};
-  for (int i = 0; i < 8; ++i) out[4 + i] = static_cast<std::uint8_t>(n >> (8 * i));
-  return out;
-}
-
 std::size_t FrameProtector::tag_bytes(wire::Event e) const noexcept {
   const bool data = e == wire::Event::xftsmu || e == wire::Event::xftsmd;
   return (mode_ == Protect::clear && data) ? 0 : tag_size;
 }
 
 void FrameProtector::seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) {
-  const auto n = nonce(send_n_++);
+  const auto n = counter_nonce(send_n_++);
   const auto ev = static_cast<wire::Event>(header[0]);
   if (tag_bytes(ev) == 0) return;  // clear data frame: counted, not protected
   if (mode_ != Protect::private_ || is_data(ev)) {
     // A data frame's payload ends with its block's own tag (made on the disk thread): covering
-    // that tag covers the data. Botan 2's GMAC forgets its key at final(): key it every frame.
+    // that tag covers the data.
     auto covered = is_data(ev) ? payload.last(std::min<std::size_t>(payload.size(), tag_size)) : payload;
-    mac_send_->set_key(send_key_.data(), send_key_.size());
-    mac_send_->start(n.data(), n.size());
-    mac_send_->update(header.data(), header.size());
-    mac_send_->update(covered.data(), covered.size());
-    mac_send_->final(tag);
-    return;
+    return gmac(*mac_send_, send_key_, n, header, covered, tag);
   }
-  enc_->set_associated_data(header.data(), header.size());
-  enc_->start(n.data(), n.size());
-  const std::size_t g = enc_->update_granularity();
-  const std::size_t bulk = payload.size() / g * g;
-  if (bulk) enc_->process(payload.data(), bulk);
-  Botan::secure_vector<std::uint8_t> last(payload.begin() + static_cast<std::ptrdiff_t>(bulk), payload.end());
-  enc_->finish(last);
-  std::memcpy(payload.data() + bulk, last.data(), payload.size() - bulk);
-  std::memcpy(tag, last.data() + (payload.size() - bulk), tag_size);
+  aead_seal(*enc_, n, header, payload.data(), payload.size(), tag);
 }
 
 bool FrameProtector::open(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, const std::uint8_t* tag) {
-  const auto n = nonce(recv_n_++);
+  const auto n = counter_nonce(recv_n_++);
   const auto ev = static_cast<wire::Event>(header[0]);
   if (tag_bytes(ev) == 0) return true;
   if (mode_ != Protect::private_ || is_data(ev)) {
     auto covered = is_data(ev) ? payload.last(std::min<std::size_t>(payload.size(), tag_size)) : payload;
     std::uint8_t expect[tag_size];
-    mac_recv_->set_key(recv_key_.data(), recv_key_.size());
-    mac_recv_->start(n.data(), n.size());
-    mac_recv_->update(header.data(), header.size());
-    mac_recv_->update(covered.data(), covered.size());
-    mac_recv_->final(expect);
+    gmac(*mac_recv_, recv_key_, n, header, covered, expect);
     return Botan::constant_time_compare(expect, tag, tag_size);
   }
-  try {
-    dec_->set_associated_data(header.data(), header.size());
-    dec_->start(n.data(), n.size());
-    const std::size_t g = dec_->update_granularity();
-    const std::size_t bulk = payload.size() / g * g;
-    if (bulk) dec_->process(payload.data(), bulk);
-    Botan::secure_vector<std::uint8_t> last(payload.begin() + static_cast<std::ptrdiff_t>(bulk), payload.end());
-    last.insert(last.end(), tag, tag + tag_size);
-    dec_->finish(last);
-    std::memcpy(payload.data() + bulk, last.data(), payload.size() - bulk);
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
+  return aead_open(*dec_, n, header, payload.data(), payload.size(), tag);
 }
 
 }  // namespace xdfs::xsec
@@ -586,11 +600,7 @@ Key32 data_key(const Key32& session_secret, bool client_to_server) {
 namespace {
 // A block is sealed once per session direction, so its offset is a unique nonce; the associated
 // data binds offset and length.
-std::array<std::uint8_t, 12> block_nonce(std::uint64_t offset) {
-  std::array<std::uint8_t, 12> n{'b', 'l', 'k', 0};
-  for (int i = 0; i < 8; ++i) n[4 + i] = static_cast<std::uint8_t>(offset >> (8 * i));
-  return n;
-}
+Nonce block_nonce(std::uint64_t offset) { return counter_nonce(offset, {'b', 'l', 'k', 0}); }
 std::array<std::uint8_t, 12> block_ad(std::uint64_t offset, std::uint32_t len) {
   std::array<std::uint8_t, 12> a{};
   for (int i = 0; i < 8; ++i) a[i] = static_cast<std::uint8_t>(offset >> (8 * i));
@@ -615,22 +625,8 @@ BlockCrypto::~BlockCrypto() = default;
 void BlockCrypto::seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
   const auto n = block_nonce(offset);
   const auto ad = block_ad(offset, len);
-  if (mode_ != Protect::private_) {
-    mac_->set_key(key_.data(), key_.size());
-    mac_->start(n.data(), n.size());
-    mac_->update(ad.data(), ad.size());
-    mac_->update(data, len);
-    mac_->final(data + len);
-    return;
-  }
-  enc_->set_associated_data(ad.data(), ad.size());
-  enc_->start(n.data(), n.size());
-  const std::size_t g = enc_->update_granularity();
-  const std::size_t bulk = len / g * g;
-  if (bulk) enc_->process(data, bulk);
-  Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
-  enc_->finish(last);
-  std::memcpy(data + bulk, last.data(), last.size());  // the rest of the data, then the tag
+  if (mode_ != Protect::private_) return gmac(*mac_, key_, n, ad, {data, len}, data + len);
+  aead_seal(*enc_, n, ad, data, len, data + len);
 }
 
 bool BlockCrypto::open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
@@ -638,26 +634,10 @@ bool BlockCrypto::open(std::uint8_t* data, std::uint32_t len, std::uint64_t offs
   const auto ad = block_ad(offset, len);
   if (mode_ != Protect::private_) {
     std::uint8_t expect[xsec::tag_size];
-    mac_->set_key(key_.data(), key_.size());
-    mac_->start(n.data(), n.size());
-    mac_->update(ad.data(), ad.size());
-    mac_->update(data, len);
-    mac_->final(expect);
+    gmac(*mac_, key_, n, ad, {data, len}, expect);
     return Botan::constant_time_compare(expect, data + len, xsec::tag_size);
   }
-  try {
-    dec_->set_associated_data(ad.data(), ad.size());
-    dec_->start(n.data(), n.size());
-    const std::size_t g = dec_->update_granularity();
-    const std::size_t bulk = len / g * g;
-    if (bulk) dec_->process(data, bulk);
-    Botan::secure_vector<std::uint8_t> last(data + bulk, data + len + xsec::tag_size);
-    dec_->finish(last);
-    std::memcpy(data + bulk, last.data(), last.size());
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
+  return aead_open(*dec_, n, ad, data, len, data + len);
 }
 
 }  // namespace xdfs::xsec

@@ -204,7 +204,6 @@ public:
   bool open(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, const std::uint8_t* tag) override;
 
 private:
-  std::array<std::uint8_t, 12> nonce(std::uint64_t n) const noexcept;
   Protect mode_;
   Cipher cipher_;
   std::unique_ptr<Botan::AEAD_Mode> enc_, dec_;
