@@ -361,13 +361,9 @@ struct NoiseXX::Impl {
   void encrypt_and_hash(std::span<const std::uint8_t> pt, std::vector<std::uint8_t>& out) {
     std::vector<std::uint8_t> ct(pt.begin(), pt.end());
     if (has_key) {
+      ct.resize(pt.size() + tag_size);
       enc->set_key(k.data(), k.size());
-      enc->set_associated_data(h.data(), h.size());
-      auto nn = nonce();
-      enc->start(nn.data(), nn.size());
-      Botan::secure_vector<std::uint8_t> buf(pt.begin(), pt.end());
-      enc->finish(buf);
-      ct.assign(buf.begin(), buf.end());
+      aead_seal(*enc, nonce(), h, ct.data(), pt.size(), ct.data() + pt.size());
       ++n;
     }
     mix_hash(ct);
@@ -380,17 +376,10 @@ struct NoiseXX::Impl {
       return true;
     }
     if (ct.size() < tag_size) return false;
-    try {
-      dec->set_key(k.data(), k.size());
-      dec->set_associated_data(h.data(), h.size());
-      auto nn = nonce();
-      dec->start(nn.data(), nn.size());
-      Botan::secure_vector<std::uint8_t> buf(ct.begin(), ct.end());
-      dec->finish(buf);
-      pt.assign(buf.begin(), buf.end());
-    } catch (const std::exception&) {
-      return false;
-    }
+    const std::size_t len = ct.size() - tag_size;
+    pt.assign(ct.begin(), ct.begin() + static_cast<std::ptrdiff_t>(len));
+    dec->set_key(k.data(), k.size());
+    if (!aead_open(*dec, nonce(), h, pt.data(), len, ct.data() + len)) return false;
     ++n;
     mix_hash(ct);
     return true;
