@@ -1,7 +1,12 @@
-// xduc: copy a file to or from an xdfsd over n parallel channels.
+// xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
+// work on remote paths (ls, stat, mkdir, rm, mv, sum).
 #include <fmt/core.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <ctime>
+
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <string>
@@ -15,9 +20,22 @@ namespace {
 
 const char* usage =
     "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC DST\n"
+    "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
+    "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum  xdfs://HOST[:PORT]/PATH ...\n"
+    "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
     "       xduc keygen | pubkey\n"
     "Copies one file; exactly one of SRC and DST is xdfs://HOST[:PORT]/PATH (default port 7721).\n"
     "DST may be a local directory, '-' (standard output) or a device such as /dev/null.\n"
+    "  -r, --recursive        copy a directory tree (files, empty directories, symlinks, modes,\n"
+    "                         mtimes); as with rsync, SRC/ copies the contents of SRC into DST,\n"
+    "                         SRC without the slash copies the directory itself into DST\n"
+    "  --sync                 skip files whose size and mtime already match at DST\n"
+    "  --checksum             with --sync: compare content (SHA-256) instead of mtime\n"
+    "  --follow               copy what symlinks point to instead of the symlinks\n"
+    "  --workers N            local threads reading or writing files in a tree copy (default 4)\n"
+    "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
+    "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
+    "server, sum prints the SHA-256 of remote files as sha256sum does.\n"
     "  -p, --parallel N       parallel TCP channels (default 1)\n"
     "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
     "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
@@ -64,12 +82,71 @@ struct ProgressLine {
   }
 };
 
+std::string format_time(std::int64_t ns) {
+  std::time_t t = static_cast<std::time_t>(ns / 1000000000);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  return buf;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += static_cast<char>(c);
+    else if (c < 0x20) o += fmt::format("\\u{:04x}", c);
+    else o += static_cast<char>(c);
+  }
+  return o;
+}
+
+char type_char(xdfs::pathm::Type t) {
+  switch (t) {
+    case xdfs::pathm::Type::file: return '-';
+    case xdfs::pathm::Type::directory: return 'd';
+    case xdfs::pathm::Type::symlink: return 'l';
+    default: return '?';
+  }
+}
+
+void print_entry(const xdfs::pathm::Entry& e, bool json) {
+  if (json) {
+    fmt::print("{{\"path\":\"{}\",\"type\":\"{}\",\"size\":{},\"mode\":\"{:04o}\",\"mtime_ns\":{}{}}}\n",
+               json_escape(e.path), xdfs::pathm::to_string(e.type), e.size, e.mode, e.mtime_ns,
+               e.type == xdfs::pathm::Type::symlink ? ",\"target\":\"" + json_escape(e.target) + "\"" : "");
+    return;
+  }
+  fmt::print("{} {:04o} {:>12} {} {}{}\n", type_char(e.type), e.mode, e.size, format_time(e.mtime_ns), e.path,
+             e.type == xdfs::pathm::Type::symlink ? " -> " + e.target : "");
+}
+
+std::string base_name(std::string p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  auto s = p.rfind('/');
+  return s == std::string::npos ? p : p.substr(s + 1);
+}
+
+std::string join_path(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  return a.back() == '/' ? a + b : a + "/" + b;
+}
+
+int report_error(const xdfs::Error& e, bool remote) {
+  fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), remote ? " (server)" : "", e.context());
+  if (e.code() == xdfs::errc::cancelled) return 130;
+  return e.code() == xdfs::errc::bad_argument ? 2 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   xdfs::TransferOptions opt;
   bool quiet = false;
   bool json = false;
+  bool recursive = false;
+  bool parents = false;
+  xdfs::pathm::TreeOptions tree;
   std::vector<std::string> positional;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
@@ -111,6 +188,20 @@ int main(int argc, char** argv) {
       if (!v) bad("--memory takes a size, e.g. 4G");
       opt.memory = true;
       opt.memory_size = *v;
+    } else if (a == "-r" || a == "--recursive") {
+      recursive = true;
+    } else if (a == "--parents") {
+      parents = true;
+    } else if (a == "--sync") {
+      tree.sync = true;
+    } else if (a == "--checksum") {
+      tree.checksum = true;
+    } else if (a == "--follow") {
+      tree.follow = true;
+    } else if (a == "--workers") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 64);
+      if (!v) bad("--workers takes a thread count from 1 to 64");
+      tree.workers = static_cast<unsigned>(*v);
     } else if (a == "-q" || a == "--quiet") {
       quiet = true;
     } else if (a == "--json") {
@@ -135,6 +226,77 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  if (tree.checksum && !tree.sync) bad("--checksum goes with --sync");
+  tree.fsync = opt.fsync;
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  opt.cancel = &g_cancel;
+  if (!quiet) opt.notice = [](const std::string& line) { fmt::print(stderr, "xduc: {}\n", line); };
+
+  static const std::vector<std::string> ops{"ls", "stat", "mkdir", "rm", "mv", "sum"};
+  if (!positional.empty() && std::find(ops.begin(), ops.end(), positional[0]) != ops.end()) {
+    const std::string op = positional[0];
+    std::vector<std::string> targets(positional.begin() + 1, positional.end());
+    if (targets.empty()) bad(op + " needs an xdfs://HOST[:PORT]/PATH");
+    if (op == "mv" && targets.size() != 2) bad("mv takes xdfs://HOST[:PORT]/PATH and the new path");
+    std::vector<xdfs::cli::Url> urls;
+    for (std::size_t k = 0; k < targets.size(); ++k) {
+      if (op == "mv" && k == 1 && !xdfs::cli::is_url(targets[k])) {
+        xdfs::cli::Url u = urls[0];
+        u.path = targets[k];
+        while (!u.path.empty() && u.path.front() == '/') u.path.erase(0, 1);
+        urls.push_back(u);
+        continue;
+      }
+      std::string why;
+      auto u = xdfs::cli::parse_url(targets[k], why);
+      if (!u) bad(why);
+      if (!urls.empty() && (u->host != urls[0].host || u->port != urls[0].port))
+        bad("all paths of one command must be on the same server");
+      urls.push_back(*u);
+    }
+    std::unique_ptr<xdfs::RemoteFs> fsp;
+    try {
+      fsp = std::make_unique<xdfs::RemoteFs>(xdfs::Endpoint{urls[0].host, urls[0].port}, opt);
+      auto& fs = *fsp;
+      if (op == "mv") {
+        fs->rename(urls[0].path, urls[1].path);
+      } else {
+        for (const auto& u : urls) {
+          if (op == "ls") {
+            auto e = fs->stat(u.path);
+            if (e.type != xdfs::pathm::Type::directory) {
+              print_entry(e, json);
+              continue;
+            }
+            if (urls.size() > 1 && !json) fmt::print("{}:\n", u.path.empty() ? "." : u.path);
+            fs->list(u.path, recursive, [&](std::vector<xdfs::pathm::Entry>& chunk) {
+              for (const auto& x : chunk) print_entry(x, json);
+            });
+          } else if (op == "stat") {
+            print_entry(fs->stat(u.path), json);
+          } else if (op == "mkdir") {
+            fs->mkdir(u.path, parents);
+          } else if (op == "rm") {
+            fs->remove(u.path, recursive);
+          } else if (op == "sum") {
+            fmt::print("{}  {}\n", fs->checksum(u.path), u.path);
+          }
+        }
+      }
+      fs.close();
+      return 0;
+    } catch (const xdfs::TransferError& e) {
+      return report_error(e, e.remote());
+    } catch (const xdfs::Error& e) {
+      return report_error(e, fsp && fsp->client().remote_error());
+    }
+  }
+
   if (positional.size() != 2) bad("expected SRC and DST (see --help)");
   const std::string& src = positional[0];
   const std::string& dst = positional[1];
@@ -146,14 +308,54 @@ int main(int argc, char** argv) {
   if (!url) bad(why);
   if (down && url->path.empty()) bad("'" + src + "' names no remote file");
   if (up && src == "-" && !opt.memory) bad("uploading from standard input is not supported; name a file");
+  if (!recursive && (tree.sync || tree.follow)) bad("--sync and --follow go with -r");
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  opt.cancel = &g_cancel;
-  if (!quiet) opt.notice = [](const std::string& line) { fmt::print(stderr, "xduc: {}\n", line); };
+  if (recursive) {
+    // rsync's rule: a trailing slash on SRC copies its contents, none copies the directory.
+    const std::string& from = up ? src : url->path;
+    const bool contents = !from.empty() && from.back() == '/';
+    std::string remote = url->path;
+    std::string local = up ? src : dst;
+    if (!contents) {
+      if (up) remote = join_path(remote, base_name(src));
+      else local = join_path(local, base_name(url->path));
+    }
+    const bool tty = !quiet && ::isatty(STDERR_FILENO);
+    auto last = std::chrono::steady_clock::now();
+    if (tty)
+      tree.progress = [&](std::uint64_t files, std::uint64_t bytes) {
+        auto now = std::chrono::steady_clock::now();
+        if (now - last < std::chrono::milliseconds(200)) return;
+        last = now;
+        fmt::print(stderr, "\r{:>10} files  {:>10}   ", files, xdfs::cli::human_bytes(static_cast<double>(bytes)));
+      };
+    std::unique_ptr<xdfs::RemoteFs> fs;
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      fs = std::make_unique<xdfs::RemoteFs>(xdfs::Endpoint{url->host, url->port}, opt);
+      auto& c = fs->client();
+      auto r = up ? c.upload_tree(local, remote, tree) : c.download_tree(remote, local, tree);
+      fs->close();
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (tty) fmt::print(stderr, "\n");
+      if (json)
+        fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
+                   "\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{}}}\n",
+                   up ? "upload" : "download", r.files, r.directories, r.symlinks, r.skipped, r.bytes, secs, r.requests,
+                   opt.channels);
+      else if (!quiet)
+        fmt::print(stderr, "xduc: {} files, {} directories, {} symlinks, {} in {:.2f} s ({} up to date or skipped)\n",
+                   r.files, r.directories, r.symlinks, xdfs::cli::human_bytes(static_cast<double>(r.bytes)), secs,
+                   r.skipped);
+      return 0;
+    } catch (const xdfs::TransferError& e) {
+      if (tty) fmt::print(stderr, "\n");
+      return report_error(e, e.remote());
+    } catch (const xdfs::Error& e) {
+      if (tty) fmt::print(stderr, "\n");
+      return report_error(e, fs && fs->client().remote_error());
+    }
+  }
 
   ProgressLine line;
   const bool show = !quiet && ::isatty(STDERR_FILENO) && !(down && dst == "-" && ::isatty(STDOUT_FILENO));

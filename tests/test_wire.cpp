@@ -192,11 +192,12 @@ TEST_CASE("frame header decode bounds payload lengths") {
   for (auto e : all_events) {
     CAPTURE(w::to_string(e));
     const bool data = e == w::Event::xftsmu || e == w::Event::xftsmd;
+    const bool path = e == w::Event::xpathm;
     w::FrameHeader h;
     h.event = e;
     auto b = w::encode(h);
     // Exactly at the limit: accepted.
-    const std::uint32_t limit = data ? w::max_block_size : w::max_control_payload;
+    const std::uint32_t limit = data ? w::max_block_size : path ? w::max_path_payload : w::max_control_payload;
     put_le32(&b[4], limit);
     std::string why;
     auto ok = decode_bytes(b, &why);
@@ -210,9 +211,10 @@ TEST_CASE("frame header decode bounds payload lengths") {
       CHECK_FALSE(decode_bytes(b, &why).has_value());
       CHECK_FALSE(why.empty());
     }
-    // A control payload of a data block's size is refused for control frames only.
+    // A control payload of a data block's size is refused for control frames only (xPathM
+    // messages carry batches of file bytes).
     put_le32(&b[4], w::max_control_payload + 1);
-    CHECK(decode_bytes(b).has_value() == data);
+    CHECK(decode_bytes(b).has_value() == (data || path));
   }
 }
 

@@ -241,7 +241,6 @@ void Server::Impl::handshake(tcp::socket sock) {
         if (n_.block_size < wire::min_block_size || n_.block_size > config.max_block_size)
           return refuse(errc::bad_argument, fmt::format("block size {} is outside {}..{}", n_.block_size,
                                                         wire::min_block_size, config.max_block_size));
-        if (n_.mode == Mode::path) return refuse(errc::bad_argument, "path mode is not available on this server");
         if (n_.extended_flags & ~wire::known_flags)
           return refuse(errc::bad_argument, fmt::format("unknown extended flags {:#x}", n_.extended_flags));
         if ((n_.extended_flags & wire::flag_memory) && !config.allow_memory_mode)

@@ -120,6 +120,14 @@ std::optional<FrameHeader> decode(std::span<const std::uint8_t, frame_header_siz
   h.offset = get_u64(&b[8]);
   h.aux = get_u64(&b[16]);
   const bool data = h.event == Event::xftsmu || h.event == Event::xftsmd;
+  if (h.event == Event::xpathm) {
+    if (h.length > max_path_payload) {
+      set_why(why, "xPathM payload of " + std::to_string(h.length) + " bytes exceeds the " +
+                       std::to_string(max_path_payload) + "-byte limit");
+      return std::nullopt;
+    }
+    return h;
+  }
   if (!data && h.length > max_control_payload) {
     set_why(why, std::string(to_string(h.event)) + " payload of " + std::to_string(h.length) +
                      " bytes exceeds the " + std::to_string(max_control_payload) + "-byte limit");

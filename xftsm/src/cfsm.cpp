@@ -78,6 +78,27 @@ constexpr Transition server_download[] = {
     XDFS_SENDER_ROWS,
 };
 
+// Path mode, client: once accepted, requests flow until the client ends the session (EOFT: committed).
+constexpr Transition client_path[] = {
+    {S::idle, E::start, S::connecting, A::connect_channels},
+    {S::connecting, E::connected, S::negotiating, A::none},
+    XDFS_FAILURES(S::connecting),
+    {S::negotiating, E::accepted, S::transferring, A::serve_path},
+    XDFS_FAILURES(S::negotiating),
+    {S::transferring, E::committed, S::done, A::finish},
+    XDFS_FAILURES(S::transferring),
+};
+
+// Path mode, server: answers requests until the client's EOFT (committed).
+constexpr Transition server_path[] = {
+    {S::idle, E::channel_joined, S::joining, A::register_session},
+    {S::joining, E::channel_joined, S::joining, A::add_channel},
+    {S::joining, E::all_joined, S::transferring, A::open_and_reply},
+    XDFS_FAILURES(S::joining),
+    {S::transferring, E::committed, S::done, A::finish},
+    XDFS_FAILURES(S::transferring),
+};
+
 #undef XDFS_SENDER_ROWS
 #undef XDFS_RECEIVER_ROWS
 #undef XDFS_FAILURES
@@ -90,6 +111,8 @@ std::span<const Transition> table(Role r) noexcept {
     case Role::client_download: return client_download;
     case Role::server_upload: return server_upload;
     case Role::server_download: return server_download;
+    case Role::client_path: return client_path;
+    case Role::server_path: return server_path;
   }
   return {};
 }
@@ -165,6 +188,7 @@ const char* to_string(Action a) noexcept {
     case Action::commit: return "commit";
     case Action::finish: return "finish";
     case Action::abort: return "abort";
+    case Action::serve_path: return "serve-path";
   }
   return "?";
 }
@@ -175,6 +199,8 @@ const char* to_string(Role r) noexcept {
     case Role::client_download: return "client-download";
     case Role::server_upload: return "server-upload";
     case Role::server_download: return "server-download";
+    case Role::client_path: return "client-path";
+    case Role::server_path: return "server-path";
   }
   return "?";
 }

@@ -40,7 +40,9 @@ std::string basename_of(const std::string& p) {
 class ClientSession final : public TransferHost {
 public:
   ClientSession(Mode mode, const Endpoint& ep, std::string remote, const TransferOptions& opt)
-      : machine_(mode == Mode::upload ? Role::client_upload : Role::client_download),
+      : machine_(mode == Mode::upload ? Role::client_upload
+                 : mode == Mode::path ? Role::client_path
+                                      : Role::client_download),
         endpoint_(ep),
         opt_(opt),
         resolver_(io_),
@@ -91,6 +93,18 @@ public:
     nego_.window = std::uint64_t(slots_) * opt_.block_size;
     return run();
   }
+
+  // Path mode: connects and authenticates all channels, then hands them over.
+  void open_path() {
+    check_options();
+    nego_.remote_path = ".";
+    run();
+  }
+  boost::asio::io_context& io() noexcept { return io_; }
+  ChannelList& channels() noexcept { return channels_; }
+  std::uint32_t block_size() const noexcept { return nego_.block_size; }
+  const TransferOptions& options() const noexcept { return opt_; }
+  Machine& machine() noexcept { return machine_; }
 
   files::Status commit() override {
     if (pending_.active()) return pending_.commit(size_, opt_.fsync);
@@ -177,6 +191,7 @@ private:
                               connect_all(results);
                             });
     io_.run();
+    if (path_ready_ && code_ == errc::ok) return TransferResult{0, seconds_, opt_.channels};
     // Nothing of this session is left running: make sure the disk thread is gone too.
     sender_.reset();
     receiver_.reset();
@@ -327,6 +342,14 @@ private:
     if (!action) return fail_early(errc::state_violation, machine_.why(), false, Event::local_error);
     deadline_.cancel();
     accepted_at_ = Clock::now();
+    if (*action == Action::serve_path) {
+      // The path client takes over the channels and runs the loop itself from now on.
+      path_ready_ = true;
+      ticker_.cancel();
+      seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
+      io_.stop();
+      return;
+    }
     TransferParams p;
     p.block_size = nego_.block_size;
     p.slots = slots_;
@@ -434,6 +457,7 @@ private:
   Clock::time_point start_;
   Clock::time_point accepted_at_;
   bool ended_ = false;
+  bool path_ready_ = false;
   errc code_ = errc::ok;
   std::string message_;
   bool remote_ = false;
@@ -441,6 +465,35 @@ private:
 };
 
 }  // namespace
+
+struct RemoteFs::Impl {
+  std::unique_ptr<ClientSession> session;
+  std::unique_ptr<pathm::Client> client;
+};
+
+RemoteFs::RemoteFs(const Endpoint& server, const TransferOptions& options) : impl_(std::make_unique<Impl>()) {
+  impl_->session = std::make_unique<ClientSession>(Mode::path, server, ".", options);
+  impl_->session->open_path();
+  auto& s = *impl_->session;
+  impl_->client = std::make_unique<pathm::Client>(s.io(), s.channels(), s.block_size(), options.cancel,
+                                                  options.idle_timeout);
+}
+
+RemoteFs::~RemoteFs() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+pathm::Client* RemoteFs::operator->() { return impl_->client.get(); }
+pathm::Client& RemoteFs::client() { return *impl_->client; }
+
+void RemoteFs::close() {
+  if (!impl_->client) return;
+  impl_->client->close();
+  (void)impl_->session->machine().fire(Event::committed);
+}
 
 TransferResult upload(const std::string& local, const Endpoint& server, const std::string& remote_path,
                       const TransferOptions& options) {

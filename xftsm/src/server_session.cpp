@@ -8,6 +8,7 @@
 #include <map>
 
 #include "xdfs/files.hpp"
+#include "xdfs/pathm/engine.hpp"
 #include "xdfs/xsec.hpp"
 #include "xdfs/xftsm/cfsm.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
@@ -37,7 +38,9 @@ public:
   explicit ServerSession(runtime::SessionEnv& env)
       : env_(env),
         nego_(env.first),
-        machine_(env.first.mode == Mode::upload ? Role::server_upload : Role::server_download),
+        machine_(env.first.mode == Mode::upload     ? Role::server_upload
+                 : env.first.mode == Mode::path ? Role::server_path
+                                                : Role::server_download),
         join_timer_(env.io),
         linger_(env.io),
         start_(Clock::now()) {}
@@ -90,6 +93,7 @@ public:
   }
 
   void shutdown() override {
+    if (path_) return path_->abort(errc::shutting_down, "server is stopping");
     if (sender_) return sender_->abort(errc::shutting_down, "server is stopping");
     if (receiver_) return receiver_->abort(errc::shutting_down, "server is stopping");
     fail_early(errc::shutting_down, "server is stopping", Event::local_error);
@@ -142,6 +146,7 @@ private:
           return r;
         }
       }
+      read_only_ = !perm->write;
       client_key_ = key;
     } catch (const Error& e) {
       r.code = errc::auth_failed;
@@ -207,7 +212,25 @@ private:
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
-    if (nego_.mode == Mode::upload && memory) {
+    if (nego_.mode == Mode::path) {
+      if (memory) return fail_early(errc::bad_argument, "memory mode does not apply to path sessions", Event::local_error);
+      pathm::ServerParams pp;
+      pp.block_size = nego_.block_size;
+      pp.workers = env_.config.path_workers;
+      pp.read_only = read_only_;
+      pp.fsync = env_.config.fsync;
+      pp.tag = env_.id.short_hex();
+      pp.idle_timeout = env_.config.idle_timeout;
+      path_ = std::make_unique<pathm::Server>(env_.io, channels_, root_fd(), pp,
+                                              [this](errc code, const std::string& message, bool from_peer) {
+                                                (void)machine_.fire(code == errc::ok ? Event::committed
+                                                                    : from_peer     ? Event::peer_exception
+                                                                                    : Event::local_error);
+                                                report(code, message);
+                                              });
+      send_reply(reply);
+      path_->start();
+    } else if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;
       p.data_event = wire::Event::xftsmu;
       receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{-1, true, true, crypto()});
@@ -289,7 +312,7 @@ private:
     r.mode = nego_.mode;
     r.path = nego_.remote_path;
     r.channels = nego_.channel_count;
-    r.bytes = sender_ ? sender_->bytes_done() : receiver_ ? receiver_->bytes_done() : 0;
+    r.bytes = sender_ ? sender_->bytes_done() : receiver_ ? receiver_->bytes_done() : path_ ? path_->bytes() : 0;
     r.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     r.code = code;
     r.message = message;
@@ -315,6 +338,8 @@ private:
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
+  std::unique_ptr<pathm::Server> path_;
+  bool read_only_ = false;
   bool reported_ = false;
 };
 

@@ -42,6 +42,7 @@ struct ServerConfig {
   std::chrono::milliseconds idle_timeout{60000};       ///< a session with no progress this long ends
   bool fsync = false;                     ///< fdatasync received files before renaming them into place
   bool allow_memory_mode = false;         ///< accept memory-to-memory sessions (benchmarks)
+  unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
   /// Where log lines go (one line each, no newline). Default: stderr with a timestamp.
   std::function<void(const std::string&)> log;
 };

@@ -27,6 +27,8 @@ inline constexpr std::uint32_t max_control_payload = 64 * 1024;
 /// Bounds on the negotiated block size.
 inline constexpr std::uint32_t min_block_size = 4 * 1024;
 inline constexpr std::uint32_t max_block_size = 64 * 1024 * 1024;
+/// Largest xPathM payload at the frame level (a session bounds it further by its block size).
+inline constexpr std::uint32_t max_path_payload = max_block_size + (8u << 20);
 /// Longest remote path accepted.
 inline constexpr std::size_t max_path_bytes = 4096;
 

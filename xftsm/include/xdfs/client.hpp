@@ -15,6 +15,7 @@
 #include <string>
 
 #include "xdfs/error.hpp"
+#include "xdfs/pathm/engine.hpp"
 #include "xdfs/xsec.hpp"
 
 namespace xdfs {
@@ -87,5 +88,31 @@ TransferResult upload(const std::string& local, const Endpoint& server, const st
 /// a non-regular destination (/dev/null, a FIFO) or "-" (standard output) is written in place.
 TransferResult download(const Endpoint& server, const std::string& remote_path, const std::string& local,
                         const TransferOptions& options = {});
+
+/// A path-mode session (xPathM): remote file operations and whole directory trees over n
+/// channels, many requests outstanding at once.
+///
+///   xdfs::RemoteFs fs({"server", 7721}, opt);
+///   fs->mkdir("incoming/run7", true);
+///   fs->upload_tree("results/", "incoming/run7", {});
+///   fs.close();
+///
+/// The constructor connects and authenticates; every call then blocks until its answer (or
+/// throws xdfs::Error). Paths are relative to the server's root.
+class RemoteFs {
+public:
+  explicit RemoteFs(const Endpoint& server, const TransferOptions& options = {});
+  ~RemoteFs();
+  RemoteFs(const RemoteFs&) = delete;
+  RemoteFs& operator=(const RemoteFs&) = delete;
+  pathm::Client* operator->();
+  pathm::Client& client();
+  /// Ends the session cleanly (also done by the destructor).
+  void close();
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace xdfs

@@ -67,6 +67,7 @@ enum class Action : std::uint8_t {
   commit,            ///< receiver: flush, check the size, rename into place, send EOFT
   finish,            ///< close the channels, report success
   abort,             ///< discard any partial file, tell the peer, close the channels
+  serve_path,        ///< path mode: client starts sending path requests; server starts answering them
 };
 
 const char* to_string(State s) noexcept;
@@ -80,8 +81,8 @@ struct Transition {
   Action action;
 };
 
-/// Which of the four machines.
-enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download };
+/// Which machine: the four xFTSM ones, and the two of the path mode (xPathM).
+enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download, client_path, server_path };
 const char* to_string(Role r) noexcept;
 
 /// The table of a role.

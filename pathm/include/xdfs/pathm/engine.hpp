@@ -1,0 +1,171 @@
+// xPathM over a session's n channels: the server that answers path requests, and the client
+// that sends them, many outstanding on every channel, and matches replies by request id.
+//
+// Both run on the session's network thread. Neither does file-system work there: requests (on
+// the server) and batches of files (on the client) go to a bounded WorkPool, and what a worker
+// produces comes back to the network thread to be sent. How many request bytes may be
+// outstanding is bounded at both ends: the client keeps a window, and the server stops reading a
+// channel while its workers hold more than their share.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xdfs/pathm/fsops.hpp"
+#include "xdfs/pathm/messages.hpp"
+#include "xdfs/pathm/pool.hpp"
+#include "xdfs/xdsi.hpp"
+
+namespace xdfs::pathm {
+
+namespace asio = boost::asio;
+using ChannelList = std::vector<std::unique_ptr<xdsi::Channel>>;
+
+/// Largest xPathM message a session with this block size accepts: one block of file bytes plus
+/// room for the entries' names.
+inline std::size_t max_message(std::uint32_t block_size) { return std::size_t(block_size) + (4u << 20); }
+
+/// A received message: word-aligned bytes that decoded entries point into.
+struct Buffer {
+  std::unique_ptr<std::uint64_t[]> words;
+  std::size_t size = 0;
+  std::span<const std::uint8_t> bytes() const noexcept {
+    return {reinterpret_cast<const std::uint8_t*>(words.get()), size};
+  }
+};
+
+struct ServerParams {
+  std::uint32_t block_size = 1 << 20;
+  unsigned workers = 4;
+  bool read_only = false;
+  bool fsync = false;
+  std::string tag;  ///< names temporary files (the session id)
+  std::chrono::milliseconds idle_timeout{60000};
+};
+
+/// Serves path requests on a root directory until the client ends the session (EOFT).
+class Server {
+public:
+  /// done(ok) when the client ends the session, done(code) on the first failure.
+  using Done = std::function<void(errc, const std::string&, bool from_peer)>;
+  Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done);
+  ~Server();
+  void start();
+  void abort(errc code, const std::string& message);
+  std::uint64_t bytes() const noexcept { return bytes_.load(); }
+  std::uint64_t requests() const noexcept { return requests_; }
+
+private:
+  struct Shared;
+  void read_loop(xdsi::Channel& ch);
+  void on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
+  void execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf);
+  void send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent = {});
+  void fail(errc code, const std::string& message, bool from_peer, bool tell);
+  void resume();
+  void arm_watchdog();
+
+  asio::io_context& io_;
+  ChannelList& channels_;
+  int root_;
+  ServerParams p_;
+  Done done_;
+  TreeWriter writer_;
+  std::shared_ptr<Shared> shared_;
+  std::vector<xdsi::Channel*> parked_;
+  std::size_t inflight_ = 0;  // request bytes handed to workers and not answered
+  std::size_t limit_;
+  std::atomic<std::uint64_t> bytes_{0};
+  std::uint64_t requests_ = 0;
+  asio::steady_timer watchdog_;
+  asio::steady_timer linger_;
+  std::chrono::steady_clock::time_point last_;
+  bool finished_ = false;
+  WorkPool pool_;  // last: joined first
+};
+
+struct TreeOptions {
+  bool sync = false;       ///< skip files whose size and mtime match at the destination
+  bool checksum = false;   ///< with sync: compare content (SHA-256) instead of mtime
+  bool follow = false;     ///< copy what symlinks point to instead of the links
+  bool fsync = false;      ///< fdatasync each file before it is renamed into place (download)
+  unsigned workers = 4;    ///< local threads for reading (upload) or writing (download) files
+  std::size_t batch_bytes = 1u << 20;  ///< file bytes per batch of small files
+  std::size_t window = 0;  ///< request bytes outstanding; 0: 8 blocks per channel, at least 32 MiB
+  std::function<void(std::uint64_t files, std::uint64_t bytes)> progress;
+};
+
+struct TreeResult {
+  std::uint64_t files = 0, directories = 0, symlinks = 0, bytes = 0;
+  std::uint64_t skipped = 0;  ///< already up to date (sync), or neither file, directory nor symlink
+  std::uint64_t requests = 0;
+};
+
+/// Sends path requests over the channels of an accepted path session. Calls block the calling
+/// thread, which runs the session's io_context meanwhile. Failures throw xdfs::Error.
+class Client {
+public:
+  Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
+         std::chrono::milliseconds idle_timeout);
+  ~Client();
+
+  Entry stat(const std::string& path);
+  /// Calls chunk() with each chunk of the listing as it arrives; returns the number of chunks.
+  std::size_t list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk);
+  void mkdir(const std::string& path, bool parents);
+  void remove(const std::string& path, bool recursive);
+  void rename(const std::string& from, const std::string& to);
+  /// SHA-256 (hex) of a remote file or range.
+  std::string checksum(const std::string& path, std::uint64_t offset = 0, std::uint64_t length = 0);
+  /// Sends a put request as is (tests use it to check what the server refuses).
+  void put(std::vector<Entry> entries);
+
+  /// The tree at local (a directory) becomes remote; remote is made if missing.
+  TreeResult upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o);
+  /// The tree at remote becomes local; local is made if missing.
+  TreeResult download_tree(const std::string& remote, const std::string& local, const TreeOptions& o);
+
+  /// Ends the session: EOFT on every channel, then closes them.
+  void close();
+  /// Whether the server reported the last error.
+  bool remote_error() const noexcept { return remote_; }
+
+private:
+  struct Pending;
+  using OnReply = std::function<void(Reply&, std::shared_ptr<Buffer>)>;
+  void read_loop(xdsi::Channel& ch);
+  void on_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
+  void send(std::uint64_t id, Encoded e, OnReply on);
+  std::uint64_t new_id() noexcept { return next_id_++; }
+  Reply call(Request r);
+  void wait(const std::function<bool()>& done);
+  void fail(errc code, const std::string& message, bool remote);
+  void check() const;
+  std::string remote_join(const std::string& base, const std::string& rel) const;
+
+  asio::io_context& io_;
+  ChannelList& channels_;
+  std::uint32_t block_size_;
+  const std::atomic<bool>* cancel_;
+  std::chrono::milliseconds idle_timeout_;
+  std::unordered_map<std::uint64_t, std::pair<std::size_t, OnReply>> pending_;  // id -> channel, handler
+  std::vector<std::size_t> outstanding_;  // per channel
+  std::uint64_t next_id_ = 1;
+  std::uint64_t requests_ = 0;
+  errc code_ = errc::ok;
+  std::string message_;
+  bool remote_ = false;
+  bool closed_ = false;
+  std::chrono::steady_clock::time_point last_;
+};
+
+}  // namespace xdfs::pathm

@@ -1,0 +1,89 @@
+// File-system work of the path mode, beneath a root directory descriptor.
+//
+// The server runs these on its session's root (after confinement to a subdirectory); the
+// client runs the same code on its local source or destination, so both ends of a tree copy
+// create, write, close and rename files the same way: every file is written under a temporary
+// dot-name and renamed into place only when whole, with its mode and mtime already set.
+// Every function checks its paths (relative, no "..") and opens with RESOLVE_BENEATH.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xdfs/files.hpp"
+#include "xdfs/pathm/messages.hpp"
+
+namespace xdfs::pathm {
+
+using files::Status;
+
+/// Checks a path from a request: relative and without ".."; "" and "." name the root.
+Status check_path(const std::string& path);
+
+/// path without trailing slashes and leading "./".
+std::string normal(const std::string& path);
+
+/// The entry at path, without following a final symlink.
+Status stat_entry(int root, const std::string& path, Entry& out);
+
+/// Lists the directory at path (the whole tree below it if recursive, parents before children),
+/// handing out chunks of at most `chunk` entries; emit returns false to stop. Entry paths are
+/// relative to path. With `follow`, symlinks are listed as what they point to.
+Status list_dir(int root, const std::string& path, bool recursive, bool follow, std::size_t chunk,
+                const std::function<bool(std::vector<Entry>&)>& emit);
+
+Status make_dir(int root, const std::string& path, bool parents, std::uint32_t mode);
+/// Removes a file or symlink; a directory only when recursive (with all it holds).
+Status remove_path(int root, const std::string& path, bool recursive);
+Status rename_path(int root, const std::string& from, const std::string& to);
+/// SHA-256 of bytes [offset, offset+length) of a regular file (length 0: to the end).
+Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
+                std::vector<std::uint8_t>& digest);
+
+/// Opens a regular file beneath root for reading and returns its entry (size, mode, mtime).
+Status open_file(int root, const std::string& path, files::Fd& fd, Entry& e);
+/// Reads exactly dst.size() bytes at offset; a file that got shorter is a size_mismatch.
+Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, const std::string& path);
+
+/// Creates entries beneath a root: directories, symlinks, whole files and chunks of large
+/// files, each file under a temporary name until whole. Safe to call from several threads.
+class TreeWriter {
+public:
+  /// chunk: the block size large files are split into; max_open: large files in progress at once.
+  TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open = 1024);
+  ~TreeWriter();
+  TreeWriter(const TreeWriter&) = delete;
+  TreeWriter& operator=(const TreeWriter&) = delete;
+
+  Status put(const Entry& e);
+  /// Sets mode and mtime (directories after their contents are in place).
+  Status set_attrs(const Entry& e);
+  /// Files in progress (a large file not yet whole).
+  std::size_t open_files() const;
+  /// Removes every temporary file still in progress (after a failure).
+  void discard_all();
+
+private:
+  struct Partial;
+  Status put_file(const Entry& e);
+  Status put_chunk(const Entry& e);
+  Status parent_of(const std::string& path, files::Fd& dir, std::string& name, bool create);
+
+  int root_;
+  std::string tag_;
+  bool fsync_;
+  std::uint32_t chunk_;
+  std::size_t max_open_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Partial>> partial_;
+  std::uint64_t counter_ = 0;
+};
+
+}  // namespace xdfs::pathm

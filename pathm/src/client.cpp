@@ -1,0 +1,729 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/asio/post.hpp>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <unordered_map>
+
+#include "xdfs/pathm/engine.hpp"
+#include "xdfs/types.hpp"
+#include "xdfs/wire.hpp"
+
+namespace xdfs::pathm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using files::Fd;
+
+std::string hex(const std::vector<std::uint8_t>& d) {
+  std::string s;
+  for (auto b : d) s += fmt::format("{:02x}", b);
+  return s;
+}
+
+// Makes a local directory and its parents.
+void make_local_dirs(const std::string& path) {
+  std::string cur;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    cur = path.substr(0, pos);
+    if (cur.empty()) continue;
+    if (::mkdir(cur.c_str(), 0777) != 0 && errno != EEXIST)
+      throw Error(errc_from_errno(errno), "mkdir '" + cur + "': " + std::strerror(errno));
+  }
+}
+
+Fd open_local_dir(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) {
+    const int err = errno;
+    if (err == ENOTDIR) throw Error(errc::not_regular_file, "'" + path + "' is not a directory");
+    throw Error(errc_from_errno(err), "'" + path + "': " + std::strerror(err));
+  }
+  return fd;
+}
+
+Entry local_entry(int dir, const std::string& rel) {
+  struct stat st {};
+  Entry e;
+  e.path = rel;
+  if (::fstatat(dir, rel.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    e.type = Type::other;
+    e.mode = 0xffffffff;  // marks "missing"
+    return e;
+  }
+  e.type = S_ISREG(st.st_mode) ? Type::file : S_ISDIR(st.st_mode) ? Type::directory : S_ISLNK(st.st_mode) ? Type::symlink : Type::other;
+  e.size = static_cast<std::uint64_t>(st.st_size);
+  e.mode = st.st_mode & 07777;
+  e.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  if (e.type == Type::symlink) {
+    char buf[4097];
+    auto n = ::readlinkat(dir, rel.c_str(), buf, sizeof buf);
+    if (n > 0) e.target.assign(buf, static_cast<std::size_t>(std::min<ssize_t>(n, 4096)));
+  }
+  return e;
+}
+
+bool same(const Entry& a, const Entry& b) {
+  if (a.type != b.type) return false;
+  if (a.type == Type::symlink) return a.target == b.target;
+  return a.size == b.size && a.mtime_ns == b.mtime_ns;
+}
+
+// One unit of tree work: a batch of whole small files, or one chunk of a large file.
+struct Unit {
+  std::size_t first = 0, count = 0;  // range in the file list
+  std::uint64_t bytes = 0;
+  bool chunk = false;
+  std::uint64_t offset = 0;
+};
+
+std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std::size_t batch_bytes) {
+  std::vector<Unit> units;
+  const std::uint64_t small = std::max<std::uint64_t>(block / 4, 4096);
+  Unit cur;
+  auto flush = [&] {
+    if (cur.count) units.push_back(cur);
+    cur = Unit{};
+  };
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const auto& f = files[i];
+    if (f.size <= small) {
+      if (cur.count && (cur.bytes + f.size > batch_bytes || cur.count >= 1024)) flush();
+      if (!cur.count) cur.first = i;
+      ++cur.count;
+      cur.bytes += f.size;
+      continue;
+    }
+    flush();  // a batch is a contiguous run of the list
+    for (std::uint64_t off = 0; off < f.size; off += block)
+      units.push_back(Unit{i, 1, std::min<std::uint64_t>(block, f.size - off), true, off});
+  }
+  flush();
+  return units;
+}
+
+}  // namespace
+
+Client::Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
+               std::chrono::milliseconds idle_timeout)
+    : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout) {
+  outstanding_.assign(channels_.size(), 0);
+  last_ = Clock::now();
+  for (auto& ch : channels_) read_loop(*ch);
+}
+
+Client::~Client() {
+  for (auto& ch : channels_)
+    if (ch) ch->close();
+}
+
+void Client::fail(errc code, const std::string& message, bool remote) {
+  if (code_ != errc::ok) return;
+  code_ = code;
+  message_ = message;
+  remote_ = remote;
+  auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
+  for (auto& c : channels_) {
+    if (!c || !c->open()) continue;
+    if (remote) {
+      c->close();
+      continue;
+    }
+    auto* ch = c.get();
+    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->close(); });
+  }
+}
+
+void Client::check() const {
+  if (code_ != errc::ok) throw Error(code_, message_);
+}
+
+void Client::read_loop(xdsi::Channel& ch) {
+  ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+    if (code_ != errc::ok || closed_) return;
+    if (ec) {
+      if (ec == boost::system::errc::protocol_error)
+        return fail(errc::protocol_error, "server sent " + ch.last_error_text(), false);
+      if (ec == xdsi::integrity_failure)
+        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false);
+      return fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch.index(), ec.message()), true);
+    }
+    if (h.event == wire::Event::exception) {
+      if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false);
+      auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
+      ch.async_read_payload(*buf, [this, buf](const xdsi::ErrorCode& ec) {
+        if (code_ != errc::ok) return;
+        if (ec) return fail(errc::peer_aborted, "server closed a channel", true);
+        std::string why;
+        auto ex = wire::decode_exception(*buf, &why);
+        if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false);
+        fail(ex->code, ex->message, true);
+      });
+      return;
+    }
+    if (h.event == wire::Event::noop) return read_loop(ch);
+    if (h.event != wire::Event::xpathm)
+      return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
+    if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
+      return fail(errc::protocol_error, fmt::format("path reply of {} bytes", h.length), false);
+    auto buf = std::make_shared<Buffer>();
+    buf->words.reset(new std::uint64_t[(h.length + 7) / 8]);
+    buf->size = h.length;
+    auto* dst = reinterpret_cast<std::uint8_t*>(buf->words.get());
+    ch.async_read_payload({dst, h.length}, [this, &ch, buf](const xdsi::ErrorCode& ec) {
+      if (code_ != errc::ok || closed_) return;
+      if (ec == xdsi::integrity_failure)
+        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false);
+      if (ec) return fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch.index(), ec.message()), true);
+      on_reply(ch, buf);
+      read_loop(ch);
+    });
+  });
+}
+
+void Client::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
+  last_ = Clock::now();
+  std::string why;
+  auto r = decode_reply(buf->bytes(), &why);
+  if (!r) return fail(errc::protocol_error, "bad path reply: " + why, false);
+  auto it = pending_.find(r->id);
+  if (it == pending_.end()) return fail(errc::protocol_error, fmt::format("reply to unknown request {}", r->id), false);
+  auto handler = it->second.second;  // copy: the handler may send more requests
+  if (r->last) {
+    --outstanding_[it->second.first];
+    pending_.erase(it);
+  }
+  handler(*r, std::move(buf));
+}
+
+std::string Client::remote_join(const std::string& base, const std::string& rel) const {
+  std::string b = base;
+  while (!b.empty() && b.back() == '/') b.pop_back();
+  if (b.empty() || b == ".") return rel.empty() ? "." : rel;
+  return rel.empty() || rel == "." ? b : b + "/" + rel;
+}
+
+void Client::send(std::uint64_t id, Encoded e, OnReply on) {
+  if (code_ != errc::ok) return;
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < channels_.size(); ++i)
+    if (outstanding_[i] < outstanding_[best]) best = i;
+  ++outstanding_[best];
+  ++requests_;
+  pending_.emplace(id, std::make_pair(best, std::move(on)));
+  auto holder = std::make_shared<Encoded>(std::move(e));
+  wire::FrameHeader h;
+  h.event = wire::Event::xpathm;
+  h.length = static_cast<std::uint32_t>(holder->size);
+  channels_[best]->send(h, holder->bytes(), [this, holder](const xdsi::ErrorCode& ec) {
+    if (ec && ec != boost::asio::error::operation_aborted && code_ == errc::ok)
+      fail(errc::peer_aborted, "sending a path request: " + ec.message(), true);
+  });
+}
+
+void Client::wait(const std::function<bool()>& done) {
+  io_.restart();
+  last_ = Clock::now();
+  while (code_ == errc::ok && !done()) {
+    if (cancel_ && cancel_->load()) {
+      fail(errc::cancelled, "cancelled by the user", false);
+      break;
+    }
+    io_.run_one_for(std::chrono::milliseconds(200));
+    if (code_ == errc::ok && !pending_.empty() && Clock::now() - last_ > idle_timeout_)
+      fail(errc::timeout, fmt::format("no reply from the server for {} ms", idle_timeout_.count()), false);
+  }
+  if (code_ != errc::ok) {
+    // Let the exception header leave before the caller tears the channels down.
+    const auto until = Clock::now() + std::chrono::milliseconds(200);
+    while (Clock::now() < until && io_.run_one_for(std::chrono::milliseconds(50))) {
+    }
+  }
+  check();
+}
+
+Reply Client::call(Request r) {
+  check();
+  r.id = new_id();
+  std::optional<Reply> out;
+  send(r.id, encode(r), [&out](Reply& rep, std::shared_ptr<Buffer>) {
+    for (auto& e : rep.entries) e.data = {};
+    out = std::move(rep);
+  });
+  wait([&] { return out.has_value(); });
+  if (out->code != errc::ok) {
+    remote_ = true;
+    throw Error(out->code, out->message);
+  }
+  return std::move(*out);
+}
+
+Entry Client::stat(const std::string& path) {
+  Request r;
+  r.op = Op::stat;
+  r.path = path;
+  auto rep = call(std::move(r));
+  if (rep.entries.size() != 1) throw Error(errc::protocol_error, "stat reply without exactly one entry");
+  return rep.entries[0];
+}
+
+std::size_t Client::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
+  check();
+  Request r;
+  r.op = Op::list;
+  r.path = path;
+  r.recursive = recursive;
+  r.id = new_id();
+  bool done = false;
+  std::size_t chunks = 0;
+  std::optional<Error> err;
+  send(r.id, encode(r), [&](Reply& rep, std::shared_ptr<Buffer>) {
+    if (rep.code != errc::ok) {
+      done = true;
+      err.emplace(rep.code, rep.message);
+      return;
+    }
+    for (auto& e : rep.entries) {
+      // The server's names are as untrusted as anything else it sends.
+      if (auto st = files::check_relative_path(e.path); !st)
+        return fail(errc::protocol_error, "server listed a bad name: " + st.message, false);
+      e.data = {};
+    }
+    if (!rep.entries.empty()) {
+      ++chunks;
+      chunk(rep.entries);
+    }
+    if (rep.last) done = true;
+  });
+  wait([&] { return done; });
+  if (err) {
+    remote_ = true;
+    throw *err;
+  }
+  return chunks;
+}
+
+void Client::mkdir(const std::string& path, bool parents) {
+  Request r;
+  r.op = Op::mkdir;
+  r.path = path;
+  r.recursive = parents;
+  call(std::move(r));
+}
+
+void Client::remove(const std::string& path, bool recursive) {
+  Request r;
+  r.op = Op::remove;
+  r.path = path;
+  r.recursive = recursive;
+  call(std::move(r));
+}
+
+void Client::rename(const std::string& from, const std::string& to) {
+  Request r;
+  r.op = Op::rename;
+  r.path = from;
+  r.to = to;
+  call(std::move(r));
+}
+
+std::string Client::checksum(const std::string& path, std::uint64_t offset, std::uint64_t length) {
+  Request r;
+  r.op = Op::checksum;
+  r.path = path;
+  r.offset = offset;
+  r.length = length;
+  auto rep = call(std::move(r));
+  if (rep.algorithm != "sha256" || rep.digest.size() != 32) throw Error(errc::protocol_error, "checksum reply is not a SHA-256");
+  return hex(rep.digest);
+}
+
+void Client::put(std::vector<Entry> entries) {
+  Request r;
+  r.op = Op::put;
+  r.entries = std::move(entries);
+  call(std::move(r));
+}
+
+void Client::close() {
+  if (closed_ || code_ != errc::ok) return;
+  closed_ = true;
+  wire::FrameHeader h;
+  h.event = wire::Event::eoft;
+  unsigned open = 0;
+  for (auto& c : channels_)
+    if (c && c->open()) ++open;
+  unsigned closed = 0;
+  channels_[0]->send(h, std::vector<std::uint8_t>{}, [](const xdsi::ErrorCode&) {});
+  for (auto& c : channels_)
+    if (c && c->open()) c->linger_close([&closed] { ++closed; });
+  io_.restart();
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  while (closed < open && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
+}
+
+// ---- trees ----
+
+namespace {
+
+// Work shared by both directions of a tree copy: which files need to move.
+struct TreePlan {
+  std::vector<Entry> dirs, links, files;
+  TreeResult result;
+};
+
+}  // namespace
+
+TreeResult Client::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
+  check();
+  const auto t0 = requests_;
+  Fd src = open_local_dir(local);
+  TreePlan p;
+  {
+    Entry top = local_entry(src.get(), ".");
+    top.path = "";
+    p.dirs.push_back(top);
+  }
+  if (auto st = list_dir(src.get(), ".", true, o.follow, 4096, [&](std::vector<Entry>& chunk) {
+        for (auto& e : chunk) {
+          if (e.type == Type::directory) p.dirs.push_back(std::move(e));
+          else if (e.type == Type::symlink) p.links.push_back(std::move(e));
+          else if (e.type == Type::file) p.files.push_back(std::move(e));
+          else ++p.result.skipped;
+        }
+        return true;
+      });
+      !st)
+    throw Error(st.code, "reading '" + local + "': " + st.message);
+  mkdir(remote, true);
+  if (o.sync) {
+    std::unordered_map<std::string, Entry> there;
+    list(remote, true, [&](std::vector<Entry>& chunk) {
+      for (auto& e : chunk) there.emplace(e.path, std::move(e));
+    });
+    auto keep = [&](std::vector<Entry>& v, bool files) {
+      std::vector<Entry> out;
+      std::vector<std::size_t> maybe;  // same size, content to compare
+      for (auto& e : v) {
+        auto it = there.find(e.path);
+        const bool match = it != there.end() &&
+                           (files && o.checksum ? it->second.type == Type::file && it->second.size == e.size
+                                                : same(e, it->second));
+        if (!match) {
+          out.push_back(std::move(e));
+        } else if (files && o.checksum) {
+          maybe.push_back(out.size());
+          out.push_back(std::move(e));
+        } else {
+          ++p.result.skipped;
+        }
+      }
+      if (!maybe.empty()) {
+        std::vector<bool> equal(out.size(), false);
+        std::size_t answered = 0, next = 0;
+        std::function<void()> ask = [&] {
+          while (next < maybe.size() && next - answered < 64) {
+            const std::size_t k = maybe[next++];
+            std::vector<std::uint8_t> mine;
+            if (auto st = pathm::checksum(src.get(), out[k].path, 0, 0, mine); !st) return fail(st.code, st.message, false);
+            Request r;
+            r.op = Op::checksum;
+            r.path = remote_join(remote, out[k].path);
+            r.id = new_id();
+            send(r.id, encode(r), [&, k, mine](Reply& rep, std::shared_ptr<Buffer>) {
+              ++answered;
+              equal[k] = rep.code == errc::ok && rep.digest == mine;
+              ask();
+            });
+          }
+        };
+        ask();
+        wait([&] { return answered == maybe.size(); });
+        std::vector<Entry> left;
+        for (std::size_t k = 0; k < out.size(); ++k) {
+          if (equal[k]) ++p.result.skipped;
+          else left.push_back(std::move(out[k]));
+        }
+        out = std::move(left);
+      }
+      v = std::move(out);
+    };
+    keep(p.files, true);
+    keep(p.links, false);
+  }
+  // Directories and symlinks first (no bytes), batched; the server makes missing parents itself,
+  // so files need not wait for them.
+  std::size_t waiting = 0;
+  auto on_done = [&](Reply& rep, std::shared_ptr<Buffer>) {
+    --waiting;
+    if (rep.code != errc::ok) fail(rep.code, rep.message, true);
+  };
+  auto put_meta = [&](const std::vector<Entry>& v, std::size_t from) {
+    for (std::size_t i = from; i < v.size(); i += 1024) {
+      Request r;
+      r.op = Op::put;
+      r.id = new_id();
+      for (std::size_t k = i; k < std::min(v.size(), i + 1024); ++k) {
+        Entry e = v[k];
+        e.path = remote_join(remote, e.path);
+        if (e.path == "." || e.path == remote) continue;
+        r.entries.push_back(std::move(e));
+      }
+      if (r.entries.empty()) continue;
+      ++waiting;
+      send(r.id, encode(r), on_done);
+    }
+  };
+  put_meta(p.dirs, 0);
+  put_meta(p.links, 0);
+  p.result.directories = p.dirs.size();
+  p.result.symlinks = p.links.size();
+
+  // Files: batches of small files and chunks of large ones, read by workers straight into the
+  // request bytes, as many outstanding as the window allows.
+  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
+  const std::size_t window = o.window ? o.window : std::max<std::size_t>(32u << 20, 8ull * block_size_ * channels_.size());
+  std::vector<std::uint64_t> file_ids(p.files.size(), 0);
+  std::size_t next = 0, inflight = 0, building = 0;
+  std::uint64_t ids = 1;
+  {
+    WorkPool pool(o.workers);
+    auto alive = std::make_shared<bool>(true);
+    std::function<void()> pump = [&] {
+      while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
+        const Unit u = units[next++];
+        inflight += u.bytes + 1;
+        ++building;
+        if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
+        const std::uint64_t id = new_id();
+        const std::uint64_t fid = u.chunk ? file_ids[u.first] : 0;
+        std::weak_ptr<bool> w = alive;
+        pool.submit([&, u, id, fid, w] {
+          auto writer = Writer::request(id, Op::put, u.count, static_cast<std::size_t>(u.bytes));
+          Status st;
+          for (std::size_t k = 0; k < u.count && st; ++k) {
+            const Entry& f = p.files[u.first + k];
+            Fd fd(::openat(src.get(), f.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (o.follow ? 0 : O_NOFOLLOW)));
+            if (!fd) {
+              st = Status::from_errno(errno, "open '" + local + "/" + f.path + "'");
+              break;
+            }
+            Entry e = f;
+            e.path = remote_join(remote, f.path);
+            e.file_id = fid;
+            e.offset = u.chunk ? u.offset : 0;
+            const std::uint64_t len = u.chunk ? u.bytes : f.size;
+            auto dst = writer.set(k, e, static_cast<std::size_t>(len));
+            st = read_exact(fd.get(), dst, e.offset, local + "/" + f.path);
+          }
+          Encoded msg;
+          if (st) msg = writer.finish();
+          asio::post(io_, [&, u, id, w, st, msg = std::move(msg)]() mutable {
+            if (!w.lock()) return;
+            --building;
+            if (!st) return fail(st.code, st.message, false);
+            send(id, std::move(msg), [&, u](Reply& rep, std::shared_ptr<Buffer>) {
+              inflight -= u.bytes + 1;
+              if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
+              p.result.bytes += u.bytes;
+              if (!u.chunk) p.result.files += u.count;
+              else if (u.offset + u.bytes >= p.files[u.first].size) ++p.result.files;
+              if (o.progress) o.progress(p.result.files, p.result.bytes);
+              pump();
+            });
+          });
+        });
+      }
+    };
+    pump();
+    wait([&] { return next == units.size() && building == 0 && pending_.empty(); });
+    alive.reset();
+  }
+  // Directories last get their modes and mtimes: writing into them changed their mtimes.
+  std::vector<Entry> attrs;
+  for (auto& d : p.dirs) {
+    Entry e = d;
+    e.path = remote_join(remote, d.path);
+    attrs.push_back(std::move(e));
+  }
+  for (std::size_t i = 0; i < attrs.size(); i += 1024) {
+    Request r;
+    r.op = Op::set_attrs;
+    r.id = new_id();
+    r.entries.assign(attrs.begin() + i, attrs.begin() + std::min(attrs.size(), i + 1024));
+    ++waiting;
+    send(r.id, encode(r), on_done);
+  }
+  wait([&] { return waiting == 0; });
+  p.result.requests = requests_ - t0;
+  return p.result;
+}
+
+TreeResult Client::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
+  check();
+  const auto t0 = requests_;
+  Entry top = stat(remote);
+  if (top.type != Type::directory) throw Error(errc::not_regular_file, "'" + remote + "' is not a directory");
+  TreePlan p;
+  top.path = ".";
+  p.dirs.push_back(top);
+  list(remote, true, [&](std::vector<Entry>& chunk) {
+    for (auto& e : chunk) {
+      if (e.type == Type::directory) p.dirs.push_back(std::move(e));
+      else if (e.type == Type::symlink) p.links.push_back(std::move(e));
+      else if (e.type == Type::file) p.files.push_back(std::move(e));
+      else ++p.result.skipped;
+    }
+  });
+  make_local_dirs(local);
+  Fd dst = open_local_dir(local);
+  TreeWriter writer(dst.get(), "dl-" + SessionId::random().short_hex(), o.fsync, block_size_);
+  if (o.sync) {
+    std::vector<Entry> need;
+    std::vector<std::size_t> maybe;
+    for (auto& f : p.files) {
+      Entry here = local_entry(dst.get(), f.path);
+      const bool match = o.checksum ? here.type == Type::file && here.size == f.size : same(here, f);
+      if (!match) need.push_back(std::move(f));
+      else if (o.checksum) {
+        maybe.push_back(need.size());
+        need.push_back(std::move(f));
+      } else {
+        ++p.result.skipped;
+      }
+    }
+    if (!maybe.empty()) {
+      std::vector<bool> equal(need.size(), false);
+      std::size_t answered = 0, next = 0;
+      std::function<void()> ask = [&] {
+        while (next < maybe.size() && next - answered < 64) {
+          const std::size_t k = maybe[next++];
+          std::vector<std::uint8_t> mine;
+          if (auto st = pathm::checksum(dst.get(), need[k].path, 0, 0, mine); !st) return fail(st.code, st.message, false);
+          Request r;
+          r.op = Op::checksum;
+          r.path = remote_join(remote, need[k].path);
+          r.id = new_id();
+          send(r.id, encode(r), [&, k, mine](Reply& rep, std::shared_ptr<Buffer>) {
+            ++answered;
+            equal[k] = rep.code == errc::ok && rep.digest == mine;
+            ask();
+          });
+        }
+      };
+      ask();
+      wait([&] { return answered == maybe.size(); });
+      std::vector<Entry> left;
+      for (std::size_t k = 0; k < need.size(); ++k) {
+        if (equal[k]) ++p.result.skipped;
+        else left.push_back(std::move(need[k]));
+      }
+      need = std::move(left);
+    }
+    p.files = std::move(need);
+    std::vector<Entry> links;
+    for (auto& l : p.links) {
+      if (same(local_entry(dst.get(), l.path), l)) ++p.result.skipped;
+      else links.push_back(std::move(l));
+    }
+    p.links = std::move(links);
+  }
+  for (std::size_t i = 1; i < p.dirs.size(); ++i)
+    if (auto st = writer.put(p.dirs[i]); !st) throw Error(st.code, st.message);
+  for (auto& l : p.links)
+    if (auto st = writer.put(l); !st) throw Error(st.code, st.message);
+  p.result.directories = p.dirs.size();
+  p.result.symlinks = p.links.size();
+
+  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
+  const std::size_t window = o.window ? o.window : std::max<std::size_t>(32u << 20, 8ull * block_size_ * channels_.size());
+  std::vector<std::uint64_t> file_ids(p.files.size(), 0);
+  std::size_t next = 0, inflight = 0, writing = 0;
+  std::uint64_t ids = 1;
+  {
+    WorkPool pool(o.workers);
+    auto alive = std::make_shared<bool>(true);
+    std::function<void()> pump = [&] {
+      while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
+        const Unit u = units[next++];
+        inflight += u.bytes + 1;
+        if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
+        Request r;
+        r.op = Op::get;
+        r.id = new_id();
+        const std::uint64_t fid = u.chunk ? file_ids[u.first] : 0;
+        for (std::size_t k = 0; k < u.count; ++k) {
+          const Entry& f = p.files[u.first + k];
+          Entry q;
+          q.path = remote_join(remote, f.path);
+          q.size = u.chunk ? u.bytes : f.size;
+          q.offset = u.chunk ? u.offset : 0;
+          q.file_id = fid;
+          r.entries.push_back(std::move(q));
+        }
+        std::weak_ptr<bool> w = alive;
+        send(r.id, encode(r), [&, u, fid, w](Reply& rep, std::shared_ptr<Buffer> buf) {
+          if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
+          if (rep.entries.size() != u.count)
+            return fail(errc::protocol_error, "get reply with a different number of files", false);
+          ++writing;
+          pool.submit([&, u, fid, w, buf, rep = std::move(rep)]() mutable {
+            Status st;
+            std::uint64_t n = 0;
+            for (std::size_t k = 0; k < u.count && st; ++k) {
+              auto& got = rep.entries[k];
+              Entry e;
+              e.path = p.files[u.first + k].path;  // our own name for it, not the server's
+              e.type = Type::file;
+              e.size = got.size;
+              e.mode = got.mode;
+              e.mtime_ns = got.mtime_ns;
+              e.data = got.data;
+              e.file_id = fid;
+              e.offset = u.chunk ? u.offset : 0;
+              if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes))
+                st = {errc::protocol_error, "server sent another range of '" + e.path + "'"};
+              else
+                st = writer.put(e);
+              n += got.data.size();
+            }
+            asio::post(io_, [&, u, w, st, n] {
+              if (!w.lock()) return;
+              --writing;
+              inflight -= u.bytes + 1;
+              if (!st) return fail(st.code, st.message, false);
+              p.result.bytes += n;
+              if (!u.chunk) p.result.files += u.count;
+              else if (u.offset + u.bytes >= p.files[u.first].size) ++p.result.files;
+              if (o.progress) o.progress(p.result.files, p.result.bytes);
+              pump();
+            });
+          });
+        });
+      }
+    };
+    pump();
+    try {
+      wait([&] { return next == units.size() && writing == 0 && pending_.empty(); });
+    } catch (...) {
+      pool.stop();
+      writer.discard_all();
+      throw;
+    }
+    alive.reset();
+  }
+  for (auto& d : p.dirs)
+    if (auto st = writer.set_attrs(d); !st) throw Error(st.code, st.message);
+  p.result.requests = requests_ - t0;
+  return p.result;
+}
+
+}  // namespace xdfs::pathm

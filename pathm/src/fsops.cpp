@@ -1,0 +1,578 @@
+#include "xdfs/pathm/fsops.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <botan/hash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "xdfs/wire.hpp"
+
+namespace xdfs::pathm {
+namespace {
+
+using files::Fd;
+
+std::string quoted(const std::string& p) { return "'" + p + "'"; }
+
+std::int64_t mtime_of(const struct stat& st) {
+  return static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+timespec to_timespec(std::int64_t ns) {
+  timespec t{};
+  t.tv_sec = ns / 1000000000;
+  t.tv_nsec = ns % 1000000000;
+  if (t.tv_nsec < 0) {
+    t.tv_nsec += 1000000000;
+    t.tv_sec -= 1;
+  }
+  return t;
+}
+
+Type type_of(mode_t m) {
+  if (S_ISREG(m)) return Type::file;
+  if (S_ISDIR(m)) return Type::directory;
+  if (S_ISLNK(m)) return Type::symlink;
+  return Type::other;
+}
+
+// Permission bits we set: set-user-ID and set-group-ID never travel (a peer must not be able to
+// make a privileged executable appear).
+mode_t safe_mode(std::uint32_t m) { return static_cast<mode_t>(m & 01777); }
+
+void fill_entry(Entry& e, const struct stat& st) {
+  e.type = type_of(st.st_mode);
+  e.size = e.type == Type::file || e.type == Type::symlink ? static_cast<std::uint64_t>(st.st_size) : 0;
+  e.mode = st.st_mode & 07777;
+  e.mtime_ns = mtime_of(st);
+}
+
+Status read_link(int dir, const std::string& name, const std::string& shown, std::string& target) {
+  char buf[wire::max_path_bytes + 1];
+  const ssize_t n = ::readlinkat(dir, name.c_str(), buf, sizeof buf);
+  if (n < 0) return Status::from_errno(errno, "readlink " + quoted(shown));
+  if (static_cast<std::size_t>(n) > wire::max_path_bytes)
+    return {errc::bad_argument, "symlink " + quoted(shown) + " has a target longer than 4096 bytes"};
+  target.assign(buf, static_cast<std::size_t>(n));
+  return Status::ok();
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  if (dir.empty() || dir == ".") return name;
+  return dir + "/" + name;
+}
+
+// Opens the directory containing `path` and returns the last component. "." and "" have none.
+Status open_parent(int root, const std::string& path, Fd& dir, std::string& name) {
+  auto [parent, last] = files::split_parent(path);
+  if (last.empty() || last == ".")
+    return {errc::bad_argument, quoted(path) + " names the root itself"};
+  name = last;
+  return files::open_beneath(root, parent, O_PATH | O_DIRECTORY, 0, dir);
+}
+
+Status remove_tree(int dir, const std::string& name, const std::string& shown, int depth) {
+  if (depth > 1024) return {errc::limit_exceeded, quoted(shown) + " is nested too deeply"};
+  if (::unlinkat(dir, name.c_str(), 0) == 0) return Status::ok();
+  if (errno != EISDIR && errno != EPERM) return Status::from_errno(errno, "remove " + quoted(shown));
+  int fd = ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return Status::from_errno(errno, "open " + quoted(shown));
+  DIR* d = ::fdopendir(fd);
+  if (!d) {
+    ::close(fd);
+    return Status::from_errno(errno, "open " + quoted(shown));
+  }
+  std::vector<std::string> names;
+  while (auto* ent = ::readdir(d)) {
+    const char* n = ent->d_name;
+    if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
+    names.emplace_back(n);
+  }
+  Status st;
+  for (const auto& n : names) {
+    st = remove_tree(::dirfd(d), n, shown + "/" + n, depth + 1);
+    if (!st) break;
+  }
+  ::closedir(d);
+  if (!st) return st;
+  if (::unlinkat(dir, name.c_str(), AT_REMOVEDIR) != 0) return Status::from_errno(errno, "remove " + quoted(shown));
+  return Status::ok();
+}
+
+std::atomic<std::uint64_t> writer_ids{1};
+
+}  // namespace
+
+Status check_path(const std::string& path) {
+  if (path.empty() || path == ".") return Status::ok();
+  return files::check_relative_path(path);
+}
+
+std::string normal(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  while (p.size() > 2 && p[0] == '.' && p[1] == '/') p.erase(0, 2);
+  return p;
+}
+
+Status stat_entry(int root, const std::string& raw, Entry& out) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  struct stat st {};
+  out.path = path.empty() ? "." : path;
+  if (path.empty() || path == ".") {
+    if (::fstat(root, &st) != 0) return Status::from_errno(errno, "stat the root");
+    fill_entry(out, st);
+    return Status::ok();
+  }
+  Fd dir;
+  std::string name;
+  if (auto s = open_parent(root, path, dir, name); !s) return s;
+  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+    return Status::from_errno(errno, "stat " + quoted(path));
+  fill_entry(out, st);
+  if (out.type == Type::symlink) return read_link(dir.get(), name, path, out.target);
+  return Status::ok();
+}
+
+Status list_dir(int root, const std::string& raw, bool recursive, bool follow, std::size_t chunk,
+                const std::function<bool(std::vector<Entry>&)>& emit) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  std::vector<std::string> todo{""};  // directories still to read, relative to path
+  std::set<std::pair<dev_t, ino_t>> seen;  // with follow: directories met, so a loop ends
+  std::vector<Entry> out;
+  out.reserve(std::min<std::size_t>(chunk, 1024));
+  const std::string base = path.empty() ? "." : path;
+  while (!todo.empty()) {
+    const std::string rel = std::move(todo.back());
+    todo.pop_back();
+    Fd fd;
+    const std::string where = rel.empty() ? base : join(base, rel);
+    if (auto s = files::open_beneath(root, where, O_RDONLY | O_DIRECTORY, 0, fd); !s) {
+      if (s.code == errc::io_error || s.message.find("Not a directory") != std::string::npos)
+        return {errc::not_regular_file, quoted(where) + " is not a directory"};
+      return s;
+    }
+    if (follow) {
+      struct stat st {};
+      if (::fstat(fd.get(), &st) == 0 && !seen.insert({st.st_dev, st.st_ino}).second) continue;
+    }
+    DIR* d = ::fdopendir(fd.get());
+    if (!d) return Status::from_errno(errno, "list " + quoted(where));
+    fd.release();
+    std::vector<std::string> subdirs;
+    Status st;
+    errno = 0;
+    while (auto* ent = ::readdir(d)) {
+      const char* n = ent->d_name;
+      if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
+      Entry e;
+      e.path = join(rel, n);
+      if (e.path.size() > wire::max_path_bytes) {
+        st = {errc::limit_exceeded, "a path below " + quoted(where) + " is longer than 4096 bytes"};
+        break;
+      }
+      struct stat sb {};
+      int flags = follow ? 0 : AT_SYMLINK_NOFOLLOW;
+      if (::fstatat(::dirfd(d), n, &sb, flags) != 0 && (!follow || ::fstatat(::dirfd(d), n, &sb, AT_SYMLINK_NOFOLLOW) != 0)) {
+        if (errno == ENOENT) continue;  // removed while we read
+        st = Status::from_errno(errno, "stat " + quoted(join(where, n)));
+        break;
+      }
+      fill_entry(e, sb);
+      if (e.type == Type::symlink) {
+        if (st = read_link(::dirfd(d), n, join(where, n), e.target); !st) break;
+      }
+      if (recursive && e.type == Type::directory) subdirs.push_back(e.path);
+      out.push_back(std::move(e));
+      if (out.size() >= chunk) {
+        if (!emit(out)) {
+          ::closedir(d);
+          return Status::ok();
+        }
+        out.clear();
+      }
+    }
+    ::closedir(d);
+    if (!st) return st;
+    // Read children in name order, first child on top of the stack.
+    std::sort(subdirs.begin(), subdirs.end(), std::greater<>());
+    for (auto& s : subdirs) todo.push_back(std::move(s));
+  }
+  emit(out);
+  return Status::ok();
+}
+
+Status make_dir(int root, const std::string& raw, bool parents, std::uint32_t mode) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  if (path.empty() || path == ".") return parents ? Status::ok() : Status{errc::bad_argument, "the root exists"};
+  const mode_t m = mode ? safe_mode(mode) : 0777;
+  if (parents) {
+    std::size_t pos = 0;
+    while ((pos = path.find('/', pos + 1)) != std::string::npos) {
+      const std::string prefix = path.substr(0, pos);
+      if (prefix.empty() || prefix.back() == '/') continue;
+      Fd dir;
+      std::string name;
+      if (auto s = open_parent(root, prefix, dir, name); !s) return s;
+      if (::mkdirat(dir.get(), name.c_str(), 0777) != 0 && errno != EEXIST)
+        return Status::from_errno(errno, "mkdir " + quoted(prefix));
+    }
+  }
+  Fd dir;
+  std::string name;
+  if (auto s = open_parent(root, path, dir, name); !s) return s;
+  if (::mkdirat(dir.get(), name.c_str(), m) == 0) return Status::ok();
+  const int err = errno;
+  struct stat st {};
+  if (err == EEXIST && parents && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+    return Status::ok();
+  return Status::from_errno(err, "mkdir " + quoted(path));
+}
+
+Status remove_path(int root, const std::string& raw, bool recursive) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  Fd dir;
+  std::string name;
+  if (auto s = open_parent(root, path, dir, name); !s) return s;
+  struct stat st {};
+  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+    return Status::from_errno(errno, "remove " + quoted(path));
+  if (!S_ISDIR(st.st_mode)) {
+    if (::unlinkat(dir.get(), name.c_str(), 0) != 0) return Status::from_errno(errno, "remove " + quoted(path));
+    return Status::ok();
+  }
+  if (!recursive) {
+    if (::unlinkat(dir.get(), name.c_str(), AT_REMOVEDIR) == 0) return Status::ok();
+    if (errno == ENOTEMPTY || errno == EEXIST)
+      return {errc::is_directory, quoted(path) + " is a directory that is not empty (remove it recursively)"};
+    return Status::from_errno(errno, "remove " + quoted(path));
+  }
+  Fd real;  // O_PATH descriptors cannot be read: reopen the parent for the walk
+  auto [parent, last] = files::split_parent(path);
+  if (auto s = files::open_beneath(root, parent, O_RDONLY | O_DIRECTORY, 0, real); !s) return s;
+  return remove_tree(real.get(), name, path, 0);
+}
+
+Status rename_path(int root, const std::string& from_raw, const std::string& to_raw) {
+  const std::string from = normal(from_raw), to = normal(to_raw);
+  if (auto s = check_path(from); !s) return s;
+  if (auto s = check_path(to); !s) return s;
+  Fd a, b;
+  std::string na, nb;
+  if (auto s = open_parent(root, from, a, na); !s) return s;
+  if (auto s = open_parent(root, to, b, nb); !s) return s;
+  if (::renameat(a.get(), na.c_str(), b.get(), nb.c_str()) != 0)
+    return Status::from_errno(errno, "rename " + quoted(from) + " to " + quoted(to));
+  return Status::ok();
+}
+
+Status open_file(int root, const std::string& raw, Fd& fd, Entry& e) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  if (auto s = files::open_beneath(root, path.empty() ? "." : path, O_RDONLY | O_NONBLOCK, 0, fd); !s) return s;
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return Status::from_errno(errno, "stat " + quoted(path));
+  if (S_ISDIR(st.st_mode)) return {errc::is_directory, quoted(path) + " is a directory"};
+  if (!S_ISREG(st.st_mode)) return {errc::not_regular_file, quoted(path) + " is not a regular file"};
+  e.path = path;
+  fill_entry(e, st);
+  return Status::ok();
+}
+
+Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, const std::string& path) {
+  std::size_t done = 0;
+  while (done < dst.size()) {
+    const ssize_t n = ::pread(fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::from_errno(errno, "read " + quoted(path));
+    }
+    if (n == 0) return {errc::size_mismatch, quoted(path) + " got shorter while it was being read"};
+    done += static_cast<std::size_t>(n);
+  }
+  return Status::ok();
+}
+
+Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
+                std::vector<std::uint8_t>& digest) {
+  Fd fd;
+  Entry e;
+  if (auto s = open_file(root, path, fd, e); !s) return s;
+  if (offset > e.size) return {errc::bad_argument, "offset " + std::to_string(offset) + " is past the end of " + quoted(path)};
+  std::uint64_t left = length == 0 ? e.size - offset : std::min(length, e.size - offset);
+  auto hash = Botan::HashFunction::create_or_throw("SHA-256");
+  std::vector<std::uint8_t> buf(1 << 20);
+  while (left > 0) {
+    auto n = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));
+    if (auto s = read_exact(fd.get(), {buf.data(), n}, offset, path); !s) return s;
+    hash->update(buf.data(), n);
+    offset += n;
+    left -= n;
+  }
+  auto d = hash->final();
+  digest.assign(d.begin(), d.end());
+  return Status::ok();
+}
+
+// ---- TreeWriter ----
+
+struct TreeWriter::Partial {
+  Fd dir;
+  Fd fd;
+  std::string name, temp, path;
+  std::uint64_t size = 0;
+  std::uint32_t mode = 0;
+  std::int64_t mtime = 0;
+  std::vector<bool> seen;
+  std::uint64_t written = 0;
+  bool failed = false;
+};
+
+namespace {
+
+// Each worker thread remembers the last directory it wrote into: the files of a tree arrive
+// grouped by directory, so most files skip resolving their parent again.
+struct ParentCache {
+  std::uint64_t writer = 0;
+  std::string path;
+  Fd fd;
+};
+thread_local ParentCache parent_cache;
+
+std::string temp_name(const std::string& name, const std::string& tag) {
+  return "." + name.substr(0, 200) + ".xdfs-" + tag + ".part";
+}
+
+Status finish_file(int fd, const std::string& path, std::uint32_t mode, std::int64_t mtime, bool sync) {
+  if (::fchmod(fd, safe_mode(mode)) != 0) return Status::from_errno(errno, "chmod " + quoted(path));
+  const timespec ts[2] = {to_timespec(mtime), to_timespec(mtime)};
+  if (::futimens(fd, ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(path));
+  if (sync && ::fdatasync(fd) != 0) return Status::from_errno(errno, "fdatasync " + quoted(path));
+  return Status::ok();
+}
+
+Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, const std::string& path) {
+  std::size_t done = 0;
+  while (done < d.size()) {
+    const ssize_t n = ::pwrite(fd, d.data() + done, d.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::from_errno(errno, "write " + quoted(path));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open)
+    : root_(root), tag_(std::move(tag)), fsync_(fsync), chunk_(chunk), max_open_(max_open), counter_(writer_ids++) {}
+
+TreeWriter::~TreeWriter() { discard_all(); }
+
+std::size_t TreeWriter::open_files() const {
+  std::lock_guard lk(mu_);
+  return partial_.size();
+}
+
+void TreeWriter::discard_all() {
+  std::lock_guard lk(mu_);
+  for (auto& [id, p] : partial_)
+    if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+  partial_.clear();
+}
+
+// The parent directory of path (made, with its parents, when create is set and it is missing).
+Status TreeWriter::parent_of(const std::string& path, Fd& dir, std::string& name, bool create) {
+  auto [parent, last] = files::split_parent(path);
+  if (last.empty() || last == ".") return {errc::bad_argument, quoted(path) + " names the root itself"};
+  name = last;
+  auto& c = parent_cache;
+  if (c.writer == counter_ && c.path == parent && c.fd) {
+    dir = Fd(::dup(c.fd.get()));
+    if (dir) return Status::ok();
+  }
+  auto st = files::open_beneath(root_, parent, O_PATH | O_DIRECTORY, 0, dir);
+  if (!st && create && st.code == errc::no_such_file) {
+    if (auto m = make_dir(root_, parent, true, 0); !m) return m;
+    st = files::open_beneath(root_, parent, O_PATH | O_DIRECTORY, 0, dir);
+  }
+  if (!st) return st;
+  c.writer = counter_;
+  c.path = parent;
+  c.fd = Fd(::dup(dir.get()));
+  return Status::ok();
+}
+
+Status TreeWriter::put(const Entry& e) {
+  if (auto s = check_path(e.path); !s) return s;
+  if (e.path.empty() || e.path == "." || e.path.back() == '/')
+    return {errc::bad_argument, "'" + e.path + "' is not a name to create"};
+  switch (e.type) {
+    case Type::file: return e.file_id == 0 ? put_file(e) : put_chunk(e);
+    case Type::directory: {
+      Fd dir;
+      std::string name;
+      if (auto s = parent_of(e.path, dir, name, true); !s) return s;
+      if (::mkdirat(dir.get(), name.c_str(), 0700) == 0) return Status::ok();
+      const int err = errno;
+      struct stat st {};
+      if (err == EEXIST && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISDIR(st.st_mode)) return Status::ok();
+        return {errc::not_regular_file, quoted(e.path) + " exists and is not a directory"};
+      }
+      return Status::from_errno(err, "mkdir " + quoted(e.path));
+    }
+    case Type::symlink: {
+      if (e.target.empty() || e.target.size() > wire::max_path_bytes)
+        return {errc::bad_argument, "symlink " + quoted(e.path) + " has an empty or oversized target"};
+      Fd dir;
+      std::string name;
+      if (auto s = parent_of(e.path, dir, name, true); !s) return s;
+      const std::string temp = temp_name(name, tag_);
+      if (::symlinkat(e.target.c_str(), dir.get(), temp.c_str()) != 0)
+        return Status::from_errno(errno, "symlink " + quoted(e.path));
+      const timespec ts[2] = {to_timespec(e.mtime_ns), to_timespec(e.mtime_ns)};
+      ::utimensat(dir.get(), temp.c_str(), ts, AT_SYMLINK_NOFOLLOW);
+      struct stat st {};
+      if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)) {
+        ::unlinkat(dir.get(), temp.c_str(), 0);
+        return {errc::is_directory, quoted(e.path) + " is a directory"};
+      }
+      if (::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {
+        const int err = errno;
+        ::unlinkat(dir.get(), temp.c_str(), 0);
+        return Status::from_errno(err, "symlink " + quoted(e.path));
+      }
+      return Status::ok();
+    }
+    case Type::other: break;
+  }
+  return {errc::not_regular_file, quoted(e.path) + " is neither a file, a directory nor a symlink"};
+}
+
+Status TreeWriter::put_file(const Entry& e) {
+  if (e.data.size() != e.size)
+    return {errc::size_mismatch, quoted(e.path) + " announced " + std::to_string(e.size) + " bytes and carries " +
+                                     std::to_string(e.data.size())};
+  Fd dir;
+  std::string name;
+  if (auto s = parent_of(e.path, dir, name, true); !s) return s;
+  const std::string temp = temp_name(name, tag_);
+  Fd fd(::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd) return Status::from_errno(errno, "create " + quoted(e.path));
+  Status st = write_all(fd.get(), e.data, 0, e.path);
+  if (st) st = finish_file(fd.get(), e.path, e.mode, e.mtime_ns, fsync_);
+  fd.reset();
+  if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {
+    st = Status::from_errno(errno, "rename into " + quoted(e.path));
+    if (errno == EISDIR) st.code = errc::is_directory;
+  }
+  if (!st) ::unlinkat(dir.get(), temp.c_str(), 0);
+  return st;
+}
+
+Status TreeWriter::put_chunk(const Entry& e) {
+  if (e.size > (std::uint64_t(1) << 50)) return {errc::bad_argument, quoted(e.path) + " is too large"};
+  const std::uint64_t blocks = (e.size + chunk_ - 1) / chunk_;
+  if (e.offset % chunk_ != 0 || e.offset >= e.size ||
+      e.data.size() != std::min<std::uint64_t>(chunk_, e.size - e.offset))
+    return {errc::protocol_error, "chunk of " + quoted(e.path) + " at offset " + std::to_string(e.offset) +
+                                      " does not fit its file"};
+  std::shared_ptr<Partial> p;
+  {
+    std::unique_lock lk(mu_);
+    auto it = partial_.find(e.file_id);
+    if (it == partial_.end()) {
+      if (partial_.size() >= max_open_)
+        return {errc::limit_exceeded, "more than " + std::to_string(max_open_) + " large files in progress"};
+      p = std::make_shared<Partial>();
+      p->path = e.path;
+      p->size = e.size;
+      p->mode = e.mode;
+      p->mtime = e.mtime_ns;
+      p->seen.assign(blocks, false);
+      lk.unlock();  // the directory and the file are made outside the lock
+      Fd dir;
+      std::string name;
+      if (auto s = parent_of(e.path, dir, name, true); !s) return s;
+      p->name = name;
+      p->temp = temp_name(name, tag_ + "-" + std::to_string(e.file_id % 1000000));
+      p->fd = Fd(::openat(dir.get(), p->temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+      if (!p->fd) return Status::from_errno(errno, "create " + quoted(e.path));
+      p->dir = std::move(dir);
+      lk.lock();
+      auto [pos, fresh] = partial_.emplace(e.file_id, p);
+      if (!fresh) {  // another thread made it meanwhile: use theirs
+        ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+        p = pos->second;
+      }
+    } else {
+      p = it->second;
+    }
+    if (p->path != e.path || p->size != e.size)
+      return {errc::protocol_error, "chunk of file id " + std::to_string(e.file_id) + " names another file"};
+    if (p->failed) return {errc::io_error, quoted(e.path) + " failed earlier"};
+    const auto b = e.offset / chunk_;
+    if (p->seen[b]) return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
+    p->seen[b] = true;
+  }
+  Status st = write_all(p->fd.get(), e.data, e.offset, e.path);
+  std::unique_lock lk(mu_);
+  if (!st) {
+    p->failed = true;
+    return st;
+  }
+  p->written += e.data.size();
+  if (p->written < p->size) return Status::ok();
+  partial_.erase(e.file_id);
+  lk.unlock();
+  st = finish_file(p->fd.get(), e.path, p->mode, p->mtime, fsync_);
+  p->fd.reset();
+  if (st && ::renameat(p->dir.get(), p->temp.c_str(), p->dir.get(), p->name.c_str()) != 0)
+    st = Status::from_errno(errno, "rename into " + quoted(e.path));
+  if (!st) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+  p->temp.clear();
+  return st;
+}
+
+Status TreeWriter::set_attrs(const Entry& e) {
+  if (auto s = check_path(e.path); !s) return s;
+  const timespec ts[2] = {to_timespec(e.mtime_ns), to_timespec(e.mtime_ns)};
+  Fd fd;
+  if (e.path.empty() || e.path == ".") {
+    if (auto s = files::open_beneath(root_, ".", O_RDONLY | O_DIRECTORY, 0, fd); !s) return s;
+  } else {
+    Fd dir;
+    std::string name;
+    if (auto s = open_parent(root_, e.path, dir, name); !s) return s;
+    struct stat st {};
+    if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+      return Status::from_errno(errno, "stat " + quoted(e.path));
+    if (S_ISLNK(st.st_mode)) {
+      if (::utimensat(dir.get(), name.c_str(), ts, AT_SYMLINK_NOFOLLOW) != 0)
+        return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
+      return Status::ok();
+    }
+    fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!fd) return Status::from_errno(errno, "open " + quoted(e.path));
+  }
+  if (::fchmod(fd.get(), safe_mode(e.mode)) != 0) return Status::from_errno(errno, "chmod " + quoted(e.path));
+  if (::futimens(fd.get(), ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
+  return Status::ok();
+}
+
+}  // namespace xdfs::pathm

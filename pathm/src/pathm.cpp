@@ -1,7 +1,0 @@
-#include "xdfs/pathm/pathm.hpp"
-
-namespace xdfs::pathm {
-
-bool available() noexcept { return false; }
-
-}  // namespace xdfs::pathm

@@ -1,0 +1,347 @@
+#include <boost/asio/post.hpp>
+#include <fmt/core.h>
+
+#include <condition_variable>
+
+#include "xdfs/pathm/engine.hpp"
+#include "xdfs/wire.hpp"
+
+namespace xdfs::pathm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Listing chunks: small enough that even entries with the longest names and targets fit a message.
+constexpr std::size_t list_chunk = 256;
+// Chunks of one listing that may wait to be sent before its worker pauses.
+constexpr int list_ahead = 4;
+
+Encoded error_reply(std::uint64_t id, const Status& st) {
+  Reply r;
+  r.id = id;
+  r.code = st.code;
+  r.message = st.message;
+  return encode(r);
+}
+
+}  // namespace
+
+// What workers share with the network thread; workers reach the server only through it.
+struct Server::Shared {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unordered_map<std::uint64_t, int> unsent;  // listing id -> chunks queued, not yet sent
+  bool stopped = false;
+};
+
+Server::Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done)
+    : io_(io),
+      channels_(channels),
+      root_(root),
+      p_(p),
+      done_(std::move(done)),
+      writer_(root, p.tag, p.fsync, p.block_size),
+      shared_(std::make_shared<Shared>()),
+      limit_(4 * max_message(p.block_size)),
+      watchdog_(io),
+      linger_(io),
+      pool_(p.workers) {}
+
+Server::~Server() {
+  {
+    std::lock_guard lk(shared_->mu);
+    shared_->stopped = true;
+  }
+  shared_->cv.notify_all();
+  pool_.stop();
+}
+
+void Server::start() {
+  last_ = Clock::now();
+  arm_watchdog();
+  for (auto& ch : channels_) read_loop(*ch);
+}
+
+void Server::arm_watchdog() {
+  watchdog_.expires_after(std::chrono::milliseconds(500));
+  watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec || finished_) return;
+    if (inflight_ == 0 && Clock::now() - last_ > p_.idle_timeout)
+      return fail(errc::timeout, fmt::format("no path request for {} ms", p_.idle_timeout.count()), false, true);
+    arm_watchdog();
+  });
+}
+
+void Server::read_loop(xdsi::Channel& ch) {
+  ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+    if (finished_) return;
+    if (ec) {
+      if (ec == boost::system::errc::protocol_error)
+        return fail(errc::protocol_error, "client sent " + ch.last_error_text(), false, true);
+      if (ec == xdsi::integrity_failure)
+        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false, true);
+      return fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch.index(), ec.message()), true, false);
+    }
+    last_ = Clock::now();
+    switch (h.event) {
+      case wire::Event::xpathm: {
+        if (h.length == 0 || h.length > max_message(p_.block_size))
+          return fail(errc::protocol_error,
+                      fmt::format("path request of {} bytes (this session takes 1..{})", h.length,
+                                  max_message(p_.block_size)),
+                      false, true);
+        auto buf = std::make_shared<Buffer>();
+        buf->words.reset(new std::uint64_t[(h.length + 7) / 8]);
+        buf->size = h.length;
+        auto* dst = reinterpret_cast<std::uint8_t*>(buf->words.get());
+        ch.async_read_payload({dst, h.length}, [this, &ch, buf](const xdsi::ErrorCode& ec) {
+          if (finished_) return;
+          if (ec == xdsi::integrity_failure)
+            return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false, true);
+          if (ec) return fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch.index(), ec.message()), true, false);
+          on_request(ch, buf);
+        });
+        return;
+      }
+      case wire::Event::eoft: {
+        // The client is done: every request has its answer. Close quietly.
+        finished_ = true;
+        watchdog_.cancel();
+        for (auto& c : channels_)
+          if (c && c->open()) c->linger_close([] {});
+        linger_.expires_after(std::chrono::seconds(2));
+        linger_.async_wait([this](const xdsi::ErrorCode&) {
+          for (auto& c : channels_)
+            if (c) c->close();
+        });
+        done_(errc::ok, "", false);
+        return;
+      }
+      case wire::Event::noop: return read_loop(ch);
+      case wire::Event::exception: {
+        if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false, true);
+        auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
+        ch.async_read_payload(*buf, [this, buf](const xdsi::ErrorCode& ec) {
+          if (finished_) return;
+          if (ec) return fail(errc::peer_aborted, "client closed a channel", true, false);
+          std::string why;
+          auto ex = wire::decode_exception(*buf, &why);
+          if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false, false);
+          fail(ex->code, ex->message, true, false);
+        });
+        return;
+      }
+      default:
+        return fail(errc::protocol_error,
+                    std::string("unexpected ") + wire::to_string(h.event) + " frame in a path session", false, true);
+    }
+  });
+}
+
+void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf) {
+  inflight_ += buf->size;
+  ++requests_;
+  pool_.submit([this, c = &ch, buf] { execute(c, buf); });
+  if (inflight_ > limit_) {
+    parked_.push_back(&ch);  // the workers are behind: stop reading until they catch up
+    return;
+  }
+  read_loop(ch);
+}
+
+void Server::resume() {
+  if (inflight_ > limit_ || finished_) return;
+  auto parked = std::move(parked_);
+  parked_.clear();
+  for (auto* ch : parked) read_loop(*ch);
+}
+
+void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent) {
+  if (finished_ || !ch->open()) return;
+  auto holder = std::make_shared<Encoded>(std::move(e));
+  wire::FrameHeader h;
+  h.event = wire::Event::xpathm;
+  h.length = static_cast<std::uint32_t>(holder->size);
+  ch->send(h, holder->bytes(), [holder, sent = std::move(sent)](const xdsi::ErrorCode&) {
+    if (sent) sent();
+  });
+}
+
+// On a worker: decode, do the file-system work, and hand the replies to the network thread.
+void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
+  std::weak_ptr<Shared> alive = shared_;
+  const std::size_t cost = buf->size;
+  auto post = [this, alive, ch, cost](Encoded e, bool final) {
+    asio::post(io_, [this, alive, ch, cost, final, e = std::move(e)]() mutable {
+      if (!alive.lock()) return;
+      send_reply(ch, std::move(e));
+      if (final) {
+        inflight_ -= cost;
+        last_ = Clock::now();
+        resume();
+      }
+    });
+  };
+  std::string why;
+  auto req = decode_request(buf->bytes(), &why);
+  if (!req) {
+    asio::post(io_, [this, alive, why] {
+      if (alive.lock()) fail(errc::protocol_error, "bad path request: " + why, false, true);
+    });
+    return;
+  }
+  Request& r = *req;
+  const bool writes = r.op == Op::mkdir || r.op == Op::remove || r.op == Op::rename || r.op == Op::put ||
+                      r.op == Op::set_attrs;
+  if (writes && p_.read_only)
+    return post(error_reply(r.id, {errc::permission_denied, std::string(to_string(r.op)) +
+                                                                ": this client key is read-only"}),
+                true);
+  Reply rep;
+  rep.id = r.id;
+  Status st;
+  switch (r.op) {
+    case Op::stat: {
+      Entry e;
+      st = stat_entry(root_, r.path, e);
+      if (st) rep.entries.push_back(std::move(e));
+      break;
+    }
+    case Op::list: {
+      auto shared = shared_;
+      st = list_dir(root_, r.path, r.recursive, false, list_chunk, [&](std::vector<Entry>& chunk) {
+        if (chunk.empty()) return true;
+        Reply part;
+        part.id = r.id;
+        part.last = false;
+        part.entries = std::move(chunk);
+        chunk.clear();
+        {
+          std::unique_lock lk(shared->mu);
+          shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent[r.id] < list_ahead; });
+          if (shared->stopped) return false;
+          ++shared->unsent[r.id];
+        }
+        auto e = encode(part);
+        asio::post(io_, [this, alive, ch, id = r.id, e = std::move(e)]() mutable {
+          auto s = alive.lock();
+          if (!s) return;
+          auto done = [s, id] {
+            {
+              std::lock_guard lk(s->mu);
+              --s->unsent[id];
+            }
+            s->cv.notify_all();
+          };
+          if (finished_ || !ch->open()) return done();
+          send_reply(ch, std::move(e), done);
+        });
+        return true;
+      });
+      {
+        std::lock_guard lk(shared->mu);
+        shared->unsent.erase(r.id);
+      }
+      break;
+    }
+    case Op::mkdir: st = make_dir(root_, r.path, r.recursive, r.mode); break;
+    case Op::remove:
+      if (auto c = check_path(r.path); c && (r.path.empty() || r.path == "."))
+        st = {errc::permission_denied, "refusing to remove the root"};
+      else
+        st = remove_path(root_, r.path, r.recursive);
+      break;
+    case Op::rename: st = rename_path(root_, r.path, r.to); break;
+    case Op::checksum:
+      st = checksum(root_, r.path, r.offset, r.length, rep.digest);
+      rep.algorithm = "sha256";
+      break;
+    case Op::put: {
+      std::uint64_t n = 0;
+      for (const auto& e : r.entries) {
+        st = writer_.put(e);
+        if (!st) break;
+        n += e.data.size();
+      }
+      bytes_ += n;
+      break;
+    }
+    case Op::set_attrs:
+      for (const auto& e : r.entries)
+        if (st = writer_.set_attrs(e); !st) break;
+      break;
+    case Op::get: {
+      // Files are read straight into the reply's bytes.
+      std::uint64_t want = 0;
+      for (const auto& e : r.entries) want += e.size;
+      const std::uint64_t budget = 2ull * p_.block_size;
+      if (want > budget) {
+        st = {errc::limit_exceeded, fmt::format("get of {} bytes in one request (at most {})", want, budget)};
+        break;
+      }
+      auto w = Writer::reply(r.id, r.entries.size(), static_cast<std::size_t>(want));
+      std::uint64_t total = 0;
+      for (std::size_t i = 0; i < r.entries.size() && st; ++i) {
+        const auto& q = r.entries[i];
+        files::Fd fd;
+        Entry e;
+        if (st = open_file(root_, q.path, fd, e); !st) break;
+        std::uint64_t off = 0, len = e.size;
+        if (q.file_id != 0) {
+          off = q.offset;
+          len = q.size;
+          if (len > p_.block_size || off > e.size || e.size - off < len) {
+            st = {errc::size_mismatch, "'" + q.path + "' is shorter than the range asked for (it changed?)"};
+            break;
+          }
+        }
+        total += len;
+        if (total > budget) {
+          st = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
+          break;
+        }
+        e.offset = off;
+        e.file_id = q.file_id;
+        auto dst = w.set(i, e, static_cast<std::size_t>(len));
+        st = read_exact(fd.get(), dst, off, q.path);
+      }
+      if (!st) break;
+      bytes_ += total;
+      return post(w.finish(), true);
+    }
+  }
+  if (!st) return post(error_reply(r.id, st), true);
+  post(encode(rep), true);
+}
+
+void Server::abort(errc code, const std::string& message) { fail(code, message, false, true); }
+
+void Server::fail(errc code, const std::string& message, bool from_peer, bool tell) {
+  if (finished_) return;
+  finished_ = true;
+  watchdog_.cancel();
+  {
+    std::lock_guard lk(shared_->mu);
+    shared_->stopped = true;
+  }
+  shared_->cv.notify_all();
+  writer_.discard_all();
+  auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
+  for (auto& c : channels_) {
+    if (!c || !c->open()) continue;
+    if (!tell) {
+      c->close();
+      continue;
+    }
+    auto* ch = c.get();
+    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->linger_close([] {}); });
+  }
+  linger_.expires_after(std::chrono::seconds(2));
+  linger_.async_wait([this](const xdsi::ErrorCode&) {
+    for (auto& c : channels_)
+      if (c) c->close();
+  });
+  done_(code, message, from_peer);
+}
+
+}  // namespace xdfs::pathm
