@@ -372,6 +372,33 @@ void Client::close() {
 
 // ---- trees ----
 
+// For the files at `which`: does the local copy (under local_root) hash the same as the remote
+// one (under remote)? Up to 64 checksum requests are outstanding while local hashing goes on.
+std::vector<bool> Client::same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
+                                       const std::vector<std::size_t>& which) {
+  std::vector<bool> equal(files.size(), false);
+  std::size_t answered = 0, next = 0;
+  std::function<void()> ask = [&] {
+    while (code_ == errc::ok && next < which.size() && next - answered < 64) {
+      const std::size_t k = which[next++];
+      std::vector<std::uint8_t> mine;
+      if (auto st = pathm::checksum(local_root, files[k].path, 0, 0, mine); !st) return fail(st.code, st.message, false);
+      Request r;
+      r.op = Op::checksum;
+      r.path = remote_join(remote, files[k].path);
+      r.id = new_id();
+      send(r.id, encode(r), [&, k, mine](Reply& rep, std::shared_ptr<Buffer>) {
+        ++answered;
+        equal[k] = rep.code == errc::ok && rep.digest == mine;
+        ask();
+      });
+    }
+  };
+  ask();
+  wait([&] { return answered == which.size(); });
+  return equal;
+}
+
 namespace {
 
 // Work shared by both directions of a tree copy: which files need to move.
@@ -427,26 +454,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
         }
       }
       if (!maybe.empty()) {
-        std::vector<bool> equal(out.size(), false);
-        std::size_t answered = 0, next = 0;
-        std::function<void()> ask = [&] {
-          while (next < maybe.size() && next - answered < 64) {
-            const std::size_t k = maybe[next++];
-            std::vector<std::uint8_t> mine;
-            if (auto st = pathm::checksum(src.get(), out[k].path, 0, 0, mine); !st) return fail(st.code, st.message, false);
-            Request r;
-            r.op = Op::checksum;
-            r.path = remote_join(remote, out[k].path);
-            r.id = new_id();
-            send(r.id, encode(r), [&, k, mine](Reply& rep, std::shared_ptr<Buffer>) {
-              ++answered;
-              equal[k] = rep.code == errc::ok && rep.digest == mine;
-              ask();
-            });
-          }
-        };
-        ask();
-        wait([&] { return answered == maybe.size(); });
+        auto equal = same_content(src.get(), remote, out, maybe);
         std::vector<Entry> left;
         for (std::size_t k = 0; k < out.size(); ++k) {
           if (equal[k]) ++p.result.skipped;
@@ -601,26 +609,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
       }
     }
     if (!maybe.empty()) {
-      std::vector<bool> equal(need.size(), false);
-      std::size_t answered = 0, next = 0;
-      std::function<void()> ask = [&] {
-        while (next < maybe.size() && next - answered < 64) {
-          const std::size_t k = maybe[next++];
-          std::vector<std::uint8_t> mine;
-          if (auto st = pathm::checksum(dst.get(), need[k].path, 0, 0, mine); !st) return fail(st.code, st.message, false);
-          Request r;
-          r.op = Op::checksum;
-          r.path = remote_join(remote, need[k].path);
-          r.id = new_id();
-          send(r.id, encode(r), [&, k, mine](Reply& rep, std::shared_ptr<Buffer>) {
-            ++answered;
-            equal[k] = rep.code == errc::ok && rep.digest == mine;
-            ask();
-          });
-        }
-      };
-      ask();
-      wait([&] { return answered == maybe.size(); });
+      auto equal = same_content(dst.get(), remote, need, maybe);
       std::vector<Entry> left;
       for (std::size_t k = 0; k < need.size(); ++k) {
         if (equal[k]) ++p.result.skipped;

@@ -151,6 +151,8 @@ private:
   void fail(errc code, const std::string& message, bool remote);
   void check() const;
   std::string remote_join(const std::string& base, const std::string& rel) const;
+  std::vector<bool> same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
+                                 const std::vector<std::size_t>& which);
 
   asio::io_context& io_;
   ChannelList& channels_;

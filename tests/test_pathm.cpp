@@ -1,0 +1,536 @@
+// Path mode (xPathM): remote path operations and directory trees, against a real server (in
+// process, or a real xdfsd driven by a real xduc), on real files and loopback sockets.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <dirent.h>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "support.hpp"
+#include "xdfs/client.hpp"
+#include "xdfs/pathm/messages.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+
+using xdfs::errc;
+namespace pm = xdfs::pathm;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Everything about an entry a tree copy must keep, keyed by path below the tree's root.
+struct Seen {
+  char type = '?';
+  unsigned mode = 0;
+  std::uint64_t size = 0;
+  std::int64_t mtime = 0;
+  std::string content;  // file bytes, or symlink target
+  bool operator==(const Seen&) const = default;
+};
+
+std::map<std::string, Seen> snapshot(const std::string& root, bool with_dir_mtimes = true) {
+  std::map<std::string, Seen> out;
+  std::vector<std::string> todo{""};
+  while (!todo.empty()) {
+    const std::string rel = todo.back();
+    todo.pop_back();
+    DIR* d = ::opendir((root + "/" + rel).c_str());
+    REQUIRE(d != nullptr);
+    while (auto* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n == "." || n == "..") continue;
+      const std::string r = rel.empty() ? n : rel + "/" + n;
+      const std::string full = root + "/" + r;
+      struct stat st {};
+      REQUIRE(::lstat(full.c_str(), &st) == 0);
+      Seen s;
+      s.mode = st.st_mode & 07777;
+      s.mtime = st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+      if (S_ISDIR(st.st_mode)) {
+        s.type = 'd';
+        if (!with_dir_mtimes) s.mtime = 0;
+        todo.push_back(r);
+      } else if (S_ISLNK(st.st_mode)) {
+        s.type = 'l';
+        s.content = fs::read_symlink(full).string();
+      } else if (S_ISREG(st.st_mode)) {
+        s.type = 'f';
+        s.size = static_cast<std::uint64_t>(st.st_size);
+        s.content = xt::read_file(full);
+      }
+      out[r] = s;
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+void set_mtime(const std::string& path, std::int64_t ns) {
+  const timespec ts[2] = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};
+  REQUIRE(::utimensat(AT_FDCWD, path.c_str(), ts, AT_SYMLINK_NOFOLLOW) == 0);
+}
+
+// The tree the issue asks for: nested and empty directories, 0-byte files, symlinks, non-ASCII
+// names, one directory of `many` files, and files large enough to be split into chunks.
+void make_tree(const std::string& t, int many) {
+  for (const char* d : {"a", "a/b", "a/b/c", "empty", "a/empty2", "ünïcødé", "many"})
+    REQUIRE(::mkdir((t + "/" + d).c_str(), 0755) == 0);
+  xt::write_file(t + "/zero", "");
+  xt::write_file(t + "/a/b/c/zero2", "");
+  xt::write_file(t + "/a/hello.txt", "hello\n");
+  xt::write_file(t + "/ünïcødé/日本語 テキスト.txt", "konnichiwa");
+  xt::write_random_file(t + "/a/b/large", (3 << 20) + 4321, 7);   // four chunks of 1 MiB
+  xt::write_random_file(t + "/a/medium", 300000, 8);              // one chunk, larger than a small file
+  for (int i = 0; i < many; ++i) xt::write_random_file(t + "/many/f" + std::to_string(i), (i * 37) % 3000, i);
+  REQUIRE(::symlink("a/hello.txt", (t + "/link").c_str()) == 0);
+  REQUIRE(::symlink("../nowhere", (t + "/a/dangling").c_str()) == 0);
+  ::chmod((t + "/a/hello.txt").c_str(), 0600);
+  ::chmod((t + "/a/medium").c_str(), 0755);
+  ::chmod((t + "/a/b").c_str(), 0750);
+  ::chmod((t + "/empty").c_str(), 0700);
+  std::int64_t ns = 1600000000123456789LL;
+  for (auto& e : fs::recursive_directory_iterator(t)) {
+    ns += 1000000007;
+    set_mtime(e.path().string(), ns);
+  }
+  // Directories last: setting their children's times does not touch them, but be explicit.
+  for (const char* d : {"a", "a/b", "a/b/c", "empty", "a/empty2", "ünïcødé", "many"}) set_mtime(t + "/" + d, ns += 3);
+}
+
+std::string url(std::uint16_t port, const std::string& path) {
+  return "xdfs://127.0.0.1:" + std::to_string(port) + "/" + path;
+}
+
+std::size_t count_files(const std::string& dir) {
+  std::size_t n = 0;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
+    if (it->is_regular_file(ec)) ++n;
+  return n;
+}
+
+// The code of the xdfs::Error fn throws (errc::ok if none).
+errc code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const xdfs::Error& e) {
+    return e.code();
+  }
+  return errc::ok;
+}
+
+void check_no_temp_files(const std::string& dir) {
+  for (auto& e : fs::recursive_directory_iterator(dir))
+    CHECK_MESSAGE(e.path().filename().string().find(".xdfs-") == std::string::npos, e.path().string());
+}
+
+}  // namespace
+
+TEST_SUITE("pathm") {
+
+TEST_CASE("path messages round trip and hostile ones are refused") {
+  pm::Request r;
+  r.id = 77;
+  r.op = pm::Op::put;
+  r.path = "dir";
+  std::vector<std::uint8_t> bytes{1, 2, 3, 4, 5};
+  pm::Entry e;
+  e.path = "dir/ü";
+  e.size = 5;
+  e.mode = 0640;
+  e.mtime_ns = -5;
+  e.data = bytes;
+  r.entries.push_back(e);
+  auto enc = pm::encode(r);
+  auto back = pm::decode_request(enc.bytes());
+  REQUIRE(back.has_value());
+  CHECK(back->id == 77);
+  CHECK(back->op == pm::Op::put);
+  REQUIRE(back->entries.size() == 1);
+  CHECK(back->entries[0].path == "dir/ü");
+  CHECK(back->entries[0].mtime_ns == -5);
+  CHECK(std::vector<std::uint8_t>(back->entries[0].data.begin(), back->entries[0].data.end()) == bytes);
+
+  // Built in place: the same message, no flattening.
+  auto w = pm::Writer::request(78, pm::Op::put, 2, 10);
+  auto d0 = w.set(0, e, 5);
+  std::copy(bytes.begin(), bytes.end(), d0.begin());
+  e.path = "other";
+  w.set(1, e, 0);
+  auto built = w.finish();
+  auto b2 = pm::decode_request(built.bytes());
+  REQUIRE(b2.has_value());
+  CHECK(b2->id == 78);
+  REQUIRE(b2->entries.size() == 2);
+  CHECK(b2->entries[0].data.size() == 5);
+  CHECK(b2->entries[0].data[4] == 5);
+  CHECK(b2->entries[1].path == "other");
+
+  std::string why;
+  std::vector<std::uint64_t> junk(16, 0xFFFFFFFFFFFFFFFFull);
+  CHECK_FALSE(pm::decode_request({reinterpret_cast<std::uint8_t*>(junk.data()), 128}, &why).has_value());
+  CHECK_FALSE(why.empty());
+  CHECK_FALSE(pm::decode_request({reinterpret_cast<std::uint8_t*>(junk.data()), 13}, &why).has_value());
+  pm::Request big;
+  big.entries.resize(pm::max_entries + 1);
+  auto many = pm::encode(big);
+  CHECK_FALSE(pm::decode_request(many.bytes(), &why).has_value());
+  CHECK(why.find("entries") != std::string::npos);
+  pm::Request nul;
+  nul.path = "a\x01b";  // our encoder cannot write a NUL into a name; a hostile peer's can
+  auto withnul = pm::encode(nul);
+  auto raw = withnul.bytes();
+  auto at = std::search(raw.begin(), raw.end(), nul.path.begin(), nul.path.end());
+  REQUIRE(at != raw.end());
+  at[1] = 0;
+  CHECK_FALSE(pm::decode_request(withnul.bytes(), &why).has_value());
+  CHECK(why.find("NUL") != std::string::npos);
+}
+
+TEST_CASE("stat, list, mkdir, remove, rename and checksum on a server") {
+  xt::TempDir root;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::TransferOptions o;
+  o.channels = 3;
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, o);
+  auto& c = rfs.client();
+
+  c.mkdir("x/y/z", true);
+  CHECK(fs::is_directory(root / "x/y/z"));
+  CHECK(code_of([&] { c.mkdir("x/y/z", false); }) == errc::io_error);
+  CHECK(code_of([&] { c.mkdir("nope/deeper", false); }) == errc::no_such_file);
+  xt::write_random_file(root / "x/data", 2500000, 3);
+  auto e = c.stat("x/data");
+  CHECK(e.type == pm::Type::file);
+  CHECK(e.size == 2500000);
+  CHECK(c.stat("x/").type == pm::Type::directory);
+  CHECK(c.stat(".").type == pm::Type::directory);
+  CHECK(code_of([&] { c.stat("missing"); }) == errc::no_such_file);
+
+  std::set<std::string> names;
+  c.list("x", false, [&](std::vector<pm::Entry>& chunk) {
+    for (auto& x : chunk) names.insert(x.path);
+  });
+  CHECK(names == std::set<std::string>{"data", "y"});
+  names.clear();
+  c.list("x", true, [&](std::vector<pm::Entry>& chunk) {
+    for (auto& x : chunk) names.insert(x.path);
+  });
+  CHECK(names == std::set<std::string>{"data", "y", "y/z"});
+  CHECK(code_of([&] { c.list("x/data", false, [](auto&) {}); }) == errc::not_regular_file);
+
+  // The SHA-256 of the whole file and of a range agree with a local computation.
+  auto local = xt::read_file(root / "x/data");
+  xt::TempDir tmp;
+  xt::write_file(tmp / "whole", local);
+  xt::write_file(tmp / "part", local.substr(1000, 5000));
+  auto sum = [&](const std::string& p) {
+    auto r = xt::run("/usr/bin/sha256sum", {p});
+    return r.out.substr(0, 64);
+  };
+  CHECK(c.checksum("x/data") == sum(tmp / "whole"));
+  CHECK(c.checksum("x/data", 1000, 5000) == sum(tmp / "part"));
+  CHECK(code_of([&] { c.checksum("x"); }) == errc::is_directory);
+
+  c.rename("x/data", "x/y/moved");
+  CHECK(xt::exists(root / "x/y/moved"));
+  CHECK_FALSE(xt::exists(root / "x/data"));
+  CHECK(code_of([&] { c.remove("x", false); }) == errc::is_directory);
+  c.remove("x/y/moved", false);
+  CHECK_FALSE(xt::exists(root / "x/y/moved"));
+  c.remove("x", true);
+  CHECK_FALSE(xt::exists(root / "x"));
+  CHECK(code_of([&] { c.remove(".", true); }) == errc::permission_denied);
+  CHECK(code_of([&] { c.remove("x", true); }) == errc::no_such_file);
+  rfs.close();
+  CHECK(srv.wait_for_log("mode=path"));
+  CHECK(srv.wait_for_log("status=ok"));
+}
+
+TEST_CASE("a path escape is refused in every operation, and the server keeps serving") {
+  xt::TempDir root, outside, local;
+  xt::write_file(outside / "secret", "outside the root");
+  ::mkdir((root / "in").c_str(), 0755);
+  xt::write_file(root / "in/f", "inside");
+  REQUIRE(::symlink(outside.path().c_str(), (root / "out").c_str()) == 0);
+  ::mkdir((local / "tree").c_str(), 0755);
+  xt::write_file(local / "tree/f", "x");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::TransferOptions o;
+  o.channels = 2;
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, o);
+  auto& c = rfs.client();
+  auto escape = [](const std::function<void()>& fn) { return code_of(fn) == errc::path_escape; };
+  auto nothing = [](auto&) {};
+  for (const std::string bad : {"../x", "/etc", "in/../../x", "out/secret", "out/new"}) {
+    CAPTURE(bad);
+    CHECK(escape([&] { c.stat(bad); }));
+    CHECK(escape([&] { c.list(bad, false, nothing); }));
+    CHECK(escape([&] { c.list(bad, true, nothing); }));
+    CHECK(escape([&] { c.mkdir(bad, false); }));
+    CHECK(escape([&] { c.mkdir(bad + "/deeper", true); }));
+    CHECK(escape([&] { c.remove(bad, true); }));
+    CHECK(escape([&] { c.rename("in/f", bad); }));
+    CHECK(escape([&] { c.rename(bad, "in/g"); }));
+    CHECK(escape([&] { c.checksum(bad); }));
+    pm::Entry e;
+    e.path = bad;
+    e.size = 1;
+    static const std::uint8_t one = 'x';
+    e.data = {&one, 1};
+    CHECK(escape([&] { c.put({e}); }));
+    e.type = pm::Type::directory;
+    e.size = 0;
+    e.data = {};
+    CHECK(escape([&] { c.put({e}); }));
+    e.type = pm::Type::symlink;
+    e.target = "/etc/passwd";
+    CHECK(escape([&] { c.put({e}); }));
+    CHECK(escape([&] { c.upload_tree(local / "tree", bad, {}); }));
+    CHECK(escape([&] { c.download_tree(bad, local / "back", {}); }));
+  }
+  // Nothing appeared outside, the target of the symlink is untouched.
+  CHECK(xt::list_dir(outside.path()) == std::vector<std::string>{"secret"});
+  CHECK(xt::read_file(outside / "secret") == "outside the root");
+  CHECK_FALSE(xt::exists(local / "back"));
+  // A symlink inside the root pointing out is itself a name in the root: it may be stat'ed.
+  CHECK(c.stat("out").type == pm::Type::symlink);
+  // And the session still works.
+  c.upload_tree(local / "tree", "in/tree", {});
+  CHECK(xt::read_file(root / "in/tree/f") == "x");
+  rfs.close();
+}
+
+TEST_CASE("a tree goes up and comes back identical: content, type, mode, mtime") {
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  ::mkdir(src.c_str(), 0755);
+  make_tree(src, 10000);
+  xt::XdfsdProcess d(root.path());
+  auto up = xt::xduc({"-p", "4", "-r", "--json", src + "/", url(d.port(), "tree")});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  CHECK(up.out.find("\"files\":10006") != std::string::npos);
+  CHECK(up.out.find("\"symlinks\":2") != std::string::npos);
+  const auto want = snapshot(src);
+  CHECK(want.size() == 10015);
+  const auto there = snapshot(root / "tree");
+  CHECK(there.size() == want.size());
+  for (const auto& [p, s] : want) {
+    CAPTURE(p);
+    auto it = there.find(p);
+    REQUIRE(it != there.end());
+    CHECK(it->second == s);
+  }
+  // Files are batched: far fewer requests than files.
+  auto pos = up.out.find("\"requests\":");
+  REQUIRE(pos != std::string::npos);
+  CHECK(std::stoul(up.out.substr(pos + 11)) < 1000);
+
+  // Without the trailing slash the directory itself is copied into DST.
+  auto down = xt::xduc({"-q", "-p", "3", "-r", url(d.port(), "tree"), local / "back"});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  const auto back = snapshot(local / "back/tree");
+  CHECK(back.size() == want.size());
+  for (const auto& [p, s] : want) {
+    CAPTURE(p);
+    auto it = back.find(p);
+    REQUIRE(it != back.end());
+    CHECK(it->second == s);
+  }
+  check_no_temp_files(root.path());
+  check_no_temp_files(local / "back");
+  CHECK(d.wait_for_log("mode=path"));
+}
+
+TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, moving only what is missing") {
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  ::mkdir(src.c_str(), 0755);
+  for (int dir = 0; dir < 20; ++dir) {
+    const std::string dd = src + "/d" + std::to_string(dir);
+    ::mkdir(dd.c_str(), 0755);
+    for (int i = 0; i < 200; ++i) xt::write_random_file(dd + "/f" + std::to_string(i), 40000 + i, dir * 1000 + i);
+  }
+  xt::write_random_file(src + "/big", 48 << 20, 99);
+  const std::size_t total = 20 * 200 + 1;
+  xt::XdfsdProcess d(root.path());
+
+  // Start a copy as a real process and kill it once files are arriving.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::dup2(null, 2);
+    ::execl(XDUC_PATH, XDUC_PATH, "-q", "-p", "2", "--workers", "1", "-r", (src + "/").c_str(),
+            url(d.port(), "copy").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (count_files(root / "copy") < 50 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::size_t got = count_files(root / "copy");
+  INFO("files there after the cut: " << got);
+  REQUIRE_MESSAGE(got < total, "the copy finished before it could be cut");
+  CHECK(d.wait_for_log("peer aborted"));
+
+  auto again = xt::xduc({"-p", "2", "--sync", "-r", "--json", src + "/", url(d.port(), "copy")});
+  REQUIRE_MESSAGE(again.status == 0, again.err);
+  CHECK(snapshot(root / "copy") == snapshot(src));
+  check_no_temp_files(root / "copy");
+  // Only what was missing moved.
+  auto pos = again.out.find("\"skipped\":");
+  REQUIRE(pos != std::string::npos);
+  CHECK(std::stoul(again.out.substr(pos + 10)) >= 40);
+
+  // A third run finds everything in place; --checksum compares content and agrees.
+  auto third = xt::xduc({"--sync", "--checksum", "-r", "--json", src + "/", url(d.port(), "copy")});
+  REQUIRE_MESSAGE(third.status == 0, third.err);
+  CHECK(third.out.find("\"files\":0,") != std::string::npos);
+  // A changed file with the same size and mtime is found by --checksum only.
+  {
+    auto before = xt::read_file(root / "copy/d3/f7");
+    struct stat st {};
+    ::stat((root / "copy/d3/f7").c_str(), &st);
+    before[100] = static_cast<char>(before[100] ^ 1);
+    xt::write_file(root / "copy/d3/f7", before);
+    set_mtime(root / "copy/d3/f7", st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+  }
+  auto quick = xt::xduc({"--sync", "-r", "--json", src + "/", url(d.port(), "copy")});
+  CHECK(quick.out.find("\"files\":0,") != std::string::npos);
+  auto deep = xt::xduc({"--sync", "--checksum", "-r", "--json", src + "/", url(d.port(), "copy")});
+  CHECK(deep.out.find("\"files\":1,") != std::string::npos);
+  CHECK(xt::files_equal(src + "/d3/f7", root / "copy/d3/f7"));
+}
+
+TEST_CASE("a listing of 100,000 entries arrives in chunks") {
+  xt::TempDir root;
+  const std::string dir = root / "huge";
+  ::mkdir(dir.c_str(), 0755);
+  for (int i = 0; i < 100000; ++i) {
+    int fd = ::open((dir + "/entry-" + std::to_string(i)).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    REQUIRE(fd >= 0);
+    ::close(fd);
+  }
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  std::set<std::string> names;
+  std::size_t biggest = 0;
+  const auto chunks = rfs->list("huge", false, [&](std::vector<pm::Entry>& chunk) {
+    biggest = std::max(biggest, chunk.size());
+    for (auto& e : chunk) names.insert(e.path);
+  });
+  CHECK(names.size() == 100000);
+  CHECK(names.count("entry-99999") == 1);
+  CHECK(chunks >= 100000 / 256);
+  CHECK(biggest <= 256);
+  rfs.close();
+
+  // And through xduc: one line per entry.
+  xt::XdfsdProcess d(root.path());
+  auto ls = xt::xduc({"ls", url(d.port(), "huge")});
+  REQUIRE(ls.status == 0);
+  CHECK(std::count(ls.out.begin(), ls.out.end(), '\n') == 100000);
+}
+
+TEST_CASE("xduc path commands: output, one-line errors, exit codes; a read-only key cannot write") {
+  xt::TempDir root, local, state;
+  xt::write_file(root / "file", "some bytes");
+  xt::XdfsdProcess d(root.path());
+  auto ok = [](const xt::RunResult& r) { return r.status == 0; };
+  auto one_line_error = [](const xt::RunResult& r, const std::string& text) {
+    return r.status == 1 && std::count(r.err.begin(), r.err.end(), '\n') == 1 && r.err.find(text) != std::string::npos;
+  };
+  CHECK(ok(xt::xduc({"mkdir", "--parents", url(d.port(), "p/q")})));
+  CHECK(fs::is_directory(root / "p/q"));
+  auto st = xt::xduc({"stat", url(d.port(), "file")});
+  CHECK(st.out.find(" 10 ") != std::string::npos);
+  CHECK(st.out.find("file") != std::string::npos);
+  auto ls = xt::xduc({"ls", "--json", url(d.port(), "")});
+  CHECK(ls.out.find("\"path\":\"file\",\"type\":\"file\",\"size\":10") != std::string::npos);
+  CHECK(ls.out.find("\"path\":\"p\",\"type\":\"directory\"") != std::string::npos);
+  auto sum = xt::xduc({"sum", url(d.port(), "file")});
+  xt::write_file(local / "file", "some bytes");
+  CHECK(sum.out.substr(0, 64) == xt::run("/usr/bin/sha256sum", {local / "file"}).out.substr(0, 64));
+  CHECK(ok(xt::xduc({"mv", url(d.port(), "file"), "p/q/file"})));
+  CHECK(xt::exists(root / "p/q/file"));
+  CHECK(one_line_error(xt::xduc({"rm", url(d.port(), "p")}), "is a directory"));
+  CHECK(one_line_error(xt::xduc({"rm", url(d.port(), "nothing")}), "no such file (server)"));
+  CHECK(one_line_error(xt::xduc({"stat", url(d.port(), "../up")}), "path escape"));
+  CHECK(one_line_error(xt::xduc({"-r", local / "file", url(d.port(), "t")}), "not a directory"));
+  CHECK(xt::xduc({"ls"}).status == 2);
+  CHECK(ok(xt::xduc({"rm", "-r", url(d.port(), "p")})));
+  CHECK_FALSE(xt::exists(root / "p"));
+
+  // A read-only key lists and downloads trees but cannot change anything.
+  ::mkdir((root / "pub").c_str(), 0755);
+  xt::write_file(root / "pub/a", "A");
+  auto reader = xdfs::xsec::load_or_create_key(local / "reader");
+  xt::write_file(state / "authorized_keys", xdfs::xsec::format_public(reader.public_key) + " ro\n");
+  xt::XdfsdProcess ro(root.path(), {"--authorized-keys", state / "authorized_keys"});
+  const std::string id = local / "reader";
+  CHECK(ok(xt::xduc({"--identity", id, "-q", "-r", url(ro.port(), "pub/"), local / "pubcopy"})));
+  CHECK(xt::read_file(local / "pubcopy/a") == "A");
+  CHECK(one_line_error(xt::xduc({"--identity", id, "mkdir", url(ro.port(), "new")}), "read-only"));
+  CHECK(one_line_error(xt::xduc({"--identity", id, "rm", url(ro.port(), "pub/a")}), "read-only"));
+  CHECK(one_line_error(xt::xduc({"--identity", id, "-q", "-r", local / "pubcopy", url(ro.port(), "pub2")}), "read-only"));
+  CHECK(xt::exists(root / "pub/a"));
+  CHECK_FALSE(xt::exists(root / "new"));
+}
+
+TEST_CASE("bad path frames end that session with a reason; other sessions go on") {
+  xt::TempDir root;
+  xt::write_file(root / "f", "data");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  SUBCASE("garbage in an xPathM payload") {
+    xt::RawChannel raw(srv.port());
+    REQUIRE(raw.establish(xt::make_nego(xdfs::Mode::path, ".", 1, 0)));
+    auto reply = raw.read_frame();
+    REQUIRE(reply.has_value());
+    CHECK(reply->first.event == xdfs::wire::Event::nego_reply);
+    xdfs::wire::FrameHeader h;
+    h.event = xdfs::wire::Event::xpathm;
+    h.length = 64;
+    raw.send_frame(h, std::vector<std::uint8_t>(64, 0xEE));
+    auto ex = raw.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+    CHECK(ex->message.find("bad path request") != std::string::npos);
+  }
+  SUBCASE("an xPathM frame larger than the session allows") {
+    xt::RawChannel raw(srv.port());
+    REQUIRE(raw.establish(xt::make_nego(xdfs::Mode::path, ".", 1, 0)));
+    REQUIRE(raw.read_frame().has_value());
+    xdfs::wire::FrameHeader h;
+    h.event = xdfs::wire::Event::xpathm;
+    h.length = 40u << 20;
+    auto bytes = xdfs::wire::encode(h);
+    raw.send_bytes(bytes.data(), bytes.size());  // the header alone: the server must not wait for 40 MiB
+    auto ex = raw.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+  }
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  CHECK(rfs->stat("f").size == 4);
+  rfs.close();
+}
+
+}  // TEST_SUITE
