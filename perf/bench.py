@@ -49,7 +49,7 @@ ALIASES = {"a": "mem", "b": "disk", "c": "small", "d": "link",
 TOOLS = {
     "mem": ["xdfs", "xdfs-private", "gridftp", "iperf3"],
     "disk": ["xdfs", "xdfs-private", "gridftp"],
-    "small": ["xdfs", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
+    "small": ["xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
     "link": ["xdfs", "xdfs-private", "gridftp", "iperf3"],
 }
 # xdfs runs with --protect clear: control frames MACed, data as is, like GridFTP's anonymous
@@ -939,7 +939,7 @@ def tree_stats(d: str) -> tuple[int, int]:
 
 
 def xdfs_tree_support(ctx: Ctx) -> str | None:
-    """xDFS copies directory trees once path mode lands; until then small files are skipped."""
+    """xDFS copies directory trees in path mode (xduc -r); an xduc without it is skipped."""
     try:
         helptext = subprocess.run([ctx.xduc, "--help"], capture_output=True, text=True).stdout
     except OSError as e:
@@ -968,14 +968,16 @@ def small_run(ctx: Ctx, rec: dict, tool: str, direction: str, count: int, size: 
             raise RunError(f"copy holds {n} files / {b} bytes, expected {count} / {nbytes}")
 
     try:
-        if tool == "xdfs":
+        if tool in ("xdfs", "xdfs-private"):
             why = xdfs_tree_support(ctx)
             if why:
                 raise Unsupported(why)
+            # A tree copy spreads its batches over a few channels (the peers run their own
+            # defaults: rsync and tar one stream, globus-url-copy -pp/-cc as labelled).
+            rec["streams"] = ctx.args.small_streams
             srv = xdfsd_server(ctx, "127.0.0.1", streams=rec["streams"])
 
             def client(started):
-                # Best guess at the path-mode command line; adjust when path mode lands.
                 return [ctx.xduc, "-r", "-p", str(rec["streams"]), "-q", "--json"] + xduc_args(ctx, tool) + [
                     src + "/", f"xdfs://127.0.0.1:{started[0].port}/in/{name}/"]
             return measure(ctx, rec, [srv], [client], nbytes=nbytes, files=count, check=verify)
@@ -1292,6 +1294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-matrix", help="SIZE:STREAMS,...;SIZE:... (default: see README)")
     ap.add_argument("--small-sets", help="COUNTxSIZE,... (default 1x1G,1000x1M,10000x100K,100000x10K)")
     ap.add_argument("--small-dirs", help=argparse.SUPPRESS)
+    ap.add_argument("--small-streams", type=int, default=4, help="xduc -p for tree copies (default 4)")
     ap.add_argument("--link-rates", help="tbf rates (default 1gbit,10gbit)")
     ap.add_argument("--link-streams", help="stream counts in link mode (default 1,8,64)")
     ap.add_argument("--link-size", help="RATE:SIZE,... bytes per link run (default 1gbit:256M,10gbit:1G)")

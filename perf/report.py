@@ -367,8 +367,14 @@ def section_small(agg: Agg, plt, plots_dir, rel, out, recs):
     unsupported = sorted({r.get("error", "") for r in recs if r["scenario"] == "small" and r["status"] == "unsupported"})
     if not pts and not unsupported:
         return
-    tools = [t for t in ("xdfs", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar")
+    tools = [t for t in ("xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar")
              if any(p[2] == t for p in pts)]
+
+    def runs(t, size, files):
+        # xDFS copies a tree over a few channels (its records carry that count); the peers run as one.
+        direction = "local" if t in ("rsync", "tar") else "upload"
+        return [r for k, g in agg.groups.items() if k[:4] == ("small", "", t, direction) and k[5:] == (size, files)
+                for r in g]
     sets = sorted({(p[6], p[5]) for p in pts}, key=lambda x: (x[0], -x[1]))
     conc = sorted({r.get("concurrency") for r in recs if r.get("concurrency")})
     if unsupported:
@@ -385,20 +391,36 @@ def section_small(agg: Agg, plt, plots_dir, rel, out, recs):
         grp = f"{files}×{short_size(size)}"
         cells, rates = [], []
         for t in tools:
-            rs = [r for r in agg.groups.get(("small", "", t, "local" if t in ("rsync", "tar") else "upload", 1, size, files), [])]
+            rs = runs(t, size, files)
             s = tp(rs)
             values[(grp, t)] = s
             cells.append(fmt_tp(s))
             fs = Stat([files / r["seconds"] for r in rs])
             rates.append("–" if fs.med is None else f"{fs.med:,.0f}")
         out.append(f"| {grp} | " + " | ".join(cells) + " | " + " | ".join(rates) + " |")
+    streams = sorted({r["streams"] for r in recs if r["scenario"] == "small" and r["tool"].startswith("xdfs")})
+    if "rsync" in tools and any(t.startswith("xdfs") for t in tools):
+        xt = [t for t in tools if t.startswith("xdfs")]
+        out.append(f"\nWall-clock seconds (median) against a local `rsync -a` of the same tree, in the same run "
+                   f"(xDFS with {', '.join(map(str, streams))} channels):\n")
+        out.append("| set | rsync s | " + " | ".join(f"{mdl(t)} s | {mdl(t)} ÷ rsync" for t in xt) + " |")
+        out.append("|" + "---:|" * (2 + 2 * len(xt)))
+        for files, size in sets:
+            base = Stat([r["seconds"] for r in runs("rsync", size, files)])
+            cells = [fmt_num(base, 2)]
+            for t in xt:
+                mine = Stat([r["seconds"] for r in runs(t, size, files)])
+                cells.append(fmt_num(mine, 2))
+                ratio = None if mine.med is None or not base.med else mine.med / base.med
+                cells.append("–" if ratio is None else f"{ratio:.2f}")
+            out.append(f"| {files}×{short_size(size)} | " + " | ".join(cells) + " |")
     out.append("\nCPU seconds (client+server, median) and peak RSS MiB (client / server):\n")
     out.append("| set | " + " | ".join(f"{mdl(t)} CPU s | {mdl(t)} RSS MiB" for t in tools) + " |")
     out.append("|" + "---:|" * (1 + 2 * len(tools)))
     for files, size in sets:
         cells = []
         for t in tools:
-            rs = agg.groups.get(("small", "", t, "local" if t in ("rsync", "tar") else "upload", 1, size, files), [])
+            rs = runs(t, size, files)
             cpu = Stat([r["client_cpu_s"] + (r.get("server_cpu_s") or 0) for r in rs])
             cells.append(fmt_num(cpu))
             srv = rss_mib(rs, "server")
