@@ -33,6 +33,7 @@ const char* usage =
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
+    "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
     "  -h, --help               this text\n";
 
 [[noreturn]] void bad(const std::string& why) {
@@ -99,6 +100,10 @@ int main(int argc, char** argv) {
       cfg.idle_timeout = seconds(i);
     } else if (a == "--fsync") {
       cfg.fsync = true;
+    } else if (a == "--path-workers") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 64);
+      if (!v) bad("--path-workers takes a thread count from 1 to 64");
+      cfg.path_workers = static_cast<unsigned>(*v);
     } else if (a == "--allow-memory-mode") {
       cfg.allow_memory_mode = true;
     } else {

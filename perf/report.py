@@ -567,6 +567,10 @@ def main(argv=None) -> int:
     out.append(f"* run: {meta.get('started_at', '?')} → {meta.get('finished_at', '?')}, "
                f"{meta.get('wall_seconds', '?')} s, {meta.get('runs_done', len(recs))} runs, "
                f"{o.get('reps', '?')} repetitions of each point, tools taking turns")
+    for rr in meta.get("reruns", []):
+        out.append(f"* re-run since: {', '.join(rr.get('scenarios', []))} at commit `{rr.get('commit_short', '?')}`"
+                   f"{' with uncommitted changes' if rr.get('dirty') else ''}, {rr.get('started_at', '?')} → "
+                   f"{rr.get('finished_at', '?')}, {rr.get('runs', '?')} runs (its records replace the earlier ones)")
     if meta.get("scenario_seconds"):
         out.append("* time per scenario: " + ", ".join(f"{k} {v:.0f} s" for k, v in meta["scenario_seconds"].items()))
     out.append(f"* peers: {v.get('gridftp_server', '?')}; {v.get('globus_url_copy', '?')}; {v.get('iperf3', '?')}; "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses with clang (ASan + UBSan) and runs each for SECONDS.
+# Builds the libFuzzer harnesses (wire, handshake, path messages) with clang (ASan + UBSan) and runs each for SECONDS.
 #   tests/fuzz/run.sh BUILD_DIR [SECONDS]       (the test suite runs 20 s each; try 600+ by hand)
 # BUILD_DIR is a configured build tree (for the generated Cap'n Proto code). Corpora and
 # crash files go to $XDFS_FUZZ_DIR (default: a temporary directory, removed afterwards).
@@ -12,19 +12,23 @@ work="${XDFS_FUZZ_DIR:-$(mktemp -d)}"
 mkdir -p "$work"
 cxx="$(command -v clang++-14 || command -v clang++)"
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-       -I"$src/framework/include" -I"$build/framework/schema" -I/usr/include/botan-2)
+       -I"$src/framework/include" -I"$src/pathm/include" -I"$build/framework/schema" -I"$build/pathm/schema"
+       -I"$build/pathm" -I/usr/include/botan-2)
 libsrc=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp"
-        "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++")
+        "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
+        "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")
 libs=(-lcapnp -lkj -lbotan-2 -lpthread)
-for name in fuzz_wire fuzz_handshake; do
+for name in fuzz_wire fuzz_handshake fuzz_pathm; do
   "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${libsrc[@]}" "${libs[@]}" -o "$work/$name"
   mkdir -p "$work/corpus-$name"
   echo "== $name: ${seconds}s"
   (cd "$work" && "./$name" -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 "corpus-$name" 2>&1 |
      grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" || true)
   # libFuzzer exits non-zero and leaves crash-* files when it finds something.
-  if ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* >/dev/null 2>&1; then
-    echo "fuzzer $name found a failing input:"; ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* 2>/dev/null
+  # (Any one kind is enough: test each pattern on its own.)
+  found=$(compgen -G "$work/crash-*"; compgen -G "$work/leak-*"; compgen -G "$work/timeout-*") || true
+  if [ -n "$found" ]; then
+    echo "fuzzer $name found a failing input:"; echo "$found"
     exit 1
   fi
 done
