@@ -353,6 +353,26 @@ TEST_CASE("a tree goes up and comes back identical: content, type, mode, mtime")
   CHECK(d.wait_for_log("mode=path"));
 }
 
+TEST_CASE("many large files split into small chunks over many channels, both ways") {
+  // The first chunks of one file often reach two server workers at once: only one may create it.
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  ::mkdir(src.c_str(), 0755);
+  for (int i = 0; i < 24; ++i) xt::write_random_file(src + "/big" + std::to_string(i), (1 << 20) + i * 4099, 500 + i);
+  xt::XdfsdProcess d(root.path());
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    const std::string dst = "up" + std::to_string(round);
+    auto up = xt::xduc({"-q", "-p", "8", "--block-size", "16K", "-r", src + "/", url(d.port(), dst)});
+    REQUIRE_MESSAGE(up.status == 0, up.err);
+    CHECK(snapshot(root / dst) == snapshot(src));
+    auto down = xt::xduc({"-q", "-p", "8", "--block-size", "16K", "-r", url(d.port(), dst + "/"), local / ("down" + std::to_string(round))});
+    REQUIRE_MESSAGE(down.status == 0, down.err);
+    CHECK(snapshot(local / ("down" + std::to_string(round))) == snapshot(src));
+  }
+  check_no_temp_files(root.path());
+}
+
 TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, moving only what is missing") {
   xt::TempDir root, local;
   const std::string src = local / "src";

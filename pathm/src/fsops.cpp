@@ -338,6 +338,9 @@ struct TreeWriter::Partial {
   std::vector<bool> seen;
   std::uint64_t written = 0;
   bool failed = false;
+  // Buffered writes to one file serialise on its inode lock anyway: a worker waiting here sleeps
+  // instead of spinning on that lock (which cost an eighth of the server's CPU on a 1 GiB file).
+  std::mutex write_mu;
 };
 
 namespace {
@@ -505,21 +508,17 @@ Status TreeWriter::put_chunk(const Entry& e) {
       p->mode = e.mode;
       p->mtime = e.mtime_ns;
       p->seen.assign(blocks, false);
-      lk.unlock();  // the directory and the file are made outside the lock
+      // Made under the lock: two workers holding the first chunks of one file must not both
+      // create it. This happens once per large file.
       Fd dir;
       std::string name;
       if (auto s = parent_of(e.path, dir, name, true); !s) return s;
       p->name = name;
-      p->temp = temp_name(name, tag_ + "-" + std::to_string(e.file_id % 1000000));
+      p->temp = temp_name(name, tag_ + "-" + std::to_string(e.file_id));
       p->fd = Fd(::openat(dir.get(), p->temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
       if (!p->fd) return Status::from_errno(errno, "create " + quoted(e.path));
       p->dir = std::move(dir);
-      lk.lock();
-      auto [pos, fresh] = partial_.emplace(e.file_id, p);
-      if (!fresh) {  // another thread made it meanwhile: use theirs
-        ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
-        p = pos->second;
-      }
+      partial_.emplace(e.file_id, p);
     } else {
       p = it->second;
     }
@@ -530,7 +529,11 @@ Status TreeWriter::put_chunk(const Entry& e) {
     if (p->seen[b]) return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
     p->seen[b] = true;
   }
-  Status st = write_all(p->fd.get(), e.data, e.offset, e.path);
+  Status st;
+  {
+    std::lock_guard wl(p->write_mu);
+    st = write_all(p->fd.get(), e.data, e.offset, e.path);
+  }
   std::unique_lock lk(mu_);
   if (!st) {
     p->failed = true;
