@@ -560,6 +560,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   for (auto& d : p.dirs) {
     Entry e = d;
     e.path = remote_join(remote, d.path);
+    if (e.path == ".") continue;  // the server's root keeps its own mode and mtime
     attrs.push_back(std::move(e));
   }
   for (std::size_t i = 0; i < attrs.size(); i += 1024) {
