@@ -553,4 +553,46 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
   rfs.close();
 }
 
+TEST_CASE("a client that asks for file bytes and never reads them is not read either, then timed out") {
+  xt::TempDir root;
+  xt::write_random_file(root / "big", 2 << 20, 5);
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.idle_timeout = std::chrono::milliseconds(1500);
+  xt::InProcessServer srv(cfg);
+  xt::RawChannel raw(srv.port());
+  auto nego = xt::make_nego(xdfs::Mode::path, ".", 1, 0);
+  nego.block_size = 1 << 20;  // a get may return up to two blocks
+  REQUIRE(raw.establish(nego));
+  REQUIRE(raw.read_frame().has_value());  // the negotiation reply; nothing is read after it
+  for (std::uint64_t i = 1; i <= 200; ++i) {  // 400 MiB of replies if the server answered them all
+    pm::Request r;
+    r.id = i;
+    r.op = pm::Op::get;
+    pm::Entry e;
+    e.path = "big";
+    e.size = 2 << 20;
+    r.entries.push_back(e);
+    auto enc = pm::encode(r);
+    xdfs::wire::FrameHeader h;
+    h.event = xdfs::wire::Event::xpathm;
+    h.length = static_cast<std::uint32_t>(enc.size);
+    auto b = enc.bytes();
+    raw.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));
+  }
+  REQUIRE(srv.wait_for_log("timed out: no progress", 15000));
+  std::uint64_t bytes = 0;
+  for (auto& l : srv.log_lines()) {
+    auto at = l.find(" bytes=");
+    if (l.find("mode=path") != std::string::npos && at != std::string::npos) bytes = std::stoull(l.substr(at + 7));
+  }
+  INFO("bytes read for replies: " << bytes);
+  CHECK(bytes < (100u << 20));
+  CHECK(bytes > 0);
+  // Others are served meanwhile and after.
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  CHECK(rfs->stat("big").size == (2u << 20));
+  rfs.close();
+}
+
 }  // TEST_SUITE

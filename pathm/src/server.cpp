@@ -66,8 +66,10 @@ void Server::arm_watchdog() {
   watchdog_.expires_after(std::chrono::milliseconds(500));
   watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
     if (ec || finished_) return;
-    if (inflight_ == 0 && Clock::now() - last_ > p_.idle_timeout)
-      return fail(errc::timeout, fmt::format("no path request for {} ms", p_.idle_timeout.count()), false, true);
+    // Idle: no worker busy and nothing received or sent for that long (a client that stops
+    // reading its replies counts as idle too).
+    if (busy_ == 0 && Clock::now() - last_ > p_.idle_timeout)
+      return fail(errc::timeout, fmt::format("no progress for {} ms", p_.idle_timeout.count()), false, true);
     arm_watchdog();
   });
 }
@@ -140,9 +142,10 @@ void Server::read_loop(xdsi::Channel& ch) {
 
 void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf) {
   inflight_ += buf->size;
+  ++busy_;
   ++requests_;
   pool_.submit([this, c = &ch, buf] { execute(c, buf); });
-  if (inflight_ > limit_) {
+  if (inflight_ > limit_ || busy_ >= max_busy()) {
     parked_.push_back(&ch);  // the workers are behind: stop reading until they catch up
     return;
   }
@@ -150,7 +153,7 @@ void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf) {
 }
 
 void Server::resume() {
-  if (inflight_ > limit_ || finished_) return;
+  if (inflight_ > limit_ || busy_ >= max_busy() || finished_) return;
   auto parked = std::move(parked_);
   parked_.clear();
   for (auto* ch : parked) read_loop(*ch);
@@ -171,15 +174,21 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
 void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
   std::weak_ptr<Shared> alive = shared_;
   const std::size_t cost = buf->size;
-  auto post = [this, alive, ch, cost](Encoded e, bool final) {
-    asio::post(io_, [this, alive, ch, cost, final, e = std::move(e)]() mutable {
+  // A request counts against the limit until its reply has left: a client that asks for
+  // file bytes and never reads them stops being read itself.
+  auto post = [this, alive, ch, cost](Encoded e, bool) {
+    asio::post(io_, [this, alive, ch, cost, e = std::move(e)]() mutable {
       if (!alive.lock()) return;
-      send_reply(ch, std::move(e));
-      if (final) {
-        inflight_ -= cost;
+      const std::size_t reply = e.size;
+      --busy_;
+      inflight_ += reply;
+      last_ = Clock::now();
+      send_reply(ch, std::move(e), [this, alive, cost, reply] {
+        if (!alive.lock()) return;
+        inflight_ -= cost + reply;
         last_ = Clock::now();
         resume();
-      }
+      });
     });
   };
   std::string why;

@@ -73,6 +73,9 @@ private:
   void fail(errc code, const std::string& message, bool from_peer, bool tell);
   void resume();
   void arm_watchdog();
+  // Requests read but not answered yet: a few per worker keep them busy; more would only hold
+  // memory (a get may answer with two blocks).
+  std::size_t max_busy() const noexcept { return 4u * p_.workers; }
 
   asio::io_context& io_;
   ChannelList& channels_;
@@ -82,7 +85,8 @@ private:
   TreeWriter writer_;
   std::shared_ptr<Shared> shared_;
   std::vector<xdsi::Channel*> parked_;
-  std::size_t inflight_ = 0;  // request bytes handed to workers and not answered
+  std::size_t inflight_ = 0;  // bytes of requests not answered yet, and of replies not sent yet
+  std::size_t busy_ = 0;      // requests a worker holds
   std::size_t limit_;
   std::atomic<std::uint64_t> bytes_{0};
   std::uint64_t requests_ = 0;
