@@ -358,16 +358,22 @@ void Client::close() {
   closed_ = true;
   wire::FrameHeader h;
   h.event = wire::Event::eoft;
-  unsigned open = 0;
-  for (auto& c : channels_)
-    if (c && c->open()) ++open;
-  unsigned closed = 0;
-  channels_[0]->send(h, std::vector<std::uint8_t>{}, [](const xdsi::ErrorCode&) {});
-  for (auto& c : channels_)
-    if (c && c->open()) c->linger_close([&closed] { ++closed; });
+  auto open = std::make_shared<unsigned>(0);
+  auto closed = std::make_shared<unsigned>(0);
+  // EOFT on every channel, each ahead of that channel's FIN (the lingering close starts once the
+  // EOFT has left): whichever channel the server reads first, it learns the session is over
+  // before it sees a channel close.
+  for (auto& c : channels_) {
+    if (!c || !c->open()) continue;
+    ++*open;
+    auto* ch = c.get();
+    ch->send(h, std::vector<std::uint8_t>{}, [ch, closed](const xdsi::ErrorCode&) {
+      ch->linger_close([closed] { ++*closed; });
+    });
+  }
   io_.restart();
   const auto until = Clock::now() + std::chrono::seconds(2);
-  while (closed < open && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
+  while (*closed < *open && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
 }
 
 // ---- trees ----
