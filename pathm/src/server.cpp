@@ -165,7 +165,10 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
   wire::FrameHeader h;
   h.event = wire::Event::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
-  ch->send(h, holder->bytes(), [holder, sent = std::move(sent)](const xdsi::ErrorCode&) {
+  ch->send(h, holder->bytes(), [this, ch, holder, sent = std::move(sent)](const xdsi::ErrorCode& ec) {
+    // A channel that is not being read (parked) learns of a vanished client only here.
+    if (ec && ec != boost::asio::error::operation_aborted && !finished_)
+      fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch->index(), ec.message()), true, false);
     if (sent) sent();
   });
 }
