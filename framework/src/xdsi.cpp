@@ -181,4 +181,27 @@ void Channel::close() noexcept {
   socket_.close(ignored);
 }
 
+void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
+                    std::chrono::milliseconds wait) {
+  auto payload = wire::encode(ex);
+  auto open = std::make_shared<std::size_t>(0);
+  for (auto& ch : channels)
+    if (ch && ch->open()) ++*open;
+  if (*open == 0) return;
+  linger.expires_after(wait);
+  linger.async_wait([&channels](const ErrorCode& ec) {
+    if (ec) return;  // every peer closed in time
+    for (auto& ch : channels)
+      if (ch) ch->close();
+  });
+  for (auto& ch : channels) {
+    if (!ch || !ch->open()) continue;
+    ch->send_control(wire::Event::exception, payload, [c = ch.get(), open, &linger](const ErrorCode&) {
+      c->linger_close([open, &linger] {
+        if (--*open == 0) linger.cancel();
+      });
+    });
+  }
+}
+
 }  // namespace xdfs::xdsi

@@ -11,6 +11,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "read_failure.hpp"
 #include "xdfs/pathm/engine.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
@@ -150,11 +151,8 @@ void Client::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (code_ != errc::ok || closed_) return;
     if (ec) {
-      if (ec == boost::system::errc::protocol_error)
-        return fail(errc::protocol_error, "server sent " + ch.last_error_text(), false);
-      if (ec == xdsi::integrity_failure)
-        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false);
-      return fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch.index(), ec.message()), true);
+      auto f = read_failure(ch, ec, "server");
+      return fail(f.code, f.message, f.peer_gone);
     }
     if (h.event == wire::Event::exception) {
       if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false);
@@ -174,15 +172,13 @@ void Client::read_loop(xdsi::Channel& ch) {
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
       return fail(errc::protocol_error, fmt::format("path reply of {} bytes", h.length), false);
-    auto buf = std::make_shared<Buffer>();
-    buf->words.reset(new std::uint64_t[(h.length + 7) / 8]);
-    buf->size = h.length;
-    auto* dst = reinterpret_cast<std::uint8_t*>(buf->words.get());
-    ch.async_read_payload({dst, h.length}, [this, &ch, buf](const xdsi::ErrorCode& ec) {
+    auto buf = Buffer::make(h.length);
+    ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) {
       if (code_ != errc::ok || closed_) return;
-      if (ec == xdsi::integrity_failure)
-        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false);
-      if (ec) return fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch.index(), ec.message()), true);
+      if (ec) {
+        auto f = read_failure(ch, ec, "server");
+        return fail(f.code, f.message, f.peer_gone);
+      }
       on_reply(ch, buf);
       read_loop(ch);
     });
@@ -411,9 +407,63 @@ namespace {
 struct TreePlan {
   std::vector<Entry> dirs, links, files;
   TreeResult result;
+
+  // Sorts a listed entry into its list; what is neither file, directory nor symlink is skipped.
+  void add(Entry&& e) {
+    if (e.type == Type::directory) dirs.push_back(std::move(e));
+    else if (e.type == Type::symlink) links.push_back(std::move(e));
+    else if (e.type == Type::file) files.push_back(std::move(e));
+    else ++result.skipped;
+  }
+
+  // A unit of `bytes` file bytes is at the destination: count it and report progress.
+  void done(const Unit& u, std::uint64_t bytes, const TreeOptions& o) {
+    result.bytes += bytes;
+    if (!u.chunk) result.files += u.count;
+    else if (u.offset + u.bytes >= files[u.first].size) ++result.files;
+    if (o.progress) o.progress(result.files, result.bytes);
+  }
 };
 
+// Request bytes a tree copy keeps outstanding.
+std::size_t window_of(const TreeOptions& o, std::uint32_t block, std::size_t channels) {
+  return o.window ? o.window : std::max<std::size_t>(32u << 20, 8ull * block * channels);
+}
+
 }  // namespace
+
+// Drops from v what the destination already has (with sync): same size and mtime, or with
+// --checksum (files only) same size and same SHA-256; a symlink with the same target.
+// at_destination gives the destination's entry for a path (type `other` when it has none).
+void Client::keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& o, int local_root,
+                          const std::string& remote, const std::function<Entry(const Entry&)>& at_destination,
+                          std::uint64_t& skipped) {
+  const bool by_content = files && o.checksum;
+  std::vector<Entry> out;
+  std::vector<std::size_t> maybe;  // same size, content to compare
+  for (auto& e : v) {
+    const Entry there = at_destination(e);
+    const bool match = by_content ? there.type == Type::file && there.size == e.size : same(e, there);
+    if (!match) {
+      out.push_back(std::move(e));
+    } else if (by_content) {
+      maybe.push_back(out.size());
+      out.push_back(std::move(e));
+    } else {
+      ++skipped;
+    }
+  }
+  if (!maybe.empty()) {
+    auto equal = same_content(local_root, remote, out, maybe);
+    std::vector<Entry> left;
+    for (std::size_t k = 0; k < out.size(); ++k) {
+      if (equal[k]) ++skipped;
+      else left.push_back(std::move(out[k]));
+    }
+    out = std::move(left);
+  }
+  v = std::move(out);
+}
 
 TreeResult Client::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
   check();
@@ -426,12 +476,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
     p.dirs.push_back(top);
   }
   if (auto st = list_dir(src.get(), ".", true, o.follow, 4096, [&](std::vector<Entry>& chunk) {
-        for (auto& e : chunk) {
-          if (e.type == Type::directory) p.dirs.push_back(std::move(e));
-          else if (e.type == Type::symlink) p.links.push_back(std::move(e));
-          else if (e.type == Type::file) p.files.push_back(std::move(e));
-          else ++p.result.skipped;
-        }
+        for (auto& e : chunk) p.add(std::move(e));
         return true;
       });
       !st)
@@ -442,36 +487,15 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
     list(remote, true, [&](std::vector<Entry>& chunk) {
       for (auto& e : chunk) there.emplace(e.path, std::move(e));
     });
-    auto keep = [&](std::vector<Entry>& v, bool files) {
-      std::vector<Entry> out;
-      std::vector<std::size_t> maybe;  // same size, content to compare
-      for (auto& e : v) {
-        auto it = there.find(e.path);
-        const bool match = it != there.end() &&
-                           (files && o.checksum ? it->second.type == Type::file && it->second.size == e.size
-                                                : same(e, it->second));
-        if (!match) {
-          out.push_back(std::move(e));
-        } else if (files && o.checksum) {
-          maybe.push_back(out.size());
-          out.push_back(std::move(e));
-        } else {
-          ++p.result.skipped;
-        }
-      }
-      if (!maybe.empty()) {
-        auto equal = same_content(src.get(), remote, out, maybe);
-        std::vector<Entry> left;
-        for (std::size_t k = 0; k < out.size(); ++k) {
-          if (equal[k]) ++p.result.skipped;
-          else left.push_back(std::move(out[k]));
-        }
-        out = std::move(left);
-      }
-      v = std::move(out);
+    auto at_destination = [&](const Entry& e) {
+      auto it = there.find(e.path);
+      if (it != there.end()) return it->second;
+      Entry none;
+      none.type = Type::other;
+      return none;
     };
-    keep(p.files, true);
-    keep(p.links, false);
+    keep_changed(p.files, true, o, src.get(), remote, at_destination, p.result.skipped);
+    keep_changed(p.links, false, o, src.get(), remote, at_destination, p.result.skipped);
   }
   // Directories and symlinks first (no bytes), batched; the server makes missing parents itself,
   // so files need not wait for them.
@@ -504,7 +528,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   // Files: batches of small files and chunks of large ones, read by workers straight into the
   // request bytes, as many outstanding as the window allows.
   const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
-  const std::size_t window = o.window ? o.window : std::max<std::size_t>(32u << 20, 8ull * block_size_ * channels_.size());
+  const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, building = 0;
   std::uint64_t ids = 1;
@@ -547,10 +571,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
             send(id, std::move(msg), [&, u](Reply& rep, std::shared_ptr<Buffer>) {
               inflight -= u.bytes + 1;
               if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
-              p.result.bytes += u.bytes;
-              if (!u.chunk) p.result.files += u.count;
-              else if (u.offset + u.bytes >= p.files[u.first].size) ++p.result.files;
-              if (o.progress) o.progress(p.result.files, p.result.bytes);
+              p.done(u, u.bytes, o);
               pump();
             });
           });
@@ -591,46 +612,15 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   top.path = ".";
   p.dirs.push_back(top);
   list(remote, true, [&](std::vector<Entry>& chunk) {
-    for (auto& e : chunk) {
-      if (e.type == Type::directory) p.dirs.push_back(std::move(e));
-      else if (e.type == Type::symlink) p.links.push_back(std::move(e));
-      else if (e.type == Type::file) p.files.push_back(std::move(e));
-      else ++p.result.skipped;
-    }
+    for (auto& e : chunk) p.add(std::move(e));
   });
   make_local_dirs(local);
   Fd dst = open_local_dir(local);
   TreeWriter writer(dst.get(), "dl-" + SessionId::random().short_hex(), o.fsync, block_size_);
   if (o.sync) {
-    std::vector<Entry> need;
-    std::vector<std::size_t> maybe;
-    for (auto& f : p.files) {
-      Entry here = local_entry(dst.get(), f.path);
-      const bool match = o.checksum ? here.type == Type::file && here.size == f.size : same(here, f);
-      if (!match) need.push_back(std::move(f));
-      else if (o.checksum) {
-        maybe.push_back(need.size());
-        need.push_back(std::move(f));
-      } else {
-        ++p.result.skipped;
-      }
-    }
-    if (!maybe.empty()) {
-      auto equal = same_content(dst.get(), remote, need, maybe);
-      std::vector<Entry> left;
-      for (std::size_t k = 0; k < need.size(); ++k) {
-        if (equal[k]) ++p.result.skipped;
-        else left.push_back(std::move(need[k]));
-      }
-      need = std::move(left);
-    }
-    p.files = std::move(need);
-    std::vector<Entry> links;
-    for (auto& l : p.links) {
-      if (same(local_entry(dst.get(), l.path), l)) ++p.result.skipped;
-      else links.push_back(std::move(l));
-    }
-    p.links = std::move(links);
+    auto at_destination = [&](const Entry& e) { return local_entry(dst.get(), e.path); };
+    keep_changed(p.files, true, o, dst.get(), remote, at_destination, p.result.skipped);
+    keep_changed(p.links, false, o, dst.get(), remote, at_destination, p.result.skipped);
   }
   for (std::size_t i = 1; i < p.dirs.size(); ++i)
     if (auto st = writer.put(p.dirs[i]); !st) throw Error(st.code, st.message);
@@ -640,7 +630,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   p.result.symlinks = p.links.size();
 
   const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
-  const std::size_t window = o.window ? o.window : std::max<std::size_t>(32u << 20, 8ull * block_size_ * channels_.size());
+  const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, writing = 0;
   std::uint64_t ids = 1;
@@ -696,10 +686,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
               --writing;
               inflight -= u.bytes + 1;
               if (!st) return fail(st.code, st.message, false);
-              p.result.bytes += n;
-              if (!u.chunk) p.result.files += u.count;
-              else if (u.offset + u.bytes >= p.files[u.first].size) ++p.result.files;
-              if (o.progress) o.progress(p.result.files, p.result.bytes);
+              p.done(u, n, o);
               pump();
             });
           });

@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 
+#include "read_failure.hpp"
 #include "xdfs/pathm/engine.hpp"
 #include "xdfs/wire.hpp"
 
@@ -78,11 +79,8 @@ void Server::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (finished_) return;
     if (ec) {
-      if (ec == boost::system::errc::protocol_error)
-        return fail(errc::protocol_error, "client sent " + ch.last_error_text(), false, true);
-      if (ec == xdsi::integrity_failure)
-        return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false, true);
-      return fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch.index(), ec.message()), true, false);
+      auto f = read_failure(ch, ec, "client");
+      return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
     }
     last_ = Clock::now();
     switch (h.event) {
@@ -92,15 +90,13 @@ void Server::read_loop(xdsi::Channel& ch) {
                       fmt::format("path request of {} bytes (this session takes 1..{})", h.length,
                                   max_message(p_.block_size)),
                       false, true);
-        auto buf = std::make_shared<Buffer>();
-        buf->words.reset(new std::uint64_t[(h.length + 7) / 8]);
-        buf->size = h.length;
-        auto* dst = reinterpret_cast<std::uint8_t*>(buf->words.get());
-        ch.async_read_payload({dst, h.length}, [this, &ch, buf](const xdsi::ErrorCode& ec) {
+        auto buf = Buffer::make(h.length);
+        ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) {
           if (finished_) return;
-          if (ec == xdsi::integrity_failure)
-            return fail(errc::integrity_error, fmt::format("a frame on channel {} failed its check", ch.index()), false, true);
-          if (ec) return fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch.index(), ec.message()), true, false);
+          if (ec) {
+            auto f = read_failure(ch, ec, "client");
+            return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
+          }
           on_request(ch, buf);
         });
         return;
@@ -338,21 +334,12 @@ void Server::fail(errc code, const std::string& message, bool from_peer, bool te
   }
   shared_->cv.notify_all();
   writer_.discard_all();
-  auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
-  for (auto& c : channels_) {
-    if (!c || !c->open()) continue;
-    if (!tell) {
-      c->close();
-      continue;
-    }
-    auto* ch = c.get();
-    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->linger_close([] {}); });
-  }
-  linger_.expires_after(std::chrono::seconds(2));
-  linger_.async_wait([this](const xdsi::ErrorCode&) {
+  if (tell) {
+    xdsi::tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));
+  } else {
     for (auto& c : channels_)
       if (c) c->close();
-  });
+  }
   done_(code, message, from_peer);
 }
 

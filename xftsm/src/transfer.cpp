@@ -31,29 +31,6 @@ std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
 
 }  // namespace
 
-void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
-                    std::chrono::milliseconds wait) {
-  auto payload = wire::encode(ex);
-  auto open = std::make_shared<std::size_t>(0);
-  for (auto& ch : channels)
-    if (ch && ch->open()) ++*open;
-  if (*open == 0) return;
-  linger.expires_after(wait);
-  linger.async_wait([&channels](const xdsi::ErrorCode& ec) {
-    if (ec) return;  // every peer closed in time
-    for (auto& ch : channels)
-      if (ch) ch->close();
-  });
-  for (auto& ch : channels) {
-    if (!ch || !ch->open()) continue;
-    ch->send_control(wire::Event::exception, payload, [c = ch.get(), open, &linger](const xdsi::ErrorCode&) {
-      c->linger_close([open, &linger] {
-        if (--*open == 0) linger.cancel();
-      });
-    });
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Engine
 

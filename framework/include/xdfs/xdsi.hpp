@@ -130,4 +130,12 @@ private:
   std::unique_ptr<FrameGuard> guard_;
 };
 
+/// A session's channels by index (a slot may be empty while its channel has not joined).
+using ChannelList = std::vector<std::unique_ptr<Channel>>;
+
+/// Sends an exception header on every open channel and closes each once it has left; `linger`
+/// closes the rest after `wait` if the peer does not read.
+void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
+                    std::chrono::milliseconds wait);
+
 }  // namespace xdfs::xdsi

@@ -28,7 +28,7 @@
 namespace xdfs::pathm {
 
 namespace asio = boost::asio;
-using ChannelList = std::vector<std::unique_ptr<xdsi::Channel>>;
+using xdsi::ChannelList;
 
 /// Largest xPathM message a session with this block size accepts: one block of file bytes plus
 /// room for the entries' names.
@@ -38,6 +38,14 @@ inline std::size_t max_message(std::uint32_t block_size) { return std::size_t(bl
 struct Buffer {
   std::unique_ptr<std::uint64_t[]> words;
   std::size_t size = 0;
+  /// Room for `size` bytes, not cleared (a frame's payload is read into all of it).
+  static std::shared_ptr<Buffer> make(std::size_t size) {
+    auto b = std::make_shared<Buffer>();
+    b->words.reset(new std::uint64_t[(size + 7) / 8]);
+    b->size = size;
+    return b;
+  }
+  std::span<std::uint8_t> writable() noexcept { return {reinterpret_cast<std::uint8_t*>(words.get()), size}; }
   std::span<const std::uint8_t> bytes() const noexcept {
     return {reinterpret_cast<const std::uint8_t*>(words.get()), size};
   }
@@ -157,6 +165,8 @@ private:
   std::string remote_join(const std::string& base, const std::string& rel) const;
   std::vector<bool> same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
                                  const std::vector<std::size_t>& which);
+  void keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& o, int local_root, const std::string& remote,
+                    const std::function<Entry(const Entry&)>& at_destination, std::uint64_t& skipped);
 
   asio::io_context& io_;
   ChannelList& channels_;

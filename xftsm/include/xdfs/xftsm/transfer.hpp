@@ -26,12 +26,8 @@
 namespace xdfs::xftsm {
 
 namespace asio = boost::asio;
-using ChannelList = std::vector<std::unique_ptr<xdsi::Channel>>;
-
-/// Sends an exception header on every open channel and closes each once it has left; `linger`
-/// closes the rest after `wait` if the peer does not read.
-void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
-                    std::chrono::milliseconds wait);
+using xdsi::ChannelList;
+using xdsi::tell_and_close;
 
 /// What an engine needs from the session that owns it.
 class TransferHost {
