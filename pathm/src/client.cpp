@@ -86,21 +86,31 @@ struct Unit {
   std::uint64_t offset = 0;
 };
 
-std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std::size_t batch_bytes) {
+// prefix: bytes the remote base adds to each name. A batch's names are bounded too: a message
+// may carry one block of file bytes plus 4 MiB of everything else (max_message), and 1024 names
+// near the 4096-byte limit would not fit beside the bytes.
+std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std::size_t batch_bytes,
+                       std::size_t prefix) {
+  constexpr std::size_t name_budget = 2u << 20;  // names plus per-entry overhead, per batch
+  constexpr std::size_t entry_overhead = 128;     // an Entry struct and its text padding
   std::vector<Unit> units;
   const std::uint64_t small = std::max<std::uint64_t>(block / 4, 4096);
   Unit cur;
+  std::size_t names = 0;
   auto flush = [&] {
     if (cur.count) units.push_back(cur);
     cur = Unit{};
+    names = 0;
   };
   for (std::size_t i = 0; i < files.size(); ++i) {
     const auto& f = files[i];
     if (f.size <= small) {
-      if (cur.count && (cur.bytes + f.size > batch_bytes || cur.count >= 1024)) flush();
+      const std::size_t name = prefix + f.path.size() + entry_overhead;
+      if (cur.count && (cur.bytes + f.size > batch_bytes || cur.count >= 1024 || names + name > name_budget)) flush();
       if (!cur.count) cur.first = i;
       ++cur.count;
       cur.bytes += f.size;
+      names += name;
       continue;
     }
     flush();  // a batch is a contiguous run of the list
@@ -527,7 +537,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
 
   // Files: batches of small files and chunks of large ones, read by workers straight into the
   // request bytes, as many outstanding as the window allows.
-  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
+  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, building = 0;
@@ -629,7 +639,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   p.result.directories = p.dirs.size();
   p.result.symlinks = p.links.size();
 
-  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_));
+  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, writing = 0;
