@@ -715,10 +715,12 @@ def parse_xduc_json(out: str, expect: int) -> float:
 
 
 def xdfsd_check(srv: Server, expect: int) -> float:
-    m = re.findall(r"session \S+ end .* bytes=(\d+) seconds=([\d.]+) .*status=(\S+)", srv.log_text())
+    # The whole status ("ok", or "error: <code>: <message>"), so a failed run says why.
+    m = re.findall(r"session \S+ end .* bytes=(\d+) seconds=([\d.]+) .*status=(.+)$", srv.log_text(), re.M)
     if not m:
         raise RunError(f"xdfsd logged no session end: {srv.log_tail()}")
     b, secs, status = m[-1]
+    status = status.strip()
     if status != "ok" or int(b) != expect:
         raise RunError(f"xdfsd session: bytes={b} status={status}")
     return float(secs)
