@@ -495,6 +495,17 @@ TEST_CASE("xduc path commands: output, one-line errors, exit codes; a read-only 
   CHECK(one_line_error(xt::xduc({"stat", url(d.port(), "../up")}), "path escape"));
   CHECK(one_line_error(xt::xduc({"-r", local / "file", url(d.port(), "t")}), "not a directory"));
   CHECK(xt::xduc({"ls"}).status == 2);
+  // Bad values of the path-mode options: exit 2 with a line naming the option.
+  auto bad_arg = [](const xt::RunResult& r, const std::string& text) {
+    return r.status == 2 && std::count(r.err.begin(), r.err.end(), '\n') == 1 && r.err.find(text) != std::string::npos;
+  };
+  CHECK(bad_arg(xt::xduc({"-r", "--workers", "0", local.path(), url(d.port(), "t")}), "--workers"));
+  CHECK(bad_arg(xt::xduc({"-r", "--workers", "lots", local.path(), url(d.port(), "t")}), "--workers"));
+  CHECK(bad_arg(xt::xduc({"-r", "--checksum", local.path(), url(d.port(), "t")}), "--checksum goes with --sync"));
+  CHECK(bad_arg(xt::xduc({"--sync", local / "file", url(d.port(), "t")}), "go with -r"));
+  CHECK(bad_arg(xt::xduc({"mv", url(d.port(), "p")}), "mv takes"));
+  CHECK(bad_arg(xt::xduc({"stat", "not-a-url"}), "not an xdfs:// URL"));
+  CHECK(bad_arg(xt::run(XDFSD_PATH, {"--root", root.path(), "--path-workers", "0"}), "--path-workers"));
   CHECK(ok(xt::xduc({"rm", "-r", url(d.port(), "p")})));
   CHECK_FALSE(xt::exists(root / "p"));
 
