@@ -166,6 +166,19 @@ void DiskWriter::run() {
     return true;
   };
 
+  // Opens (decrypts or checks) blocks in place; false once one fails its check.
+  auto open_all = [&](const Block* blocks, std::size_t count) -> bool {
+    if (!sink_.opener) return true;
+    for (std::size_t k = 0; k < count; ++k) {
+      if (!sink_.opener->open(pipe_.slot_data(blocks[k].slot), blocks[k].length, blocks[k].offset)) {
+        pipe_.set_error(errc::integrity_error,
+                        "block at offset " + std::to_string(blocks[k].offset) + " failed its integrity check");
+        return false;
+      }
+    }
+    return true;
+  };
+
   while (true) {
     const std::uint32_t seen = pipe_.disk_seq();
     batch.clear();
@@ -176,39 +189,40 @@ void DiskWriter::run() {
       pipe_.disk_wait(seen);
       continue;
     }
-    if (sink_.opener) {
-      for (const auto& blk : batch) {
-        if (!sink_.opener->open(pipe_.slot_data(blk.slot), blk.length, blk.offset)) {
-          pipe_.set_error(errc::integrity_error,
-                          "block at offset " + std::to_string(blk.offset) + " failed its integrity check");
-          return;
-        }
-      }
-    }
     if (sink_.seekable || sink_.discard) {
       // Blocks arrive from n channels roughly in order: write each contiguous run in one call.
+      // With an opener, a run is at most crypto_group bytes, each opened just before its write
+      // (still in cache); every run's slots go back to the network thread as soon as it is out.
+      const std::size_t cap = sink_.opener ? crypto_group(pipe_.block_size()) : max_iov;
       std::size_t start = 0;
       for (std::size_t i = 1; i <= batch.size(); ++i) {
-        const bool breaks = i == batch.size() ||
+        const bool breaks = i == batch.size() || i - start == cap ||
                             batch[i].offset != batch[i - 1].offset + batch[i - 1].length;
-        if (breaks) {
-          if (!write_run(&batch[start], i - start)) return;
-          start = i;
+        if (!breaks) continue;
+        if (!open_all(&batch[start], i - start) || !write_run(&batch[start], i - start)) return;
+        if (sink_.opener) {
+          for (std::size_t k = start; k < i; ++k) pipe_.disk_push(batch[k]);
+          pipe_.net_wake().notify();
         }
+        start = i;
       }
-      for (const auto& blk : batch) pipe_.disk_push(blk);
-    } else {
-      for (const auto& blk : batch) pending.emplace(blk.offset, blk);
-      std::vector<Block> run;
-      while (!pending.empty() && pending.begin()->first == next_in_order) {
-        run.push_back(pending.begin()->second);
-        next_in_order += pending.begin()->second.length;
-        pending.erase(pending.begin());
+      if (!sink_.opener) {
+        for (const auto& blk : batch) pipe_.disk_push(blk);
+        pipe_.net_wake().notify();
       }
-      if (run.empty()) continue;
-      if (!write_run(run.data(), run.size())) return;
-      for (const auto& blk : run) pipe_.disk_push(blk);
+      continue;
     }
+    if (!open_all(batch.data(), batch.size())) return;
+    for (const auto& blk : batch) pending.emplace(blk.offset, blk);
+    std::vector<Block> run;
+    while (!pending.empty() && pending.begin()->first == next_in_order) {
+      run.push_back(pending.begin()->second);
+      next_in_order += pending.begin()->second.length;
+      pending.erase(pending.begin());
+    }
+    if (run.empty()) continue;
+    if (!write_run(run.data(), run.size())) return;
+    for (const auto& blk : run) pipe_.disk_push(blk);
     pipe_.net_wake().notify();
   }
 }
@@ -234,7 +248,9 @@ void DiskReader::run() {
     std::size_t n = 0;
     std::uint64_t off = next_;
     Block b;
-    while (n < max_iov && off < source_.size && pipe_.disk_pop(b)) {
+    // With a sealer, each read is at most crypto_group bytes, sealed while still in cache.
+    const std::size_t cap = source_.sealer ? crypto_group(bs) : max_iov;
+    while (n < cap && off < source_.size && pipe_.disk_pop(b)) {
       b.offset = off;
       b.length = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off));
       off += b.length;
