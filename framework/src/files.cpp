@@ -56,12 +56,18 @@ Status open_beneath(int root, const std::string& path, int flags, mode_t mode, F
   return Status::ok();
 }
 
+std::string temp_name(const std::string& name, const std::string& tag) {
+  // (Appended, not concatenated: GCC 12 warns falsely on that, -Wrestrict, PR 105329.)
+  std::string temp(1, '.');
+  temp.append(name, 0, 200).append(".xdfs-").append(tag).append(".part");
+  return temp;
+}
+
 std::pair<std::string, std::string> split_parent(const std::string& path) {
   auto slash = path.rfind('/');
   if (slash == std::string::npos) return {".", path};
-  std::string dir = path.substr(0, slash);
-  if (dir.empty()) dir = "/";
-  return {dir, path.substr(slash + 1)};
+  // (Built, not assigned from a literal: GCC 12 warns falsely on that, -Wrestrict, PR 105329.)
+  return {slash == 0 ? std::string(1, '/') : path.substr(0, slash), path.substr(slash + 1)};
 }
 
 PendingFile::PendingFile(PendingFile&& o) noexcept
@@ -90,8 +96,7 @@ Status PendingFile::create(Fd dir, const std::string& name, const std::string& t
   } else if (errno != ENOENT) {
     return Status::from_errno(errno, "'" + name + "'");
   }
-  // A dot-name that says what it is: never mistaken for a finished file.
-  std::string temp = "." + name.substr(0, 200) + ".xdfs-" + tag + ".part";
+  std::string temp = files::temp_name(name, tag);
   int fd = ::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) return Status::from_errno(errno, "create '" + temp + "'");
   out.discard();

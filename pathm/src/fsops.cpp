@@ -19,6 +19,7 @@ namespace xdfs::pathm {
 namespace {
 
 using files::Fd;
+using files::temp_name;
 
 std::string quoted(const std::string& p) { return "'" + p + "'"; }
 
@@ -353,10 +354,6 @@ struct ParentCache {
   Fd fd;
 };
 thread_local ParentCache parent_cache;
-
-std::string temp_name(const std::string& name, const std::string& tag) {
-  return "." + name.substr(0, 200) + ".xdfs-" + tag + ".part";
-}
 
 Status finish_file(int fd, const std::string& path, std::uint32_t mode, std::int64_t mtime, bool sync) {
   if (::fchmod(fd, safe_mode(mode)) != 0) return Status::from_errno(errno, "chmod " + quoted(path));

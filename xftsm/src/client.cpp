@@ -239,9 +239,10 @@ private:
     h.length = static_cast<std::uint32_t>(payload.size());
     auto pre = wire::encode_preamble();
     auto hb = wire::encode(h);
-    std::vector<std::uint8_t> bytes(pre.begin(), pre.end());
-    bytes.insert(bytes.end(), hb.begin(), hb.end());
-    bytes.insert(bytes.end(), payload.begin(), payload.end());
+    std::vector<std::uint8_t> bytes(pre.size() + hb.size() + payload.size());
+    auto at = std::copy(pre.begin(), pre.end(), bytes.begin());
+    at = std::copy(hb.begin(), hb.end(), at);
+    std::copy(payload.begin(), payload.end(), at);
     std::vector<std::uint8_t> opening = bytes;
     ch.send_raw(std::move(bytes), [this, &ch](const ErrorCode& ec) {
       if (ec && !machine_.finished()) channel_lost(ch, ec);

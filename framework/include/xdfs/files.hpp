@@ -89,4 +89,8 @@ private:
 /// "dir/name" -> ("dir", "name"); "name" -> (".", "name").
 std::pair<std::string, std::string> split_parent(const std::string& path);
 
+/// The temporary name a file is written under before it is renamed into place: a dot-name that
+/// says what it is, ".NAME.xdfs-TAG.part" (NAME cut to 200 bytes), never taken for a finished file.
+std::string temp_name(const std::string& name, const std::string& tag);
+
 }  // namespace xdfs::files
