@@ -367,8 +367,9 @@ int main(int argc, char** argv) {
     line.end();
     if (json) {
       const double bps = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0;
-      fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{}}}\n",
-                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels);
+      fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},"
+                 "\"setup_seconds\":{:.6f}}}\n",
+                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds);
     }
     return 0;
   } catch (const xdfs::TransferError& e) {

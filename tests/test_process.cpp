@@ -5,6 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <regex>
+#include <string>
+
 #include "support.hpp"
 
 using xdfs::Mode;
@@ -32,6 +35,11 @@ TEST_CASE("xduc uploads and downloads through xdfsd with -p 4, --json and a sess
   CHECK(up.out.find("\"bytes\":5243003") != std::string::npos);
   CHECK(up.out.find("\"channels\":4") != std::string::npos);
   CHECK(up.out.find("\"direction\":\"upload\"") != std::string::npos);
+  // The set-up (all channels secured and accepted) is a part of the whole session time.
+  std::smatch m;
+  REQUIRE(std::regex_search(up.out, m, std::regex("\"seconds\":([0-9.]+),.*\"setup_seconds\":([0-9.]+)")));
+  CHECK(std::stod(m[2]) > 0);
+  CHECK(std::stod(m[2]) <= std::stod(m[1]));
   CHECK(up.err.find('\r') == std::string::npos);  // not a terminal: no progress line
   CHECK(up.err.find("pinned") != std::string::npos);  // first contact: the server key is pinned, with a notice
 

@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <thread>
 
@@ -39,7 +41,7 @@ TEST_CASE("edge sizes move byte for byte in both directions with n = 1, 4, 16") 
     for (unsigned n : {1u, 4u, 16u}) {
       CAPTURE(size);
       CAPTURE(n);
-      const std::string name = "f" + std::to_string(size) + "_" + std::to_string(n);
+      const std::string name = fmt::format("f{}_{}", size, n);
       xt::write_random_file(local / name, size, size * 31 + n);
       xdfs::TransferOptions opt;
       opt.channels = n;

@@ -191,13 +191,14 @@ private:
                               connect_all(results);
                             });
     io_.run();
-    if (path_ready_ && code_ == errc::ok) return TransferResult{0, seconds_, opt_.channels};
+    const double setup = accepted_ ? std::chrono::duration<double>(accepted_at_ - start_).count() : 0;
+    if (path_ready_ && code_ == errc::ok) return TransferResult{0, seconds_, opt_.channels, setup};
     // Nothing of this session is left running: make sure the disk thread is gone too.
     sender_.reset();
     receiver_.reset();
     if (code_ != errc::ok) throw TransferError(code_, message_, remote_);
     if (opt_.progress) opt_.progress(Progress{size_, size_, seconds_});
-    return TransferResult{size_, seconds_, opt_.channels};
+    return TransferResult{size_, seconds_, opt_.channels, setup};
   }
 
   // Channel 0 connects and runs the full handshake first; the others then join in parallel.
@@ -343,6 +344,7 @@ private:
     if (!action) return fail_early(errc::state_violation, machine_.why(), false, Event::local_error);
     deadline_.cancel();
     accepted_at_ = Clock::now();
+    accepted_ = true;
     if (*action == Action::serve_path) {
       // The path client takes over the channels and runs the loop itself from now on.
       path_ready_ = true;
@@ -457,6 +459,7 @@ private:
   std::unique_ptr<Receiver> receiver_;
   Clock::time_point start_;
   Clock::time_point accepted_at_;
+  bool accepted_ = false;
   bool ended_ = false;
   bool path_ready_ = false;
   errc code_ = errc::ok;

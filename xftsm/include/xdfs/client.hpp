@@ -66,6 +66,7 @@ struct TransferResult {
   std::uint64_t bytes = 0;
   double seconds = 0;          ///< from the first connect to the receiver's confirmation
   unsigned channels = 0;
+  double setup_seconds = 0;    ///< of those, until all n channels were secured and accepted
 };
 
 /// Thrown by upload/download; remote() tells whether the server reported the error.
