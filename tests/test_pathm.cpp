@@ -564,6 +564,37 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
   rfs.close();
 }
 
+TEST_CASE("an idle RemoteFs keeps its session with keep-alives; without them the server ends it") {
+  xt::TempDir root;
+  xt::write_random_file(root / "f", 10, 1);
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.idle_timeout = std::chrono::milliseconds(1000);
+  xt::InProcessServer srv(cfg);
+  xdfs::TransferOptions o;
+  o.keep_alive = std::chrono::milliseconds(250);
+  xdfs::RemoteFs kept({"127.0.0.1", srv.port()}, o);
+  o.keep_alive = std::chrono::milliseconds(0);
+  xdfs::RemoteFs idle({"127.0.0.1", srv.port()}, o);
+  CHECK(kept->stat("f").size == 10);
+  CHECK(idle->stat("f").size == 10);
+  // Both sit idle for three times the server's idle timeout; only the one without keep-alives
+  // is ended, and its next call says why.
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  CHECK(srv.wait_for_log("timed out: no progress", 5000));
+  CHECK(kept->stat("f").size == 10);
+  std::string why;
+  try {
+    idle->stat("f");
+  } catch (const xdfs::Error& e) {
+    why = e.what();
+  }
+  INFO(why);
+  CHECK(why.find("no progress for 1000 ms") != std::string::npos);
+  kept.close();
+  CHECK(srv.wait_for_log("mode=path", 5000));
+}
+
 TEST_CASE("a client that asks for file bytes and never reads them is not read either, then timed out") {
   xt::TempDir root;
   xt::write_random_file(root / "big", 2 << 20, 5);

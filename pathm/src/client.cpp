@@ -273,6 +273,7 @@ Reply Client::call(Request r) {
 }
 
 Entry Client::stat(const std::string& path) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::stat;
   r.path = path;
@@ -282,6 +283,7 @@ Entry Client::stat(const std::string& path) {
 }
 
 std::size_t Client::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   Request r;
   r.op = Op::list;
@@ -318,6 +320,7 @@ std::size_t Client::list(const std::string& path, bool recursive, const std::fun
 }
 
 void Client::mkdir(const std::string& path, bool parents) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::mkdir;
   r.path = path;
@@ -326,6 +329,7 @@ void Client::mkdir(const std::string& path, bool parents) {
 }
 
 void Client::remove(const std::string& path, bool recursive) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::remove;
   r.path = path;
@@ -334,6 +338,7 @@ void Client::remove(const std::string& path, bool recursive) {
 }
 
 void Client::rename(const std::string& from, const std::string& to) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::rename;
   r.path = from;
@@ -342,6 +347,7 @@ void Client::rename(const std::string& from, const std::string& to) {
 }
 
 std::string Client::checksum(const std::string& path, std::uint64_t offset, std::uint64_t length) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::checksum;
   r.path = path;
@@ -353,6 +359,7 @@ std::string Client::checksum(const std::string& path, std::uint64_t offset, std:
 }
 
 void Client::put(std::vector<Entry> entries) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::put;
   r.entries = std::move(entries);
@@ -360,6 +367,7 @@ void Client::put(std::vector<Entry> entries) {
 }
 
 void Client::close() {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   if (closed_ || code_ != errc::ok) return;
   closed_ = true;
   wire::FrameHeader h;
@@ -380,6 +388,21 @@ void Client::close() {
   io_.restart();
   const auto until = Clock::now() + std::chrono::seconds(2);
   while (*closed < *open && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
+}
+
+void Client::keep_alive() {
+  std::unique_lock<std::recursive_mutex> one_call(call_mu_, std::try_to_lock);
+  if (!one_call.owns_lock() || closed_ || code_ != errc::ok || channels_.empty() || !channels_[0] ||
+      !channels_[0]->open())
+    return;  // a call is running (the session is not idle), or it is over
+  wire::FrameHeader h;
+  h.event = wire::Event::noop;
+  auto sent = std::make_shared<bool>(false);
+  channels_[0]->send(h, std::vector<std::uint8_t>{}, [sent](const xdsi::ErrorCode&) { *sent = true; });
+  // Also lets anything the server sent meanwhile (an exception) reach the read loops.
+  io_.restart();
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  while (!*sent && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
 }
 
 // ---- trees ----
@@ -476,6 +499,7 @@ void Client::keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& 
 }
 
 TreeResult Client::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;
   Fd src = open_local_dir(local);
@@ -614,6 +638,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
 }
 
 TreeResult Client::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;
   Entry top = stat(remote);

@@ -12,9 +12,12 @@
 #include <fmt/core.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
@@ -473,6 +476,20 @@ private:
 struct RemoteFs::Impl {
   std::unique_ptr<ClientSession> session;
   std::unique_ptr<pathm::Client> client;
+  // Keep-alives between calls.
+  std::thread keeper;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+
+  void stop_keeper() {
+    {
+      std::lock_guard lk(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (keeper.joinable()) keeper.join();
+  }
 };
 
 RemoteFs::RemoteFs(const Endpoint& server, const TransferOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -481,6 +498,16 @@ RemoteFs::RemoteFs(const Endpoint& server, const TransferOptions& options) : imp
   auto& s = *impl_->session;
   impl_->client = std::make_unique<pathm::Client>(s.io(), s.channels(), s.block_size(), options.cancel,
                                                   options.idle_timeout);
+  if (options.keep_alive.count() > 0) {
+    impl_->keeper = std::thread([impl = impl_.get(), every = options.keep_alive] {
+      std::unique_lock lk(impl->mu);
+      while (!impl->cv.wait_for(lk, every, [impl] { return impl->stopping; })) {
+        lk.unlock();
+        impl->client->keep_alive();
+        lk.lock();
+      }
+    });
+  }
 }
 
 RemoteFs::~RemoteFs() {
@@ -495,6 +522,7 @@ pathm::Client& RemoteFs::client() { return *impl_->client; }
 
 void RemoteFs::close() {
   if (!impl_->client) return;
+  impl_->stop_keeper();
   impl_->client->close();
   (void)impl_->session->machine().fire(Event::committed);
 }

@@ -38,6 +38,9 @@ struct TransferOptions {
   std::size_t ring_bytes = 32u << 20;    ///< pool between network and disk
   std::chrono::milliseconds connect_timeout{15000};  ///< connect + negotiation
   std::chrono::milliseconds idle_timeout{60000};     ///< no progress this long fails the transfer
+  /// RemoteFs: while no call runs, a keep-alive this often, so that the server's idle timeout
+  /// (xdfsd --idle-timeout, 60 s by default) does not end the session; 0 = none.
+  std::chrono::milliseconds keep_alive{20000};
   bool fsync = false;                    ///< download: fdatasync before renaming into place
   /// Memory-to-memory benchmark mode: no disk at either end. Upload sends memory_size zero
   /// bytes that the server discards; download receives memory_size bytes the server makes up,
@@ -99,7 +102,9 @@ TransferResult download(const Endpoint& server, const std::string& remote_path, 
 ///   fs.close();
 ///
 /// The constructor connects and authenticates; every call then blocks until its answer (or
-/// throws xdfs::Error). Paths are relative to the server's root.
+/// throws xdfs::Error). Paths are relative to the server's root. Calls are serialized; between
+/// them a background thread sends keep-alives (TransferOptions::keep_alive), so an idle RemoteFs
+/// stays connected until close().
 class RemoteFs {
 public:
   explicit RemoteFs(const Endpoint& server, const TransferOptions& options = {});

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -148,6 +149,10 @@ public:
 
   /// Ends the session: EOFT on every channel, then closes them.
   void close();
+  /// Tells the server that an idle session is still wanted (a NOOP frame), so that its idle
+  /// timeout does not end it. Does nothing while a call is running or after the session ended.
+  /// Safe from another thread: RemoteFs calls it on a timer.
+  void keep_alive();
   /// Whether the server reported the last error.
   bool remote_error() const noexcept { return remote_; }
 
@@ -182,6 +187,7 @@ private:
   bool remote_ = false;
   bool closed_ = false;
   std::chrono::steady_clock::time_point last_;
+  std::recursive_mutex call_mu_;  // one call at a time (trees call stat, list and mkdir inside)
 };
 
 }  // namespace xdfs::pathm
