@@ -330,24 +330,39 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "\r{:>10} files  {:>10}   ", files, xdfs::cli::human_bytes(static_cast<double>(bytes)));
       };
     std::unique_ptr<xdfs::RemoteFs> fs;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto summary = [&](const xdfs::pathm::TreeResult& r, bool end_progress) {
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (tty && end_progress) fmt::print(stderr, "\n");
+      if (json)
+        fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
+                   "\"failed\":{},\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{}}}\n",
+                   up ? "upload" : "download", r.files, r.directories, r.symlinks, r.skipped, r.failures.size(), r.bytes,
+                   secs, r.requests, opt.channels);
+      else if (!quiet || !r.failures.empty())
+        fmt::print(stderr, "xduc: {} files, {} directories, {} symlinks, {} in {:.2f} s ({} up to date or skipped{})\n",
+                   r.files, r.directories, r.symlinks, xdfs::cli::human_bytes(static_cast<double>(r.bytes)), secs,
+                   r.skipped, r.failures.empty() ? "" : fmt::format(", {} not copied", r.failures.size()));
+    };
     try {
-      const auto t0 = std::chrono::steady_clock::now();
       fs = std::make_unique<xdfs::RemoteFs>(xdfs::Endpoint{url->host, url->port}, opt);
       auto& c = fs->client();
       auto r = up ? c.upload_tree(local, remote, tree) : c.download_tree(remote, local, tree);
       fs->close();
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (tty) fmt::print(stderr, "\n");
-      if (json)
-        fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
-                   "\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{}}}\n",
-                   up ? "upload" : "download", r.files, r.directories, r.symlinks, r.skipped, r.bytes, secs, r.requests,
-                   opt.channels);
-      else if (!quiet)
-        fmt::print(stderr, "xduc: {} files, {} directories, {} symlinks, {} in {:.2f} s ({} up to date or skipped)\n",
-                   r.files, r.directories, r.symlinks, xdfs::cli::human_bytes(static_cast<double>(r.bytes)), secs,
-                   r.skipped);
+      summary(r, true);
       return 0;
+    } catch (const xdfs::pathm::TreeError& e) {
+      // As rsync: everything else was copied; each entry that was not gets its line.
+      if (tty) fmt::print(stderr, "\n");
+      for (const auto& f : e.result().failures)
+        fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
+                   f.message.find(f.path) == std::string::npos ? f.path + ": " : "", f.message);
+      try {
+        fs->close();
+      } catch (const xdfs::Error&) {
+      }
+      summary(e.result(), false);
+      return 1;
     } catch (const xdfs::TransferError& e) {
       if (tty) fmt::print(stderr, "\n");
       return report_error(e, e.remote());

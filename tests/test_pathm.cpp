@@ -437,6 +437,70 @@ TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, 
   CHECK(xt::files_equal(src + "/d3/f7", root / "copy/d3/f7"));
 }
 
+TEST_CASE("a tree copy goes on past entries it cannot copy, names each one, and fails at the end") {
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  fs::create_directories(src + "/a");
+  fs::create_directories(src + "/d");
+  fs::create_directories(src + "/ok/deeper");
+  xt::write_random_file(src + "/a/f1", 100, 1);
+  xt::write_random_file(src + "/a/f2", 200, 2);       // the server has a directory there
+  xt::write_random_file(src + "/d/f3", 300, 3);       // d is a file on the server: f3 cannot go in
+  xt::write_random_file(src + "/big", 5000000, 4);    // large (chunks), the server has a directory there
+  xt::write_random_file(src + "/big2", 3000000, 5);   // large, fine
+  for (int i = 0; i < 50; ++i) xt::write_random_file(src + "/ok/deeper/g" + std::to_string(i), 1000 + i, 10 + i);
+  fs::create_directories(root / "t/a/f2");
+  fs::create_directories(root / "t/big");
+  xt::write_random_file(root / "t/d", 7, 6);
+  xt::XdfsdProcess d(root.path());
+
+  auto up = xt::xduc({"-p", "3", "--block-size", "1M", "-r", "--json", src + "/", url(d.port(), "t")});
+  CHECK(up.status == 1);
+  INFO(up.err);
+  for (const char* name : {"'t/a/f2'", "'t/big'", "'t/d'", "d/f3"})
+    CHECK_MESSAGE(up.err.find(name) != std::string::npos, name);
+  CHECK(up.err.find(" (server): ") != std::string::npos);
+  CHECK(up.out.find("\"failed\":4") != std::string::npos);
+  CHECK(up.out.find("\"files\":52") != std::string::npos);  // a/f1, big2 and the 50 under ok/
+  // Everything else arrived whole, and what was there before is untouched.
+  CHECK(xt::files_equal(src + "/a/f1", root / "t/a/f1"));
+  CHECK(xt::files_equal(src + "/big2", root / "t/big2"));
+  for (int i = 0; i < 50; ++i) CHECK(xt::files_equal(src + "/ok/deeper/g" + std::to_string(i), root / ("t/ok/deeper/g" + std::to_string(i))));
+  CHECK(fs::is_directory(root / "t/a/f2"));
+  CHECK(fs::is_empty(root / "t/a/f2"));
+  CHECK(fs::is_directory(root / "t/big"));
+  CHECK(fs::file_size(root / "t/d") == 7);
+  check_no_temp_files(root.path());
+  CHECK(d.wait_for_log("mode=path"));
+  CHECK(d.log().find("status=ok") != std::string::npos);  // the session itself went well
+
+  // Downloading: what cannot be made locally is named, the rest arrives.
+  const std::string back = local / "back";
+  fs::create_directories(back + "/a/f1");
+  fs::create_directories(back + "/big2");
+  auto down = xt::xduc({"-q", "-p", "2", "--block-size", "1M", "-r", url(d.port(), "t/"), back});
+  CHECK(down.status == 1);
+  INFO(down.err);
+  CHECK(down.err.find("a/f1") != std::string::npos);
+  CHECK(down.err.find("big2") != std::string::npos);
+  CHECK(down.err.find("2 not copied") != std::string::npos);
+  for (int i = 0; i < 50; ++i) CHECK(xt::files_equal(src + "/ok/deeper/g" + std::to_string(i), back + "/ok/deeper/g" + std::to_string(i)));
+  CHECK(fs::is_directory(back + "/a/f1"));
+  check_no_temp_files(back);
+
+  // The library reports the same through TreeError, with everything that was copied.
+  xdfs::RemoteFs rfs({"127.0.0.1", d.port()});
+  try {
+    rfs->upload_tree(src, "t", {});
+    FAIL("upload_tree did not report the entries it could not copy");
+  } catch (const pm::TreeError& e) {
+    CHECK(e.result().failures.size() == 4);
+    CHECK(e.result().files == 52);
+    CHECK(std::string(e.what()).find("4 entries were not copied") != std::string::npos);
+  }
+  rfs.close();
+}
+
 TEST_CASE("a listing of 100,000 entries arrives in chunks") {
   xt::TempDir root;
   const std::string dir = root / "huge";

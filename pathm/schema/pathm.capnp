@@ -26,6 +26,11 @@ struct Entry {
   offset @6 :UInt64;      # chunk: first byte's offset in the file
   data @7 :Data;          # file bytes (whole small file, or one chunk)
   fileId @8 :UInt64;      # chunk of a large file: the sender's id for that file; 0 = whole file
+  # put, get and setAttrs: this one entry failed, the others of the request went on. In a reply:
+  # why the server could not write or read it. In a put request: the client could not read the
+  # file; the server skips the entry.
+  code @9 :UInt32;        # 0 = ok, else an xdfs::errc value
+  message @10 :Text;      # one line when code != 0
 }
 
 enum Op {

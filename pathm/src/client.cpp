@@ -10,6 +10,7 @@
 #include <cstring>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "read_failure.hpp"
 #include "xdfs/pathm/engine.hpp"
@@ -363,7 +364,9 @@ void Client::put(std::vector<Entry> entries) {
   Request r;
   r.op = Op::put;
   r.entries = std::move(entries);
-  call(std::move(r));
+  auto rep = call(std::move(r));
+  for (const auto& e : rep.entries)
+    if (e.code != errc::ok) throw Error(e.code, e.message);
 }
 
 void Client::close() {
@@ -407,6 +410,17 @@ void Client::keep_alive() {
 
 // ---- trees ----
 
+namespace {
+std::string tree_error_text(const TreeResult& r) {
+  const auto& f = r.failures.front();
+  return fmt::format("{} {} not copied ({}{}: {})", r.failures.size(), r.failures.size() == 1 ? "entry was" : "entries were",
+                     f.path, f.remote ? ", server" : "", f.message);
+}
+}  // namespace
+
+TreeError::TreeError(TreeResult r)
+    : Error(r.failures.empty() ? errc::internal : r.failures.front().code, tree_error_text(r)), result_(std::move(r)) {}
+
 // For the files at `which`: does the local copy (under local_root) hash the same as the remote
 // one (under remote)? Up to 64 checksum requests are outstanding while local hashing goes on.
 std::vector<bool> Client::same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
@@ -449,12 +463,51 @@ struct TreePlan {
     else ++result.skipped;
   }
 
-  // A unit of `bytes` file bytes is at the destination: count it and report progress.
-  void done(const Unit& u, std::uint64_t bytes, const TreeOptions& o) {
-    result.bytes += bytes;
-    if (!u.chunk) result.files += u.count;
-    else if (u.offset + u.bytes >= files[u.first].size) ++result.files;
-    if (o.progress) o.progress(result.files, result.bytes);
+  std::vector<char> file_failed;  // per entry of files, once the copy goes on without it
+
+  std::unordered_set<std::string> failed_paths;  // each entry fails once (a directory that could
+                                                 // not be made fails its attributes too)
+  void failure(const std::string& path, errc code, const std::string& message, bool remote) {
+    if (failed_paths.insert(path).second) result.failures.push_back({path, code, message, remote});
+  }
+  // Files fail once: later chunks of a large file that failed say nothing new.
+  void fail_file(std::size_t i, errc code, const std::string& message, bool remote) {
+    if (file_failed[i]) return;
+    file_failed[i] = 1;
+    failure(files[i].path, code, message, remote);
+  }
+  std::vector<std::uint64_t> file_done;  // bytes answered, per entry of files
+  std::uint64_t moved = 0;               // bytes answered, for the progress line
+
+  // A unit was answered (its failures, if any, already noted): a file counts once all of it
+  // was answered, and only if none of it failed.
+  void done(const Unit& u, const TreeOptions& o) {
+    for (std::size_t k = u.first; k < u.first + u.count; ++k) {
+      file_done[k] += u.chunk ? u.bytes : files[k].size;
+      moved += u.chunk ? u.bytes : files[k].size;
+      if (file_done[k] == files[k].size && !file_failed[k]) {
+        ++result.files;
+        result.bytes += files[k].size;
+      }
+    }
+    if (o.progress) o.progress(result.files, moved);
+  }
+  // What a put or setAttrs reply says of each entry of a batch (sent in the order of `which`).
+  bool per_entry(const Reply& rep, const std::vector<Entry>& v, const std::vector<std::size_t>& which,
+                 std::uint64_t& copied) {
+    if (rep.entries.empty()) return true;
+    if (rep.entries.size() != which.size()) return false;
+    for (std::size_t j = 0; j < which.size(); ++j)
+      if (rep.entries[j].code != errc::ok) {
+        failure(v[which[j]].path, rep.entries[j].code, rep.entries[j].message, true);
+        if (copied) --copied;
+      }
+    return true;
+  }
+  // The end of a tree copy: its result, or the entries that failed with it.
+  TreeResult finish() {
+    if (!result.failures.empty()) throw TreeError(std::move(result));
+    return std::move(result);
   }
 };
 
@@ -534,36 +587,44 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   // Directories and symlinks first (no bytes), batched; the server makes missing parents itself,
   // so files need not wait for them.
   std::size_t waiting = 0;
-  auto on_done = [&](Reply& rep, std::shared_ptr<Buffer>) {
-    --waiting;
-    if (rep.code != errc::ok) fail(rep.code, rep.message, true);
-  };
-  auto put_meta = [&](const std::vector<Entry>& v, std::size_t from) {
-    for (std::size_t i = from; i < v.size(); i += 1024) {
+  // Batches of entries without bytes (directories, symlinks, attributes); an entry that fails is
+  // counted out of `copied` and the copy goes on.
+  auto put_meta = [&](Op op, const std::vector<Entry>& v, std::uint64_t& copied) {
+    for (std::size_t i = 0; i < v.size(); i += 1024) {
       Request r;
-      r.op = Op::put;
+      r.op = op;
       r.id = new_id();
+      std::vector<std::size_t> which;
       for (std::size_t k = i; k < std::min(v.size(), i + 1024); ++k) {
         Entry e = v[k];
         e.path = remote_join(remote, e.path);
-        if (e.path == "." || e.path == remote) continue;
+        if (op == Op::put && (e.path == "." || e.path == remote)) continue;
+        if (op == Op::set_attrs && e.path == ".") continue;  // the server's root keeps its own
         r.entries.push_back(std::move(e));
+        which.push_back(k);
       }
       if (r.entries.empty()) continue;
       ++waiting;
-      send(r.id, encode(r), on_done);
+      send(r.id, encode(r), [&, which = std::move(which)](Reply& rep, std::shared_ptr<Buffer>) {
+        --waiting;
+        if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
+        if (!p.per_entry(rep, v, which, copied))
+          fail(errc::protocol_error, "a reply that does not match its request's entries", false);
+      });
     }
   };
-  put_meta(p.dirs, 0);
-  put_meta(p.links, 0);
   p.result.directories = p.dirs.size();
   p.result.symlinks = p.links.size();
+  put_meta(Op::put, p.dirs, p.result.directories);
+  put_meta(Op::put, p.links, p.result.symlinks);
 
   // Files: batches of small files and chunks of large ones, read by workers straight into the
   // request bytes, as many outstanding as the window allows.
   const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
+  p.file_failed.assign(p.files.size(), 0);
+  p.file_done.assign(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, building = 0;
   std::uint64_t ids = 1;
   {
@@ -572,6 +633,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
     std::function<void()> pump = [&] {
       while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
         const Unit u = units[next++];
+        if (u.chunk && p.file_failed[u.first]) continue;  // the rest of a large file that failed
         inflight += u.bytes + 1;
         ++building;
         if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
@@ -580,32 +642,45 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
         std::weak_ptr<bool> w = alive;
         pool.submit([&, u, id, fid, w] {
           auto writer = Writer::request(id, Op::put, u.count, static_cast<std::size_t>(u.bytes));
-          Status st;
-          for (std::size_t k = 0; k < u.count && st; ++k) {
+          // A file that cannot be read goes as a placeholder the server skips; the others go on.
+          std::vector<std::pair<std::size_t, Status>> unreadable;
+          for (std::size_t k = 0; k < u.count; ++k) {
             const Entry& f = p.files[u.first + k];
-            Fd fd(::openat(src.get(), f.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (o.follow ? 0 : O_NOFOLLOW)));
-            if (!fd) {
-              st = Status::from_errno(errno, "open '" + local + "/" + f.path + "'");
-              break;
-            }
             Entry e = f;
             e.path = remote_join(remote, f.path);
             e.file_id = fid;
             e.offset = u.chunk ? u.offset : 0;
-            const std::uint64_t len = u.chunk ? u.bytes : f.size;
-            auto dst = writer.set(k, e, static_cast<std::size_t>(len));
-            st = read_exact(fd.get(), dst, e.offset, local + "/" + f.path);
+            Status st;
+            Fd fd(::openat(src.get(), f.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (o.follow ? 0 : O_NOFOLLOW)));
+            if (!fd) {
+              st = Status::from_errno(errno, "open '" + local + "/" + f.path + "'");
+            } else {
+              const std::uint64_t len = u.chunk ? u.bytes : f.size;
+              auto dst = writer.set(k, e, static_cast<std::size_t>(len));
+              st = read_exact(fd.get(), dst, e.offset, local + "/" + f.path);
+            }
+            if (!st) {
+              e.code = st.code;
+              e.message = st.message;
+              writer.set(k, e, 0);
+              unreadable.emplace_back(u.first + k, std::move(st));
+            }
           }
-          Encoded msg;
-          if (st) msg = writer.finish();
-          asio::post(io_, [&, u, id, w, st, msg = std::move(msg)]() mutable {
+          asio::post(io_, [&, u, id, w, unreadable = std::move(unreadable), msg = writer.finish()]() mutable {
             if (!w.lock()) return;
             --building;
-            if (!st) return fail(st.code, st.message, false);
+            for (auto& [i, st] : unreadable) p.fail_file(i, st.code, st.message, false);
             send(id, std::move(msg), [&, u](Reply& rep, std::shared_ptr<Buffer>) {
               inflight -= u.bytes + 1;
               if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
-              p.done(u, u.bytes, o);
+              if (!rep.entries.empty()) {
+                if (rep.entries.size() != u.count)
+                  return fail(errc::protocol_error, "a put reply that does not match its request's entries", false);
+                for (std::size_t k = 0; k < u.count; ++k)
+                  if (rep.entries[k].code != errc::ok)
+                    p.fail_file(u.first + k, rep.entries[k].code, rep.entries[k].message, true);
+              }
+              p.done(u, o);
               pump();
             });
           });
@@ -617,24 +692,11 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
     alive.reset();
   }
   // Directories last get their modes and mtimes: writing into them changed their mtimes.
-  std::vector<Entry> attrs;
-  for (auto& d : p.dirs) {
-    Entry e = d;
-    e.path = remote_join(remote, d.path);
-    if (e.path == ".") continue;  // the server's root keeps its own mode and mtime
-    attrs.push_back(std::move(e));
-  }
-  for (std::size_t i = 0; i < attrs.size(); i += 1024) {
-    Request r;
-    r.op = Op::set_attrs;
-    r.id = new_id();
-    r.entries.assign(attrs.begin() + i, attrs.begin() + std::min(attrs.size(), i + 1024));
-    ++waiting;
-    send(r.id, encode(r), on_done);
-  }
+  std::uint64_t unused = 0;
+  put_meta(Op::set_attrs, p.dirs, unused);
   wait([&] { return waiting == 0; });
   p.result.requests = requests_ - t0;
-  return p.result;
+  return p.finish();
 }
 
 TreeResult Client::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
@@ -657,16 +719,22 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     keep_changed(p.files, true, o, dst.get(), remote, at_destination, p.result.skipped);
     keep_changed(p.links, false, o, dst.get(), remote, at_destination, p.result.skipped);
   }
-  for (std::size_t i = 1; i < p.dirs.size(); ++i)
-    if (auto st = writer.put(p.dirs[i]); !st) throw Error(st.code, st.message);
-  for (auto& l : p.links)
-    if (auto st = writer.put(l); !st) throw Error(st.code, st.message);
-  p.result.directories = p.dirs.size();
-  p.result.symlinks = p.links.size();
+  // What cannot be made here is counted out and the copy goes on (as rsync).
+  p.result.directories = 1;
+  for (std::size_t i = 1; i < p.dirs.size(); ++i) {
+    if (auto st = writer.put(p.dirs[i]); !st) p.failure(p.dirs[i].path, st.code, st.message, false);
+    else ++p.result.directories;
+  }
+  for (auto& l : p.links) {
+    if (auto st = writer.put(l); !st) p.failure(l.path, st.code, st.message, false);
+    else ++p.result.symlinks;
+  }
 
   const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::vector<std::uint64_t> file_ids(p.files.size(), 0);
+  p.file_failed.assign(p.files.size(), 0);
+  p.file_done.assign(p.files.size(), 0);
   std::size_t next = 0, inflight = 0, writing = 0;
   std::uint64_t ids = 1;
   {
@@ -675,6 +743,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     std::function<void()> pump = [&] {
       while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
         const Unit u = units[next++];
+        if (u.chunk && p.file_failed[u.first]) continue;  // the rest of a large file that failed
         inflight += u.bytes + 1;
         if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
         Request r;
@@ -695,12 +764,18 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
           if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
           if (rep.entries.size() != u.count)
             return fail(errc::protocol_error, "get reply with a different number of files", false);
+          for (std::size_t k = 0; k < u.count; ++k) {
+            if (rep.entries[k].code == errc::ok) continue;
+            p.fail_file(u.first + k, rep.entries[k].code, rep.entries[k].message, true);  // the server could not read it
+            if (u.chunk) writer.abandon(fid);
+          }
           ++writing;
           pool.submit([&, u, fid, w, buf, rep = std::move(rep)]() mutable {
-            Status st;
-            std::uint64_t n = 0;
+            Status st;  // a reply that breaks the rules ends the session
+            std::vector<std::pair<std::size_t, Status>> unwritable;  // a file that fails here is left out
             for (std::size_t k = 0; k < u.count && st; ++k) {
               auto& got = rep.entries[k];
+              if (got.code != errc::ok) continue;
               Entry e;
               e.path = p.files[u.first + k].path;  // our own name for it, not the server's
               e.type = Type::file;
@@ -710,18 +785,20 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
               e.data = got.data;
               e.file_id = fid;
               e.offset = u.chunk ? u.offset : 0;
-              if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes))
+              if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes)) {
                 st = {errc::protocol_error, "server sent another range of '" + e.path + "'"};
-              else
-                st = writer.put(e);
-              n += got.data.size();
+              } else if (auto put = writer.put(e); !put) {
+                if (u.chunk) writer.abandon(fid);
+                unwritable.emplace_back(u.first + k, std::move(put));
+              }
             }
-            asio::post(io_, [&, u, w, st, n] {
+            asio::post(io_, [&, u, w, st, unwritable = std::move(unwritable)] {
               if (!w.lock()) return;
               --writing;
               inflight -= u.bytes + 1;
               if (!st) return fail(st.code, st.message, false);
-              p.done(u, n, o);
+              for (auto& [i, why] : unwritable) p.fail_file(i, why.code, why.message, false);
+              p.done(u, o);
               pump();
             });
           });
@@ -739,9 +816,9 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     alive.reset();
   }
   for (auto& d : p.dirs)
-    if (auto st = writer.set_attrs(d); !st) throw Error(st.code, st.message);
+    if (auto st = writer.set_attrs(d); !st) p.failure(d.path, st.code, st.message, false);
   p.result.requests = requests_ - t0;
-  return p.result;
+  return p.finish();
 }
 
 }  // namespace xdfs::pathm

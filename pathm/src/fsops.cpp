@@ -395,6 +395,15 @@ void TreeWriter::discard_all() {
   partial_.clear();
 }
 
+void TreeWriter::abandon(std::uint64_t file_id) {
+  std::lock_guard lk(mu_);
+  auto& p = partial_[file_id];
+  if (!p) p = std::make_shared<Partial>();
+  p->failed = true;
+  if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+  p->temp.clear();
+}
+
 // The parent directory of path (made, with its parents, when create is set and it is missing).
 Status TreeWriter::parent_of(const std::string& path, Fd& dir, std::string& name, bool create) {
   auto [parent, last] = files::split_parent(path);
@@ -519,9 +528,9 @@ Status TreeWriter::put_chunk(const Entry& e) {
     } else {
       p = it->second;
     }
+    if (p->failed) return {errc::io_error, quoted(e.path) + " failed earlier"};
     if (p->path != e.path || p->size != e.size)
       return {errc::protocol_error, "chunk of file id " + std::to_string(e.file_id) + " names another file"};
-    if (p->failed) return {errc::io_error, quoted(e.path) + " failed earlier"};
     const auto b = e.offset / chunk_;
     if (p->seen[b]) return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
     p->seen[b] = true;
@@ -533,7 +542,10 @@ Status TreeWriter::put_chunk(const Entry& e) {
   }
   std::unique_lock lk(mu_);
   if (!st) {
+    // Its other chunks are refused from now on; the temporary file goes at once.
     p->failed = true;
+    if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+    p->temp.clear();
     return st;
   }
   p->written += e.data.size();

@@ -28,6 +28,10 @@ void fill(s::Entry::Builder b, const Entry& e) {
   if (!e.target.empty()) b.setTarget(e.target);
   b.setOffset(e.offset);
   b.setFileId(e.file_id);
+  if (e.code != errc::ok) {
+    b.setCode(static_cast<std::uint32_t>(e.code));
+    b.setMessage(e.message.substr(0, 4096));
+  }
 }
 
 void fill(s::Request::Builder b, const Request& r) {
@@ -89,7 +93,9 @@ bool read_entries(ListReader list, std::vector<Entry>& out, std::string* why) {
   out.resize(list.size());
   for (unsigned i = 0; i < list.size(); ++i) {
     auto e = list[i];
-    if (!text_ok(e.getPath(), "entry path", why) || !text_ok(e.getTarget(), "symlink target", why)) return false;
+    if (!text_ok(e.getPath(), "entry path", why) || !text_ok(e.getTarget(), "symlink target", why) ||
+        !text_ok(e.getMessage(), "entry message", why))
+      return false;
     const auto t = static_cast<unsigned>(e.getType());
     if (t > static_cast<unsigned>(Type::other)) {
       set_why(why, "unknown entry type " + std::to_string(t));
@@ -104,6 +110,8 @@ bool read_entries(ListReader list, std::vector<Entry>& out, std::string* why) {
     o.target = e.getTarget().cStr();
     o.offset = e.getOffset();
     o.file_id = e.getFileId();
+    o.code = e.getCode() == 0 ? errc::ok : errc_from_wire(e.getCode());
+    o.message = e.getMessage().cStr();
     auto d = e.getData();
     o.data = {d.begin(), d.size()};
   }
@@ -264,7 +272,10 @@ Writer Writer::reply(std::uint64_t id, std::size_t entries, std::size_t data_byt
 std::span<std::uint8_t> Writer::set(std::size_t i, const Entry& e, std::size_t data_size) {
   auto b = p_->entries[static_cast<unsigned>(i)];
   fill(b, e);
-  if (data_size == 0) return {};
+  if (data_size == 0) {
+    if (b.hasData()) b.disownData();  // a failure after the bytes were reserved
+    return {};
+  }
   auto d = b.initData(static_cast<unsigned>(data_size));
   return {d.begin(), d.size()};
 }

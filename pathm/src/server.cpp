@@ -1,6 +1,7 @@
 #include <boost/asio/post.hpp>
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <condition_variable>
 
 #include "read_failure.hpp"
@@ -11,6 +12,21 @@ namespace xdfs::pathm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// An entry that failed, as a reply carries it: no path (replies to put, get and setAttrs have one
+// entry per request entry, in order), and a message short enough that 4096 of them fit a message.
+Entry failed(const Status& s) {
+  Entry f;
+  f.code = s.code;
+  f.message = s.message.substr(0, 1024);
+  return f;
+}
+
+// A put or setAttrs reply: no entries when all went well, else one per request entry, in order.
+void answer_each(Reply& rep, const std::vector<Status>& outcome) {
+  if (std::all_of(outcome.begin(), outcome.end(), [](const Status& s) { return bool(s); })) return;
+  for (const auto& s : outcome) rep.entries.push_back(s ? Entry{} : failed(s));
+}
 
 // Listing chunks: small enough that even entries with the longest names and targets fit a message.
 constexpr std::size_t list_chunk = 256;
@@ -265,19 +281,30 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
       rep.algorithm = "sha256";
       break;
     case Op::put: {
+      // Each entry on its own: one that fails is answered, the others go on (like rsync).
       std::uint64_t n = 0;
+      std::vector<Status> outcome;
+      outcome.reserve(r.entries.size());
       for (const auto& e : r.entries) {
-        st = writer_.put(e);
-        if (!st) break;
-        n += e.data.size();
+        if (e.code != errc::ok) {  // the client could not read it: skipped (a large file given up)
+          if (e.file_id != 0) writer_.abandon(e.file_id);
+          outcome.push_back(Status::ok());
+          continue;
+        }
+        outcome.push_back(writer_.put(e));
+        if (outcome.back()) n += e.data.size();
       }
       bytes_ += n;
+      answer_each(rep, outcome);
       break;
     }
-    case Op::set_attrs:
-      for (const auto& e : r.entries)
-        if (st = writer_.set_attrs(e); !st) break;
+    case Op::set_attrs: {
+      std::vector<Status> outcome;
+      outcome.reserve(r.entries.size());
+      for (const auto& e : r.entries) outcome.push_back(writer_.set_attrs(e));
+      answer_each(rep, outcome);
       break;
+    }
     case Op::get: {
       // Files are read straight into the reply's bytes.
       std::uint64_t want = 0;
@@ -287,33 +314,35 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
         st = {errc::limit_exceeded, fmt::format("get of {} bytes in one request (at most {})", want, budget)};
         break;
       }
+      // Files are read straight into the reply; one that cannot be read is answered as failed
+      // and the others go on.
       auto w = Writer::reply(r.id, r.entries.size(), static_cast<std::size_t>(want));
       std::uint64_t total = 0;
-      for (std::size_t i = 0; i < r.entries.size() && st; ++i) {
+      for (std::size_t i = 0; i < r.entries.size(); ++i) {
         const auto& q = r.entries[i];
         files::Fd fd;
         Entry e;
-        if (st = open_file(root_, q.path, fd, e); !st) break;
+        Status s = open_file(root_, q.path, fd, e);
         std::uint64_t off = 0, len = e.size;
-        if (q.file_id != 0) {
+        if (s && q.file_id != 0) {
           off = q.offset;
           len = q.size;
-          if (len > p_.block_size || off > e.size || e.size - off < len) {
-            st = {errc::size_mismatch, "'" + q.path + "' is shorter than the range asked for (it changed?)"};
-            break;
-          }
+          if (len > p_.block_size || off > e.size || e.size - off < len)
+            s = {errc::size_mismatch, "'" + q.path + "' is shorter than the range asked for (it changed?)"};
+        }
+        if (s && total + len > budget) s = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
+        if (s) {
+          e.offset = off;
+          e.file_id = q.file_id;
+          auto dst = w.set(i, e, static_cast<std::size_t>(len));
+          s = read_exact(fd.get(), dst, off, q.path);
+        }
+        if (!s) {
+          w.set(i, failed(s), 0);
+          continue;
         }
         total += len;
-        if (total > budget) {
-          st = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
-          break;
-        }
-        e.offset = off;
-        e.file_id = q.file_id;
-        auto dst = w.set(i, e, static_cast<std::size_t>(len));
-        st = read_exact(fd.get(), dst, off, q.path);
       }
-      if (!st) break;
       bytes_ += total;
       return post(w.finish(), true);
     }

@@ -117,14 +117,36 @@ struct TreeOptions {
   std::function<void(std::uint64_t files, std::uint64_t bytes)> progress;
 };
 
+/// One entry of a tree that could not be copied.
+struct TreeFailure {
+  std::string path;  ///< relative to the tree
+  errc code = errc::ok;
+  std::string message;
+  bool remote = false;  ///< the server hit it (else this side)
+};
+
 struct TreeResult {
-  std::uint64_t files = 0, directories = 0, symlinks = 0, bytes = 0;
+  std::uint64_t files = 0, directories = 0, symlinks = 0, bytes = 0;  ///< copied
   std::uint64_t skipped = 0;  ///< already up to date (sync), or neither file, directory nor symlink
   std::uint64_t requests = 0;
+  std::vector<TreeFailure> failures;  ///< entries not copied (the copy went on without them)
+};
+
+/// A tree copy that finished with entries it could not copy (as rsync, it copies everything
+/// else first). result() holds what was copied and every failure; a failure of the session
+/// itself is an xdfs::Error instead.
+class TreeError : public Error {
+public:
+  explicit TreeError(TreeResult r);
+  const TreeResult& result() const noexcept { return result_; }
+
+private:
+  TreeResult result_;
 };
 
 /// Sends path requests over the channels of an accepted path session. Calls block the calling
-/// thread, which runs the session's io_context meanwhile. Failures throw xdfs::Error.
+/// thread, which runs the session's io_context meanwhile. Failures throw xdfs::Error; a tree copy
+/// that could not copy some entries copies all the others first, then throws TreeError.
 class Client {
 public:
   Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,

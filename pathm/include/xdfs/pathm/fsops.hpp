@@ -69,6 +69,9 @@ public:
   std::size_t open_files() const;
   /// Removes every temporary file still in progress (after a failure).
   void discard_all();
+  /// Gives up one large file: its temporary file goes, and chunks that still come for it are
+  /// refused ("failed earlier") instead of starting it again.
+  void abandon(std::uint64_t file_id);
 
 private:
   struct Partial;

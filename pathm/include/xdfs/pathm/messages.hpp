@@ -38,6 +38,10 @@ struct Entry {
   std::uint64_t file_id = 0;
   /// Decoded: points into the message buffer. Encoded: copied into the message.
   std::span<const std::uint8_t> data;
+  /// put, get, set_attrs: this entry failed and the rest of the request went on (in a put
+  /// request: the client could not read it, and the server skips it).
+  errc code = errc::ok;
+  std::string message;
 };
 
 struct Request {
@@ -91,6 +95,7 @@ public:
   ~Writer();
 
   /// Sets entry i's fields (not its data) and reserves `data_size` bytes of data; returns them.
+  /// Set again with data_size 0 (say, with a failure code) it drops the bytes reserved before.
   std::span<std::uint8_t> set(std::size_t i, const Entry& e, std::size_t data_size);
   /// Reply only: the outcome (default ok, last).
   void set_result(errc code, const std::string& message);
