@@ -1,6 +1,7 @@
 // Unit tests for XDOPI (framework/include/xdfs/wire.hpp) and files::check_relative_path.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -451,6 +452,21 @@ TEST_CASE("remote path over max_path_bytes is refused") {
 
   n.remote_path = std::string(w::max_path_bytes + 1, 'b');
   CHECK_FALSE(w::decode_negotiation(w::encode(n)).has_value());
+}
+
+TEST_CASE("remote path with a NUL byte inside is refused") {
+  // (Found by fuzz_wire: such a path decoded, but encoded again it was cut at the NUL.)
+  auto n = sample_negotiation();
+  n.remote_path = "dir/abcdefgh";
+  const auto bytes = w::encode(n);
+  const std::string needle = "abcdefgh";
+  auto at = std::search(bytes.begin(), bytes.end(), needle.begin(), needle.end());
+  REQUIRE(at != bytes.end());
+  auto b = bytes;
+  b[static_cast<std::size_t>(at - bytes.begin()) + 3] = 0;
+  std::string why;
+  CHECK_FALSE(w::decode_negotiation(b, &why).has_value());
+  CHECK(why.find("NUL") != std::string::npos);
 }
 
 TEST_CASE("exception message is flattened to one bounded line") {

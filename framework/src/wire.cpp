@@ -216,6 +216,10 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       set_why(why, "remote path of " + std::to_string(path.size()) + " bytes is too long");
       return std::nullopt;
     }
+    if (std::memchr(path.cStr(), '\0', path.size()) != nullptr) {
+      set_why(why, "remote path contains a NUL byte");
+      return std::nullopt;
+    }
     n.remote_path.assign(path.cStr(), path.size());
     n.block_size = r.getBlockSize();
     n.tcp_window = r.getTcpWindow();

@@ -22,13 +22,18 @@ for name in fuzz_wire fuzz_handshake fuzz_pathm; do
   "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${libsrc[@]}" "${libs[@]}" -o "$work/$name"
   mkdir -p "$work/corpus-$name"
   echo "== $name: ${seconds}s"
-  (cd "$work" && "./$name" -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 "corpus-$name" 2>&1 |
-     grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" || true)
+  (cd "$work" && "./$name" -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 "corpus-$name" \
+     >"$work/$name.log" 2>&1) || true
+  grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" "$work/$name.log" || true
   # libFuzzer exits non-zero and leaves crash-* files when it finds something.
   # (Any one kind is enough: test each pattern on its own.)
   found=$(compgen -G "$work/crash-*"; compgen -G "$work/leak-*"; compgen -G "$work/timeout-*") || true
   if [ -n "$found" ]; then
-    echo "fuzzer $name found a failing input:"; echo "$found"
+    # Everything needed to reproduce it, even when the work directory goes away (CI): the
+    # fuzzer's report and the input in hex (xxd -r -p turns it back into the file).
+    echo "fuzzer $name found a failing input:"
+    tail -n 40 "$work/$name.log"
+    for f in $found; do echo "$f:"; od -An -v -tx1 "$f" | tr -d ' \n' | fold -w 64; echo; done
     exit 1
   fi
 done
