@@ -396,9 +396,12 @@ void TreeWriter::discard_all() {
 }
 
 void TreeWriter::abandon(std::uint64_t file_id) {
+  // Only a file in progress: ids that name nothing must not grow the table (a peer picks them).
+  // Chunks of a file not started yet start it; what never completes goes at the end.
   std::lock_guard lk(mu_);
-  auto& p = partial_[file_id];
-  if (!p) p = std::make_shared<Partial>();
+  auto it = partial_.find(file_id);
+  if (it == partial_.end()) return;
+  auto& p = it->second;
   p->failed = true;
   if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
   p->temp.clear();

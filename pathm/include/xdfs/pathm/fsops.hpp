@@ -69,8 +69,8 @@ public:
   std::size_t open_files() const;
   /// Removes every temporary file still in progress (after a failure).
   void discard_all();
-  /// Gives up one large file: its temporary file goes, and chunks that still come for it are
-  /// refused ("failed earlier") instead of starting it again.
+  /// Gives up one large file in progress: its temporary file goes, and chunks that still come
+  /// for it are refused ("failed earlier"). A file not started yet is left alone.
   void abandon(std::uint64_t file_id);
 
 private:
