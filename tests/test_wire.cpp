@@ -386,7 +386,7 @@ TEST_CASE("garbage and empty control messages are refused") {
 
 TEST_CASE("session GUID of the wrong length is refused") {
   auto n = sample_negotiation();
-  n.remote_path = "p";  // 2 bytes with NUL: cannot be mistaken for the 16-byte GUID
+  n.remote_path.assign(1, 'p');  // 2 bytes with NUL: cannot be mistaken for the 16-byte GUID
   const auto bytes = w::encode(n);
   REQUIRE(w::decode_negotiation(bytes) == n);
   const auto at = find_byte_list_pointers(bytes, 16);
