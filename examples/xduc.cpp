@@ -334,6 +334,9 @@ int main(int argc, char** argv) {
     auto summary = [&](const xdfs::pathm::TreeResult& r, bool end_progress) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (tty && end_progress) fmt::print(stderr, "\n");
+      if (r.swept && !quiet)
+        fmt::print(stderr, "xduc: removed {} temporary file{} left by an interrupted download\n", r.swept,
+                   r.swept == 1 ? "" : "s");
       if (json)
         fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
                    "\"failed\":{},\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{}}}\n",

@@ -126,6 +126,22 @@ errc code_of(const std::function<void()>& fn) {
   return errc::ok;
 }
 
+// xduc as a child process with its output discarded (to be killed by the test); -1 on failure.
+pid_t spawn_xduc(const std::vector<std::string>& args) {
+  std::vector<char*> argv{const_cast<char*>(XDUC_PATH)};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::dup2(null, 2);
+    ::execv(XDUC_PATH, argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
 void check_no_temp_files(const std::string& dir) {
   for (auto& e : fs::recursive_directory_iterator(dir))
     CHECK_MESSAGE(e.path().filename().string().find(".xdfs-") == std::string::npos, e.path().string());
@@ -387,16 +403,8 @@ TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, 
   xt::XdfsdProcess d(root.path());
 
   // Start a copy as a real process and kill it once files are arriving.
-  const pid_t pid = ::fork();
+  const pid_t pid = spawn_xduc({"-q", "-p", "2", "--workers", "1", "-r", src + "/", url(d.port(), "copy")});
   REQUIRE(pid >= 0);
-  if (pid == 0) {
-    int null = ::open("/dev/null", O_WRONLY);
-    ::dup2(null, 1);
-    ::dup2(null, 2);
-    ::execl(XDUC_PATH, XDUC_PATH, "-q", "-p", "2", "--workers", "1", "-r", (src + "/").c_str(),
-            url(d.port(), "copy").c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (count_files(root / "copy") < 50 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -499,6 +507,44 @@ TEST_CASE("a tree copy goes on past entries it cannot copy, names each one, and 
     CHECK(std::string(e.what()).find("4 entries were not copied") != std::string::npos);
   }
   rfs.close();
+}
+
+TEST_CASE("a download killed in the middle leaves temporary files that the next run removes") {
+  xt::TempDir root, local;
+  fs::create_directories(root / "t/sub");
+  xt::write_random_file(root / "t/big", 256 << 20, 7);
+  for (int i = 0; i < 20; ++i) xt::write_random_file(root / ("t/sub/f" + std::to_string(i)), 5000 + i, i);
+  xt::XdfsdProcess d(root.path());
+  const std::string back = local / "back";
+  auto temps = [&] {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (auto& e : fs::recursive_directory_iterator(back, ec))
+      if (e.path().filename().string().find(".xdfs-dl-") != std::string::npos) out.push_back(e.path().string());
+    return out;
+  };
+  // Small chunks over one channel: the big file is in progress long enough to be cut.
+  const pid_t pid = spawn_xduc({"-q", "--block-size", "64K", "-r", url(d.port(), "t/"), back});
+  REQUIRE(pid >= 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (temps().empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const auto left = temps();
+  INFO("left behind: " << left.size());
+  REQUIRE_MESSAGE(!left.empty(), "the download was not caught with a file in progress");
+  // A temporary file of a live writer (this test process) is not touched.
+  const std::string live = back + "/.other.xdfs-dl-" + std::to_string(::getpid()) + "-0123abcd.part";
+  xt::write_file(live, "in progress");
+
+  auto again = xt::xduc({"--sync", "-r", url(d.port(), "t/"), back});
+  REQUIRE_MESSAGE(again.status == 0, again.err);
+  CHECK(again.err.find("left by an interrupted download") != std::string::npos);
+  CHECK(temps() == std::vector<std::string>{live});
+  CHECK(xt::files_equal(root / "t/big", back + "/big"));
+  for (int i = 0; i < 20; ++i) CHECK(xt::files_equal(root / ("t/sub/f" + std::to_string(i)), back + "/sub/f" + std::to_string(i)));
 }
 
 TEST_CASE("a listing of 100,000 entries arrives in chunks") {

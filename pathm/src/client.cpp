@@ -713,7 +713,9 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   });
   make_local_dirs(local);
   Fd dst = open_local_dir(local);
-  TreeWriter writer(dst.get(), "dl-" + SessionId::random().short_hex(), o.fsync, block_size_);
+  TreeWriter writer(dst.get(), download_tag(), o.fsync, block_size_);
+  // What a killed download into this tree left behind goes first.
+  for (const auto& d : p.dirs) p.result.swept += sweep_stale_downloads(dst.get(), d.path);
   if (o.sync) {
     auto at_destination = [&](const Entry& e) { return local_entry(dst.get(), e.path); };
     keep_changed(p.files, true, o, dst.get(), remote, at_destination, p.result.skipped);

@@ -1,6 +1,7 @@
 #include "xdfs/pathm/fsops.hpp"
 
 #include <dirent.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,10 +10,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <set>
 
+#include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -405,6 +408,50 @@ void TreeWriter::abandon(std::uint64_t file_id) {
   p->failed = true;
   if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
   p->temp.clear();
+}
+
+std::string download_tag() {
+  return "dl-" + std::to_string(::getpid()) + "-" + SessionId::random().short_hex();
+}
+
+namespace {
+// The PID in ".NAME.xdfs-dl-PID-HEX[-ID].part", or 0 when name is not such a temporary file.
+pid_t download_temp_pid(const std::string& name) {
+  static const std::string mark = ".xdfs-dl-", tail = ".part";
+  if (name.size() < 2 || name[0] != '.' || name.size() <= tail.size() ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+    return 0;
+  const auto at = name.rfind(mark);
+  if (at == std::string::npos || at == 0) return 0;
+  std::size_t i = at + mark.size();
+  long long pid = 0;
+  const std::size_t digits = i;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9' && pid < (1LL << 31)) pid = pid * 10 + (name[i++] - '0');
+  if (i == digits || i >= name.size() || name[i] != '-' || pid <= 0 || pid >= (1LL << 31)) return 0;
+  for (++i; i < name.size() - tail.size(); ++i)
+    if (!std::isxdigit(static_cast<unsigned char>(name[i])) && name[i] != '-') return 0;
+  return static_cast<pid_t>(pid);
+}
+}  // namespace
+
+std::size_t sweep_stale_downloads(int root, const std::string& path) {
+  Fd dir;
+  if (!files::open_beneath(root, path.empty() ? "." : path, O_RDONLY | O_DIRECTORY, 0, dir)) return 0;
+  const int fd = ::dup(dir.get());
+  DIR* d = fd < 0 ? nullptr : ::fdopendir(fd);
+  if (!d) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  std::size_t removed = 0;
+  while (const dirent* e = ::readdir(d)) {
+    const pid_t pid = download_temp_pid(e->d_name);
+    // Another live process (or this one) may be writing it: only a gone writer's file goes.
+    if (pid == 0 || pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (::unlinkat(dir.get(), e->d_name, 0) == 0) ++removed;
+  }
+  ::closedir(d);
+  return removed;
 }
 
 // The parent directory of path (made, with its parents, when create is set and it is missing).

@@ -129,6 +129,7 @@ struct TreeResult {
   std::uint64_t files = 0, directories = 0, symlinks = 0, bytes = 0;  ///< copied
   std::uint64_t skipped = 0;  ///< already up to date (sync), or neither file, directory nor symlink
   std::uint64_t requests = 0;
+  std::uint64_t swept = 0;  ///< download: temporary files of an earlier, killed download removed
   std::vector<TreeFailure> failures;  ///< entries not copied (the copy went on without them)
 };
 

@@ -54,6 +54,15 @@ Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, con
 
 /// Creates entries beneath a root: directories, symlinks, whole files and chunks of large
 /// files, each file under a temporary name until whole. Safe to call from several threads.
+/// The temporary-name tag of a local download writer: "dl-PID-RANDOM", so that what a killed copy
+/// left behind can be told from what a running one is writing.
+std::string download_tag();
+
+/// Removes, from the directory at path (under root), the temporary files of downloads whose
+/// process is gone (a copy killed with SIGKILL cannot clean up). Returns how many went; a
+/// directory that cannot be read is left alone.
+std::size_t sweep_stale_downloads(int root, const std::string& path);
+
 class TreeWriter {
 public:
   /// chunk: the block size large files are split into; max_open: large files in progress at once.
