@@ -463,7 +463,35 @@ struct TreePlan {
     else ++result.skipped;
   }
 
+  // The files' units (batches of small files, chunks of large ones), in the order they go.
+  std::vector<Unit> units;
+  std::size_t next_unit = 0;
+  std::vector<std::uint64_t> file_ids;  // per entry of files: a large file's id, 0 until its first chunk
+  std::uint64_t ids = 1;
   std::vector<char> file_failed;  // per entry of files, once the copy goes on without it
+  std::vector<std::uint64_t> file_done;  // bytes answered, per entry of files
+  std::uint64_t moved = 0;               // bytes answered, for the progress line
+
+  void plan_files(std::uint32_t block, std::size_t batch_bytes, std::size_t name_prefix) {
+    units = plan(files, block, batch_bytes, name_prefix);
+    file_ids.assign(files.size(), 0);
+    file_failed.assign(files.size(), 0);
+    file_done.assign(files.size(), 0);
+  }
+  // The next unit to send and its large file's id (0 for a batch); the rest of a large file that
+  // failed is left out. False once every unit has gone.
+  bool take(Unit& u, std::uint64_t& fid) {
+    while (next_unit < units.size()) {
+      u = units[next_unit++];
+      if (u.chunk && file_failed[u.first]) continue;
+      if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
+      fid = u.chunk ? file_ids[u.first] : 0;
+      return true;
+    }
+    return false;
+  }
+  bool all_taken() const noexcept { return next_unit == units.size(); }
+
 
   std::unordered_set<std::string> failed_paths;  // each entry fails once (a directory that could
                                                  // not be made fails its attributes too)
@@ -476,8 +504,6 @@ struct TreePlan {
     file_failed[i] = 1;
     failure(files[i].path, code, message, remote);
   }
-  std::vector<std::uint64_t> file_done;  // bytes answered, per entry of files
-  std::uint64_t moved = 0;               // bytes answered, for the progress line
 
   // A unit was answered (its failures, if any, already noted): a file counts once all of it
   // was answered, and only if none of it failed.
@@ -620,25 +646,19 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
 
   // Files: batches of small files and chunks of large ones, read by workers straight into the
   // request bytes, as many outstanding as the window allows.
-  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
+  p.plan_files(block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
-  std::vector<std::uint64_t> file_ids(p.files.size(), 0);
-  p.file_failed.assign(p.files.size(), 0);
-  p.file_done.assign(p.files.size(), 0);
-  std::size_t next = 0, inflight = 0, building = 0;
-  std::uint64_t ids = 1;
+  std::size_t inflight = 0, building = 0;
   {
     WorkPool pool(o.workers);
     auto alive = std::make_shared<bool>(true);
     std::function<void()> pump = [&] {
-      while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
-        const Unit u = units[next++];
-        if (u.chunk && p.file_failed[u.first]) continue;  // the rest of a large file that failed
+      Unit u;
+      std::uint64_t fid = 0;
+      while (code_ == errc::ok && (inflight < window || inflight == 0) && p.take(u, fid)) {
         inflight += u.bytes + 1;
         ++building;
-        if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
         const std::uint64_t id = new_id();
-        const std::uint64_t fid = u.chunk ? file_ids[u.first] : 0;
         std::weak_ptr<bool> w = alive;
         pool.submit([&, u, id, fid, w] {
           auto writer = Writer::request(id, Op::put, u.count, static_cast<std::size_t>(u.bytes));
@@ -688,7 +708,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
       }
     };
     pump();
-    wait([&] { return next == units.size() && building == 0 && pending_.empty(); });
+    wait([&] { return p.all_taken() && building == 0 && pending_.empty(); });
     alive.reset();
   }
   // Directories last get their modes and mtimes: writing into them changed their mtimes.
@@ -732,26 +752,20 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     else ++p.result.symlinks;
   }
 
-  const auto units = plan(p.files, block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
+  p.plan_files(block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
-  std::vector<std::uint64_t> file_ids(p.files.size(), 0);
-  p.file_failed.assign(p.files.size(), 0);
-  p.file_done.assign(p.files.size(), 0);
-  std::size_t next = 0, inflight = 0, writing = 0;
-  std::uint64_t ids = 1;
+  std::size_t inflight = 0, writing = 0;
   {
     WorkPool pool(o.workers);
     auto alive = std::make_shared<bool>(true);
     std::function<void()> pump = [&] {
-      while (code_ == errc::ok && next < units.size() && (inflight < window || inflight == 0)) {
-        const Unit u = units[next++];
-        if (u.chunk && p.file_failed[u.first]) continue;  // the rest of a large file that failed
+      Unit u;
+      std::uint64_t fid = 0;
+      while (code_ == errc::ok && (inflight < window || inflight == 0) && p.take(u, fid)) {
         inflight += u.bytes + 1;
-        if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
         Request r;
         r.op = Op::get;
         r.id = new_id();
-        const std::uint64_t fid = u.chunk ? file_ids[u.first] : 0;
         for (std::size_t k = 0; k < u.count; ++k) {
           const Entry& f = p.files[u.first + k];
           Entry q;
@@ -809,7 +823,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     };
     pump();
     try {
-      wait([&] { return next == units.size() && writing == 0 && pending_.empty(); });
+      wait([&] { return p.all_taken() && writing == 0 && pending_.empty(); });
     } catch (...) {
       pool.stop();
       writer.discard_all();
