@@ -1,8 +1,8 @@
 #include "xdfs/pathm/fsops.hpp"
 
 #include <dirent.h>
-#include <signal.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -403,11 +403,13 @@ void TreeWriter::abandon(std::uint64_t file_id) {
   // Chunks of a file not started yet start it; what never completes goes at the end.
   std::lock_guard lk(mu_);
   auto it = partial_.find(file_id);
-  if (it == partial_.end()) return;
-  auto& p = it->second;
-  p->failed = true;
-  if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
-  p->temp.clear();
+  if (it != partial_.end()) give_up(*it->second);
+}
+
+void TreeWriter::give_up(Partial& p) {
+  p.failed = true;
+  if (!p.temp.empty()) ::unlinkat(p.dir.get(), p.temp.c_str(), 0);
+  p.temp.clear();
 }
 
 std::string download_tag() {
@@ -592,10 +594,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
   }
   std::unique_lock lk(mu_);
   if (!st) {
-    // Its other chunks are refused from now on; the temporary file goes at once.
-    p->failed = true;
-    if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
-    p->temp.clear();
+    give_up(*p);  // its other chunks are refused from now on; the temporary file goes at once
     return st;
   }
   p->written += e.data.size();

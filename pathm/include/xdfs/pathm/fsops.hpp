@@ -87,6 +87,8 @@ private:
   Status put_file(const Entry& e);
   Status put_chunk(const Entry& e);
   Status parent_of(const std::string& path, files::Fd& dir, std::string& name, bool create);
+  /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused.
+  static void give_up(Partial& p);
 
   int root_;
   std::string tag_;
