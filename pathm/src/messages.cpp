@@ -170,21 +170,19 @@ const char* to_string(Op o) noexcept {
   return "?";
 }
 
-Encoded encode(const Request& r) {
+namespace {
+template <class Root, class Message>
+Encoded encode_as(const Message& r) {
   capnp::MallocMessageBuilder msg;
-  auto b = msg.initRoot<s::Request>();
+  auto b = msg.initRoot<Root>();
   fill(b, r);
   if (!r.entries.empty()) fill_entries(b.initEntries(static_cast<unsigned>(r.entries.size())), r.entries);
   return flatten(msg);
 }
+}  // namespace
 
-Encoded encode(const Reply& r) {
-  capnp::MallocMessageBuilder msg;
-  auto b = msg.initRoot<s::Reply>();
-  fill(b, r);
-  if (!r.entries.empty()) fill_entries(b.initEntries(static_cast<unsigned>(r.entries.size())), r.entries);
-  return flatten(msg);
-}
+Encoded encode(const Request& r) { return encode_as<s::Request>(r); }
+Encoded encode(const Reply& r) { return encode_as<s::Reply>(r); }
 
 std::optional<Request> decode_request(std::span<const std::uint8_t> buf, std::string* why) {
   return read_message<s::Request>(buf, why, [&](s::Request::Reader m) -> std::optional<Request> {
