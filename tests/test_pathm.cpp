@@ -208,6 +208,33 @@ TEST_CASE("path messages round trip and hostile ones are refused") {
   at[1] = 0;
   CHECK_FALSE(pm::decode_request(withnul.bytes(), &why).has_value());
   CHECK(why.find("NUL") != std::string::npos);
+
+  // An entry's failure travels with it; its message is bounded, and a NUL in it is refused.
+  pm::Reply failed;
+  failed.entries.resize(2);
+  failed.entries[1].code = errc::is_directory;
+  failed.entries[1].message = "x\x01y" + std::string(5000, 'm');
+  auto fenc = pm::encode(failed);
+  auto fback = pm::decode_reply(fenc.bytes(), &why);
+  REQUIRE(fback.has_value());
+  CHECK(fback->entries[0].code == errc::ok);
+  CHECK(fback->entries[1].code == errc::is_directory);
+  CHECK(fback->entries[1].message.size() == 4096);
+  auto fraw = fenc.bytes();
+  const std::string mark = "x\x01y";
+  auto fat = std::search(fraw.begin(), fraw.end(), mark.begin(), mark.end());
+  REQUIRE(fat != fraw.end());
+  fat[1] = 0;
+  CHECK_FALSE(pm::decode_reply(fenc.bytes(), &why).has_value());
+  CHECK(why.find("entry message contains a NUL") != std::string::npos);
+  // A code this side does not know is a protocol error, never "ok".
+  pm::Reply unknown;
+  unknown.entries.resize(1);
+  unknown.entries[0].code = static_cast<errc>(250);
+  unknown.entries[0].message = "?";
+  auto uback = pm::decode_reply(pm::encode(unknown).bytes(), &why);
+  REQUIRE(uback.has_value());
+  CHECK(uback->entries[0].code == errc::protocol_error);
 }
 
 TEST_CASE("stat, list, mkdir, remove, rename and checksum on a server") {
