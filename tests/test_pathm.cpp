@@ -147,6 +147,16 @@ void check_no_temp_files(const std::string& dir) {
     CHECK_MESSAGE(e.path().filename().string().find(".xdfs-") == std::string::npos, e.path().string());
 }
 
+// What our encoder cannot write and a hostile peer's can: the second byte of `text` (found in the
+// encoded message) becomes a NUL. False if the text is not there.
+bool nul_inside(pm::Encoded& enc, const std::string& text) {
+  auto raw = enc.bytes();
+  auto at = std::search(raw.begin(), raw.end(), text.begin(), text.end());
+  if (at == raw.end()) return false;
+  at[1] = 0;
+  return true;
+}
+
 }  // namespace
 
 TEST_SUITE("pathm") {
@@ -200,12 +210,9 @@ TEST_CASE("path messages round trip and hostile ones are refused") {
   CHECK_FALSE(pm::decode_request(many.bytes(), &why).has_value());
   CHECK(why.find("entries") != std::string::npos);
   pm::Request nul;
-  nul.path = "a\x01b";  // our encoder cannot write a NUL into a name; a hostile peer's can
+  nul.path = "a\x01b";
   auto withnul = pm::encode(nul);
-  auto raw = withnul.bytes();
-  auto at = std::search(raw.begin(), raw.end(), nul.path.begin(), nul.path.end());
-  REQUIRE(at != raw.end());
-  at[1] = 0;
+  REQUIRE(nul_inside(withnul, nul.path));
   CHECK_FALSE(pm::decode_request(withnul.bytes(), &why).has_value());
   CHECK(why.find("NUL") != std::string::npos);
 
@@ -220,11 +227,7 @@ TEST_CASE("path messages round trip and hostile ones are refused") {
   CHECK(fback->entries[0].code == errc::ok);
   CHECK(fback->entries[1].code == errc::is_directory);
   CHECK(fback->entries[1].message.size() == 4096);
-  auto fraw = fenc.bytes();
-  const std::string mark = "x\x01y";
-  auto fat = std::search(fraw.begin(), fraw.end(), mark.begin(), mark.end());
-  REQUIRE(fat != fraw.end());
-  fat[1] = 0;
+  REQUIRE(nul_inside(fenc, "x\x01y"));
   CHECK_FALSE(pm::decode_reply(fenc.bytes(), &why).has_value());
   CHECK(why.find("entry message contains a NUL") != std::string::npos);
   // A code this side does not know is a protocol error, never "ok".
