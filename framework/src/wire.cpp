@@ -212,14 +212,7 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     }
     n.mode = static_cast<Mode>(mode);
     auto path = r.getRemotePath();
-    if (path.size() > max_path_bytes) {
-      set_why(why, "remote path of " + std::to_string(path.size()) + " bytes is too long");
-      return std::nullopt;
-    }
-    if (std::memchr(path.cStr(), '\0', path.size()) != nullptr) {
-      set_why(why, "remote path contains a NUL byte");
-      return std::nullopt;
-    }
+    if (!check_text({path.cStr(), path.size()}, "remote path", why)) return std::nullopt;
     n.remote_path.assign(path.cStr(), path.size());
     n.block_size = r.getBlockSize();
     n.tcp_window = r.getTcpWindow();
@@ -267,6 +260,19 @@ std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b,
     e.offset = r.getOffset();
     return e;
   });
+}
+
+bool check_text(std::string_view text, const char* what, std::string* why) {
+  if (text.size() > max_path_bytes) {
+    set_why(why, std::string(what) + " of " + std::to_string(text.size()) + " bytes is longer than " +
+                     std::to_string(max_path_bytes));
+    return false;
+  }
+  if (text.find('\0') != std::string_view::npos) {
+    set_why(why, std::string(what) + " contains a NUL byte");
+    return false;
+  }
+  return true;
 }
 
 }  // namespace xdfs::wire

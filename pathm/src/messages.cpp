@@ -72,15 +72,7 @@ Encoded flatten(capnp::MessageBuilder& msg) {
 }
 
 bool text_ok(capnp::Text::Reader t, const char* what, std::string* why) {
-  if (t.size() > wire::max_path_bytes) {
-    set_why(why, std::string(what) + " longer than 4096 bytes");
-    return false;
-  }
-  if (std::memchr(t.cStr(), '\0', t.size()) != nullptr) {
-    set_why(why, std::string(what) + " contains a NUL byte");
-    return false;
-  }
-  return true;
+  return wire::check_text({t.cStr(), t.size()}, what, why);
 }
 
 template <class ListReader>

@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "xdfs/error.hpp"
@@ -31,6 +32,10 @@ inline constexpr std::uint32_t max_block_size = 64 * 1024 * 1024;
 inline constexpr std::uint32_t max_path_payload = max_block_size + (8u << 20);
 /// Longest remote path accepted.
 inline constexpr std::size_t max_path_bytes = 4096;
+
+/// A text field from a peer (a path, a name, a message): at most max_path_bytes and no NUL
+/// inside. Otherwise false, and why names the field and the cause.
+bool check_text(std::string_view text, const char* what, std::string* why);
 
 /// The paper's channel events (Table 3), plus the control frames xDFS needs around them.
 enum class Event : std::uint8_t {
