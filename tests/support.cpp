@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -272,6 +273,8 @@ RawChannel::RawChannel(std::uint16_t port) {
   a.sin_port = htons(port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect failed");
+  const int one = 1;
+  ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
 RawChannel::~RawChannel() {
@@ -302,13 +305,29 @@ void RawChannel::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<
     tag_len = guard_->tag_bytes(h.event);
     guard_->seal(hb, body, tag);
   }
-  send_bytes(hb.data(), hb.size());
-  if (!body.empty()) send_bytes(body);
-  if (tag_len) send_bytes(tag, tag_len);
+  // One send per frame, as a real client's gathered write: a frame split over several small
+  // sends would wait for acknowledgements and arrive later than its neighbours.
+  std::vector<std::uint8_t> frame(hb.begin(), hb.end());
+  frame.insert(frame.end(), body.begin(), body.end());
+  frame.insert(frame.end(), tag, tag + tag_len);
+  send_bytes(frame);
 }
 
-void RawChannel::send_nego(const xdfs::wire::Negotiation& n) {
-  auto payload = xdfs::wire::encode(n);
+void RawChannel::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data) {
+  std::vector<std::uint8_t> body = data;
+  if (blocks_) {
+    body.resize(data.size() + blocks_->tag_size());
+    blocks_->seal(body.data(), static_cast<std::uint32_t>(data.size()), offset);
+  }
+  xdfs::wire::FrameHeader h;
+  h.event = event;
+  h.offset = offset;
+  h.length = static_cast<std::uint32_t>(body.size());
+  send_frame(h, body);
+}
+
+void RawChannel::send_opening(const xdfs::wire::Opening& o) {
+  auto payload = xdfs::wire::encode(o);
   xdfs::wire::FrameHeader h;
   h.event = xdfs::wire::Event::nego;
   h.length = static_cast<std::uint32_t>(payload.size());
@@ -320,9 +339,20 @@ void RawChannel::send_nego(const xdfs::wire::Negotiation& n) {
   send_bytes(opening_);
 }
 
-bool RawChannel::establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::KeyPair* id) {
+void RawChannel::protect_with(const Hello& h, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
+                              const xdfs::xsec::Key32& secret) {
+  const auto mode = static_cast<xdfs::xsec::Protect>(h.opening.protect);
+  const auto cipher = static_cast<xdfs::xsec::Cipher>(h.opening.cipher);
+  guard_ = std::make_unique<xdfs::xsec::FrameProtector>(mode, cipher, send, recv);
+  if (mode != xdfs::xsec::Protect::clear) {
+    const bool up = h.nego.mode == xdfs::Mode::upload;
+    blocks_ = std::make_unique<xdfs::xsec::BlockCrypto>(mode, cipher, xdfs::xsec::data_key(secret, up));
+  }
+}
+
+bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id) {
   const auto self = id ? *id : test_identity();
-  send_nego(n);
+  send_opening(hello.opening);
   xdfs::xsec::NoiseXX noise(true, self, opening_);
   xdfs::wire::FrameHeader h;
   h.event = xdfs::wire::Event::handshake;
@@ -332,14 +362,38 @@ bool RawChannel::establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::K
   auto m2 = read_frame();
   if (!m2 || m2->first.event != xdfs::wire::Event::handshake || !noise.read_message_2(m2->second)) return false;
   server_key_ = noise.remote_static();
-  auto m3 = noise.write_message_3();
+  auto m3 = noise.write_message_3(xdfs::wire::encode(hello.nego));
   h.length = static_cast<std::uint32_t>(m3.size());
   send_frame(h, m3);
   auto keys = noise.split();
   secret_ = keys.session_secret;
-  guard_ = std::make_unique<xdfs::xsec::FrameProtector>(static_cast<xdfs::xsec::Protect>(n.protect),
-                                                         static_cast<xdfs::xsec::Cipher>(n.cipher), keys.send,
-                                                         keys.recv);
+  protect_with(hello, keys.send, keys.recv, secret_);
+  // The server's confirmation; a refusal is kept for whoever reads next.
+  auto confirm = read_frame();
+  if (confirm && confirm->first.event != xdfs::wire::Event::handshake) held_ = std::move(confirm);
+  return true;
+}
+
+bool RawChannel::join(const Hello& hello, std::uint32_t index, const xdfs::xsec::Key32& secret) {
+  auto o = hello.opening;
+  o.channel_index = index;
+  o.join = true;
+  o.join_nonce = random_bytes(32, index * 7919 + 17);
+  send_opening(o);
+  auto answer = read_frame();
+  if (!answer || answer->first.event != xdfs::wire::Event::handshake || answer->second.size() != 64) return false;
+  std::span<const std::uint8_t> sn(answer->second.data(), 32);
+  auto keys = xdfs::xsec::derive_join_keys(secret, o.join_nonce, sn, opening_);
+  if (!xdfs::xsec::equal_constant_time(xdfs::xsec::join_proof(keys, "server", o.join_nonce, sn),
+                                       std::span<const std::uint8_t>(answer->second.data() + 32, 32)))
+    return false;
+  auto proof = xdfs::xsec::join_proof(keys, "client", o.join_nonce, sn);
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::Event::handshake;
+  h.length = 32;
+  send_frame(h, std::vector<std::uint8_t>(proof.begin(), proof.end()));
+  secret_ = secret;
+  protect_with(hello, keys.client_to_server, keys.server_to_client, secret);
   return true;
 }
 
@@ -381,6 +435,7 @@ bool RawChannel::read_exact(void* dst, std::size_t n, int timeout_ms) {
 }
 
 std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> RawChannel::read_frame(int timeout_ms) {
+  if (held_) return std::exchange(held_, std::nullopt);
   xdfs::wire::HeaderBytes hb{};
   if (!read_exact(hb.data(), hb.size(), timeout_ms)) return std::nullopt;
   auto h = xdfs::wire::decode(std::span<const std::uint8_t, xdfs::wire::frame_header_size>(hb));
@@ -413,20 +468,19 @@ bool RawChannel::wait_closed(int timeout_ms) {
   }
 }
 
-xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,
-                                  std::uint64_t file_size) {
-  xdfs::wire::Negotiation g;
-  g.session = xdfs::SessionId::random();
-  g.channel_count = n;
-  g.channel_index = index;
-  g.mode = mode;
-  g.remote_path = path;
-  g.block_size = 64 * 1024;
-  g.file_size = file_size;
-  g.window = 16 * 64 * 1024;
+Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size) {
+  Hello g;
+  g.opening.session = xdfs::SessionId::random();
+  g.opening.channel_index = 0;
   // Raw tests speak the protocol by hand: clear mode keeps data frames as plain blocks (control
   // frames are still authenticated).
-  g.protect = 0;
+  g.opening.protect = 0;
+  g.nego.channel_count = n;
+  g.nego.mode = mode;
+  g.nego.remote_path = path;
+  g.nego.block_size = 64 * 1024;
+  g.nego.file_size = file_size;
+  g.nego.window = 16 * 64 * 1024;
   return g;
 }
 
@@ -532,6 +586,9 @@ void Relay::serve(int client) {
   // Server to client: frame by frame, so that the hook can tamper with protected frames.
   std::size_t data_index = 0;
   std::vector<std::uint8_t> held;
+  // The server's first handshake frame (Noise message 2, or a join's answer) is the last one in
+  // the clear; every frame after it carries a tag.
+  bool keyed = false;
   while (true) {
     xdfs::wire::HeaderBytes hb{};
     if (!read_all(server, hb.data(), hb.size())) break;
@@ -539,7 +596,8 @@ void Relay::serve(int client) {
     if (!h) break;
     const bool data = h->event == xdfs::wire::Event::xftsmu || h->event == xdfs::wire::Event::xftsmd;
     std::size_t tag = 0;
-    if (h->event != xdfs::wire::Event::handshake) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
+    if (keyed) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
+    if (h->event == xdfs::wire::Event::handshake) keyed = true;
     std::vector<std::uint8_t> frame(hb.begin(), hb.end());
     frame.resize(24 + h->length + tag);
     if (!read_all(server, frame.data() + 24, h->length + tag)) break;

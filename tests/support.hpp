@@ -98,7 +98,15 @@ struct RunResult {
 RunResult run(const std::string& program, const std::vector<std::string>& args);
 RunResult xduc(const std::vector<std::string>& args);
 
-/// A hand-driven channel for bad-input tests.
+/// What a raw test client says: its opening (in the clear) and its negotiation (inside Noise XX).
+struct Hello {
+  xdfs::wire::Opening opening;
+  xdfs::wire::Negotiation nego;
+};
+
+/// A hand-driven channel for bad-input tests: it speaks the wire format by hand, runs the real
+/// handshakes, and then sends whatever frames a test crafts, sealed so that they pass the
+/// server's checks (or not, when a test says so).
 class RawChannel {
 public:
   explicit RawChannel(std::uint16_t port);
@@ -107,19 +115,29 @@ public:
   void send_bytes(const void* data, std::size_t n);
   void send_bytes(const std::vector<std::uint8_t>& v) { send_bytes(v.data(), v.size()); }
   void send_preamble(std::uint16_t version = xdfs::protocol_version);
+  /// Sends a frame, sealed by the channel's keys once it has them.
   void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {});
-  void send_nego(const xdfs::wire::Negotiation& n);
-  /// Sends the negotiation header and runs the Noise XX handshake as the test client (the
-  /// identity in $XDFS_CONFIG_DIR unless one is given); from then on frames are protected.
-  /// Returns false if the server refused.
-  bool establish(const xdfs::wire::Negotiation& n, const xdfs::xsec::KeyPair* id = nullptr);
+  /// Sends a data frame for [offset, offset + data.size()): in integrity and private modes its
+  /// payload is sealed with the session's block key first, as a real client's disk thread does.
+  void send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data);
+  /// Sends the preamble and the NEGO frame carrying this opening.
+  void send_opening(const xdfs::wire::Opening& o);
+  /// Sends the opening and runs Noise XX as the test client (the identity in $XDFS_CONFIG_DIR
+  /// unless one is given), with the negotiation in message 3; from then on frames are
+  /// protected. Waits for the server's confirmation (the session exists then): an exception
+  /// instead is kept for read_exception(). False if the server refused before its message 2.
+  bool establish(const Hello& h, const xdfs::xsec::KeyPair* id = nullptr);
+  /// Joins as channel `index` of the session `h` opened on another RawChannel, proving `secret`.
+  /// False if the server's answer did not verify.
+  bool join(const Hello& h, std::uint32_t index, const xdfs::xsec::Key32& secret);
   /// The server key seen in establish().
   xdfs::xsec::Key32 server_key() const { return server_key_; }
   xdfs::xsec::Key32 session_secret() const { return secret_; }
-  /// The bytes establish() or send_nego() sent first (preamble and NEGO frame).
+  /// The bytes establish() or send_opening() sent first (preamble and NEGO frame).
   const std::vector<std::uint8_t>& opening() const { return opening_; }
   void shutdown_write();
-  /// Reads one frame within timeout; nullopt on EOF/timeout/bad header.
+  /// Reads one frame within timeout; nullopt on EOF/timeout/bad header or a frame that fails
+  /// its check.
   std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> read_frame(int timeout_ms = 10000);
   /// Reads frames until an EXCEPTION arrives (skipping others); nullopt if none.
   std::optional<xdfs::wire::ExceptionHeader> read_exception(int timeout_ms = 10000);
@@ -128,11 +146,15 @@ public:
 
 private:
   bool read_exact(void* dst, std::size_t n, int timeout_ms);
+  void protect_with(const Hello& h, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
+                    const xdfs::xsec::Key32& secret);
   int fd_ = -1;
   std::unique_ptr<xdfs::xsec::FrameProtector> guard_;
+  std::unique_ptr<xdfs::xsec::BlockCrypto> blocks_;
   xdfs::xsec::Key32 server_key_{};
   xdfs::xsec::Key32 secret_{};
   std::vector<std::uint8_t> opening_;
+  std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> held_;  // read ahead by establish()
 };
 
 /// Fails the test for every temporary ".part" file left in dir: a failure path forgot to clean up.
@@ -145,9 +167,9 @@ xdfs::errc error_of(const std::function<void()>& fn, bool* remote = nullptr, std
 /// The test client's identity (made by the test runner).
 xdfs::xsec::KeyPair test_identity();
 
-/// A negotiation header with sensible defaults for raw tests.
-xdfs::wire::Negotiation make_nego(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint32_t index,
-                                  std::uint64_t file_size = 0);
+/// A first channel's opening and negotiation with sensible defaults for raw tests (64 KiB
+/// blocks, clear mode: data frames stay plain blocks, control frames are still authenticated).
+Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size = 0);
 
 }  // namespace xt
 

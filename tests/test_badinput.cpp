@@ -66,7 +66,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
   }
   SUBCASE("a truncated negotiation payload") {
     xt::RawChannel c(d.port());
-    auto payload = xdfs::wire::encode(xt::make_nego(Mode::upload, "x", 1, 0, 10));
+    auto payload = xdfs::wire::encode(xt::make_hello(Mode::upload, "x", 1, 10).opening);
     FrameHeader h;
     h.event = Event::nego;
     h.length = static_cast<std::uint32_t>(payload.size());
@@ -81,11 +81,11 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     c.send_preamble(7);
     expect(c, errc::bad_version, "version 7");
   }
-  SUBCASE("a wrong protocol version in the negotiation header") {
+  SUBCASE("a wrong protocol version in the opening") {
     xt::RawChannel c(d.port());
-    auto n = xt::make_nego(Mode::upload, "x", 1, 0, 10);
-    n.version = 9;
-    c.send_nego(n);
+    auto n = xt::make_hello(Mode::upload, "x", 1, 10);
+    n.opening.version = 9;
+    c.send_opening(n.opening);
     expect(c, errc::bad_version, "version 9");
   }
   SUBCASE("a frame other than NEGO first") {
@@ -104,6 +104,16 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     c.send_bytes(h, sizeof h);
     expect(c, errc::protocol_error, "exceeds");
   }
+  SUBCASE("an opening larger than an opening can be") {
+    xt::RawChannel c(d.port());
+    c.send_preamble();
+    FrameHeader h;
+    h.event = Event::nego;
+    h.length = 4096;  // within the control limit, far beyond what an opening needs
+    auto hb = xdfs::wire::encode(h);
+    c.send_bytes(hb.data(), hb.size());  // the header alone: the server must not wait for 4 KiB
+    expect(c, errc::protocol_error, "exceeds the limit");
+  }
   SUBCASE("a malformed negotiation message") {
     xt::RawChannel c(d.port());
     c.send_preamble();
@@ -115,76 +125,102 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     REQUIRE(ex.has_value());
     CHECK(ex->code == errc::protocol_error);
   }
+  // What the negotiation asks travels inside the handshake: refused over the protected channel.
   SUBCASE("n = 0") {
     xt::RawChannel c(d.port());
-    c.send_nego(xt::make_nego(Mode::upload, "x", 0, 0, 10));
+    REQUIRE(c.establish(xt::make_hello(Mode::upload, "x", 0, 10)));
     expect(c, errc::bad_argument, "n = 0");
   }
   SUBCASE("n over the limit") {
     xt::RawChannel c(d.port());
-    c.send_nego(xt::make_nego(Mode::upload, "x", 17, 0, 10));
+    REQUIRE(c.establish(xt::make_hello(Mode::upload, "x", 17, 10)));
     expect(c, errc::limit_exceeded, "allows 16");
   }
-  SUBCASE("channel index not below n") {
+  SUBCASE("channel index not below n, and channel 0 claiming to join") {
+    auto n = xt::make_hello(Mode::upload, "x", 2, 10);
+    xt::RawChannel c0(d.port());
+    REQUIRE(c0.establish(n));
     xt::RawChannel c(d.port());
-    c.send_nego(xt::make_nego(Mode::upload, "x", 2, 2, 10));
-    expect(c, errc::bad_channel, "index 2");
+    auto o = n.opening;
+    o.channel_index = 2;
+    o.join = true;
+    o.join_nonce.assign(32, 7);
+    c.send_opening(o);
+    expect(c, errc::bad_channel, "index 2 is not below n = 2");
+    xt::RawChannel zero(d.port());
+    o.channel_index = 0;
+    zero.send_opening(o);
+    expect(zero, errc::protocol_error, "channel 0 cannot join");
   }
   SUBCASE("block size out of range") {
     xt::RawChannel c(d.port());
-    auto n = xt::make_nego(Mode::upload, "x", 1, 0, 10);
-    n.block_size = 100;
-    c.send_nego(n);
+    auto n = xt::make_hello(Mode::upload, "x", 1, 10);
+    n.nego.block_size = 100;
+    REQUIRE(c.establish(n));
     expect(c, errc::bad_argument, "block size 100");
   }
   SUBCASE("path escapes: '..', absolute, symlink out of the root") {
     for (const char* p : {"../x", "sub/../../x", "/etc/passwd"}) {
       CAPTURE(p);
       xt::RawChannel c(d.port());
-      c.send_nego(xt::make_nego(Mode::download, p, 1, 0));
-      expect(c, errc::path_escape, "");
+      REQUIRE(c.establish(xt::make_hello(Mode::download, p, 1)));
+      expect(c, errc::path_escape, p[0] == '/' ? "absolute path" : "'..' component");
     }
     xt::RawChannel c(d.port());
-    REQUIRE(c.establish(xt::make_nego(Mode::download, "out/passwd", 1, 0)));
+    REQUIRE(c.establish(xt::make_hello(Mode::download, "out/passwd", 1)));
     expect(c, errc::path_escape, "outside the root");
     xt::RawChannel c2(d.port());
-    REQUIRE(c2.establish(xt::make_nego(Mode::upload, "out/evil", 1, 0, 5)));
+    REQUIRE(c2.establish(xt::make_hello(Mode::upload, "out/evil", 1, 5)));
     expect(c2, errc::path_escape, "outside the root");
     CHECK_FALSE(xt::exists("/etc/evil"));
   }
   SUBCASE("a client that sends nothing") {
     xt::RawChannel c(d.port());
-    expect(c, errc::timeout, "did not arrive");
+    expect(c, errc::timeout, "did not complete within 2000 ms");
   }
   SUBCASE("channels that never arrive") {
     xt::RawChannel c(d.port());
-    REQUIRE(c.establish(xt::make_nego(Mode::upload, "x", 3, 0, 10)));
+    REQUIRE(c.establish(xt::make_hello(Mode::upload, "x", 3, 10)));
     expect(c, errc::timeout, "only 1 of 3 channels");
   }
-  SUBCASE("a duplicate and a mismatched channel") {
-    auto n0 = xt::make_nego(Mode::upload, "x", 3, 0, 10);
+  SUBCASE("a duplicate, a mismatched and a stranger's channel") {
+    auto n0 = xt::make_hello(Mode::upload, "x", 3, 10);
     xt::RawChannel c0(d.port());
     REQUIRE(c0.establish(n0));
     xt::RawChannel again(d.port());  // a second first channel for the same session
-    again.send_nego(n0);
+    again.send_opening(n0.opening);
     expect(again, errc::bad_channel, "already exists");
-    auto join = n0;
-    join.join = true;
-    join.join_nonce.assign(32, 7);
-    xt::RawChannel dup(d.port());  // a join that claims channel 0, which is taken
-    dup.send_nego(join);
-    expect(dup, errc::bad_channel, "duplicate channel index 0");
-    auto other = join;
-    other.channel_index = 1;
-    other.remote_path = "y";
+    // Channel 1 joins with the session secret; a second channel 1 proves the secret too, and
+    // is refused over its own protected channel.
+    xt::RawChannel one(d.port());
+    REQUIRE(one.join(n0, 1, c0.session_secret()));
+    xt::RawChannel dup(d.port());
+    REQUIRE(dup.join(n0, 1, c0.session_secret()));
+    // Whichever proved itself second is refused at once; the other waits with the session and
+    // hears its join timeout.
+    auto first = dup.read_exception();
+    auto second = one.read_exception();
+    REQUIRE(first.has_value());
+    REQUIRE(second.has_value());
+    const bool dup_refused = first->code == errc::bad_channel;
+    const auto& refused = dup_refused ? *first : *second;
+    const auto& waited = dup_refused ? *second : *first;
+    CHECK(refused.code == errc::bad_channel);
+    CHECK(refused.message.find("duplicate channel index 1") != std::string::npos);
+    CHECK(waited.code == errc::timeout);
+    auto other = n0.opening;  // the same session at another protection level
+    other.channel_index = 2;
+    other.join = true;
+    other.join_nonce.assign(32, 7);
+    other.protect = 2;
     xt::RawChannel mism(d.port());
-    mism.send_nego(other);
+    mism.send_opening(other);
     expect(mism, errc::bad_channel, "does not match");
-    auto stranger = join;
-    stranger.channel_index = 1;
+    auto stranger = other;
+    stranger.protect = 0;
     stranger.session = xdfs::SessionId::random();
     xt::RawChannel lost(d.port());
-    lost.send_nego(stranger);
+    lost.send_opening(stranger);
     expect(lost, errc::bad_channel, "to join");
   }
   check_still_serving(d, root, local);
@@ -197,12 +233,12 @@ TEST_CASE("the session limit refuses one more session, then frees up") {
   xt::XdfsdProcess d(root.path(), {"--max-sessions", "1", "--idle-timeout", "2"});
   {
     xt::RawChannel holder(d.port());  // a session that is accepted, then sends nothing
-    REQUIRE(holder.establish(xt::make_nego(Mode::upload, "x", 1, 0, 10)));
+    REQUIRE(holder.establish(xt::make_hello(Mode::upload, "x", 1, 10)));
     auto reply = holder.read_frame();
     REQUIRE(reply.has_value());
     REQUIRE(reply->first.event == Event::nego_reply);
     xt::RawChannel extra(d.port());
-    extra.send_nego(xt::make_nego(Mode::upload, "y", 1, 0, 10));
+    REQUIRE(extra.establish(xt::make_hello(Mode::upload, "y", 1, 10)));
     auto ex = extra.read_exception();
     REQUIRE(ex.has_value());
     CHECK(ex->code == errc::limit_exceeded);
@@ -222,7 +258,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
 
   // Joins an upload session of 1 channel for a file of 4 blocks and reads the server's reply.
   auto start_upload = [&](xt::RawChannel& c) {
-    auto n = xt::make_nego(Mode::upload, "victim", 1, 0, 4 * bs);
+    auto n = xt::make_hello(Mode::upload, "victim", 1, 4 * bs);
     REQUIRE(c.establish(n));
     auto reply = c.read_frame();
     REQUIRE(reply.has_value());

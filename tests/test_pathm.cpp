@@ -673,7 +673,7 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
   xt::InProcessServer srv(cfg);
   SUBCASE("garbage in an xPathM payload") {
     xt::RawChannel raw(srv.port());
-    REQUIRE(raw.establish(xt::make_nego(xdfs::Mode::path, ".", 1, 0)));
+    REQUIRE(raw.establish(xt::make_hello(xdfs::Mode::path, ".", 1)));
     auto reply = raw.read_frame();
     REQUIRE(reply.has_value());
     CHECK(reply->first.event == xdfs::wire::Event::nego_reply);
@@ -688,7 +688,7 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
   }
   SUBCASE("an xPathM frame larger than the session allows") {
     xt::RawChannel raw(srv.port());
-    REQUIRE(raw.establish(xt::make_nego(xdfs::Mode::path, ".", 1, 0)));
+    REQUIRE(raw.establish(xt::make_hello(xdfs::Mode::path, ".", 1)));
     REQUIRE(raw.read_frame().has_value());
     xdfs::wire::FrameHeader h;
     h.event = xdfs::wire::Event::xpathm;
@@ -743,8 +743,8 @@ TEST_CASE("a client that asks for file bytes and never reads them is not read ei
   cfg.idle_timeout = std::chrono::milliseconds(1500);
   xt::InProcessServer srv(cfg);
   xt::RawChannel raw(srv.port());
-  auto nego = xt::make_nego(xdfs::Mode::path, ".", 1, 0);
-  nego.block_size = 1 << 20;  // a get may return up to two blocks
+  auto nego = xt::make_hello(xdfs::Mode::path, ".", 1);
+  nego.nego.block_size = 1 << 20;  // a get may return up to two blocks
   REQUIRE(raw.establish(nego));
   REQUIRE(raw.read_frame().has_value());  // the negotiation reply; nothing is read after it
   for (std::uint64_t i = 1; i <= 200; ++i) {  // 400 MiB of replies if the server answered them all

@@ -136,7 +136,7 @@ TEST_CASE("SIGTERM mid-upload: xdfsd exits cleanly and leaves no file under the 
   xt::XdfsdProcess d(root.path());
   const std::uint32_t bs = 64 * 1024;
   xt::RawChannel c(d.port());
-  REQUIRE(c.establish(xt::make_nego(Mode::upload, "in/file", 1, 0, 16 * bs)));
+  REQUIRE(c.establish(xt::make_hello(Mode::upload, "in/file", 1, 16 * bs)));
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
   REQUIRE(reply->first.event == Event::nego_reply);

@@ -8,27 +8,32 @@ $Cxx.namespace("xdfs::schema");
 enum Mode {
   upload @0;     # client sends a file (xFTSMU)
   download @1;   # server sends a file (xFTSMD)
-  path @2;       # path operations (xPathM), reserved
+  path @2;       # path operations (xPathM)
 }
 
-# Sent first on every channel (the paper's Table 2).
-struct Negotiation {
+# Sent first on every channel, in the clear: only what the server needs to run the channel's
+# handshake. Everything about the transfer travels inside the handshake (Negotiation below).
+struct Opening {
   version @0 :UInt16;
   sessionGuid @1 :Data;          # 16 bytes, random, same on all n channels
-  channelIndex @2 :UInt32;       # 0 .. channelCount-1
-  channelCount @3 :UInt32;       # n
-  mode @4 :Mode;
-  remotePath @5 :Text;           # relative to the server root
-  blockSize @6 :UInt32;          # bytes per data block
-  tcpWindow @7 :UInt32;          # SO_SNDBUF/SO_RCVBUF wanted, 0 = kernel autotuning
-  extendedFlags @8 :UInt64;      # bit set of ExtendedFlag
-  fileSize @9 :UInt64;           # upload: bytes the client will send
-  window @10 :UInt64;            # download: bytes the client lets be unacknowledged
-  credentials @11 :Data;         # reserved
-  protect @12 :UInt8;            # xSec protection: 0 clear, 1 integrity, 2 private
-  cipher @13 :UInt8;             # private mode AEAD: 0 AES-256-GCM, 1 ChaCha20-Poly1305
-  join @14 :Bool;                # false: first channel (Noise XX); true: joins with the session secret
-  joinNonce @15 :Data;           # join: the client's 32 fresh random bytes
+  channelIndex @2 :UInt32;       # 0 .. n-1 (0: the channel that runs Noise XX)
+  protect @3 :UInt8;             # xSec protection: 0 clear, 1 integrity, 2 private
+  cipher @4 :UInt8;              # private mode AEAD: 0 AES-256-GCM, 1 ChaCha20-Poly1305
+  join @5 :Bool;                 # false: first channel (Noise XX); true: joins with the session secret
+  joinNonce @6 :Data;            # join: the client's 32 fresh random bytes
+}
+
+# The transfer (the paper's Table 2, minus what the opening says): the payload of the client's
+# last Noise XX message, so it is encrypted and bound to the handshake in every protection mode.
+struct Negotiation {
+  channelCount @0 :UInt32;       # n
+  mode @1 :Mode;
+  remotePath @2 :Text;           # relative to the server root
+  blockSize @3 :UInt32;          # bytes per data block
+  tcpWindow @4 :UInt32;          # SO_SNDBUF/SO_RCVBUF wanted, 0 = kernel autotuning
+  extendedFlags @5 :UInt64;      # bit set of ExtendedFlag
+  fileSize @6 :UInt64;           # upload: bytes the client will send
+  window @7 :UInt64;             # download: bytes the client lets be unacknowledged
 }
 
 # The server's answer on each channel once all n have joined.

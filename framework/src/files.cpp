@@ -3,10 +3,13 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "xdfs/wire.hpp"
@@ -54,6 +57,34 @@ Status open_beneath(int root, const std::string& path, int flags, mode_t mode, F
   }
   out = Fd(static_cast<int>(fd));
   return Status::ok();
+}
+
+Status check_room(int dir, std::uint64_t bytes, const std::string& what) {
+  struct statvfs fs {};
+  if (::fstatvfs(dir, &fs) != 0) return Status::ok();  // cannot tell: the writes will say
+  const std::uint64_t avail = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (bytes <= avail) return Status::ok();
+  return {errc::disk_full, what + ": " + std::to_string(bytes) + " bytes do not fit, " + std::to_string(avail) +
+                               " bytes are free"};
+}
+
+mode_t process_umask() noexcept {
+  // /proc tells without the umask(2) round trip, which would race with threads creating files.
+  static const mode_t mask = [] {
+    if (FILE* f = std::fopen("/proc/self/status", "re")) {
+      char line[256];
+      while (std::fgets(line, sizeof line, f))
+        if (std::strncmp(line, "Umask:", 6) == 0) {
+          std::fclose(f);
+          return static_cast<mode_t>(std::strtoul(line + 6, nullptr, 8) & 0777);
+        }
+      std::fclose(f);
+    }
+    const mode_t old = ::umask(022);
+    ::umask(old);
+    return old;
+  }();
+  return mask;
 }
 
 std::string temp_name(const std::string& name, const std::string& tag) {

@@ -1,6 +1,8 @@
 #include "xdfs/server.hpp"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
@@ -12,20 +14,26 @@
 #include <fmt/chrono.h>
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <deque>
+#include <list>
 #include <map>
 #include <thread>
+#include <unordered_map>
 
 #include "xdfs/files.hpp"
+#include "xdfs/text.hpp"
 
 namespace xdfs {
 
 namespace asio = boost::asio;
 using xdsi::ErrorCode;
 using xdsi::tcp;
+using Clock = std::chrono::steady_clock;
 
 std::string format_report(const SessionReport& r) {
   const double rate = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0.0;
@@ -47,13 +55,93 @@ void default_log(const std::string& line) {
   std::fflush(stderr);
 }
 
+// What a peer can make the server log before it has authenticated is rationed: a burst, then a
+// few lines a second, and a count of what was left out in the next line that is written.
+class LogRation {
+public:
+  bool allow(Clock::time_point now) {
+    const double refill = std::chrono::duration<double>(now - last_).count() * per_second;
+    last_ = now;
+    tokens_ = std::min(burst, tokens_ + refill);
+    if (tokens_ < 1) {
+      ++dropped_;
+      return false;
+    }
+    tokens_ -= 1;
+    return true;
+  }
+  /// Lines left out since the last one written (and resets the count).
+  std::size_t take_dropped() { return std::exchange(dropped_, 0); }
+
+private:
+  static constexpr double per_second = 10, burst = 50;
+  double tokens_ = burst;
+  Clock::time_point last_ = Clock::now();
+  std::size_t dropped_ = 0;
+};
+
+// A connection that has not authenticated yet: a socket, a deadline, the few hundred bytes of its
+// opening and, once that has arrived, its handshake's state. No thread, no large buffer.
+struct Conn {
+  explicit Conn(asio::io_context& io) : deadline(io) {}
+  std::unique_ptr<xdsi::Channel> ch;
+  asio::steady_timer deadline;
+  std::string peer;  // address:port
+  std::string addr;  // address: what the per-address cap counts
+  wire::PreambleBytes pre{};
+  wire::HeaderBytes hdr{};
+  std::vector<std::uint8_t> payload;
+  wire::Opening opening;
+  std::vector<std::uint8_t> opening_bytes;  // preamble and NEGO frame as received
+  std::list<std::shared_ptr<Conn>>::iterator self;
+  bool counted = true;    // against the pending caps (a join counts against its session instead)
+  bool settled = false;   // refused, dropped or handed over: its handlers do nothing more
+  bool released = false;  // no longer pending
+  bool joining = false;   // its session counts it among the joins in progress
+};
+using ConnPtr = std::shared_ptr<Conn>;
+
 struct Session {
   asio::io_context io{1};
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
+  files::Fd root;  // the key's subdirectory, if it has one
   std::unique_ptr<runtime::SessionEnv> env;
   std::unique_ptr<runtime::SessionHandler> handler;
   std::thread thread;
+  bool reported = false;  // session thread only
 };
+
+// What the listener knows of a running session: enough to let its other channels join.
+struct Record {
+  std::unique_ptr<Session> session;
+  xsec::Key32 secret{};
+  wire::Opening opening;
+  std::uint32_t channels = 0;
+  xsec::Key32 client{};
+  unsigned joins_in_progress = 0;
+};
+
+struct KeyUse {
+  unsigned sessions = 0;
+  unsigned channels = 0;
+};
+
+bool is_exhaustion(const ErrorCode& ec) {
+  return ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory ||
+         ec == boost::system::errc::too_many_files_open_in_system;
+}
+
+// Whether `inner` is `outer` or lies below it (both made absolute, symlinks resolved).
+bool within(const std::string& outer, const std::string& inner) {
+  if (inner == outer) return true;
+  const std::string prefix = outer == "/" ? outer : outer + "/";
+  return inner.compare(0, prefix.size(), prefix) == 0;
+}
+
+std::string real(const std::string& path) {
+  char buf[PATH_MAX];
+  return ::realpath(path.c_str(), buf) ? std::string(buf) : std::string();
+}
 
 }  // namespace
 
@@ -65,17 +153,63 @@ struct Server::Impl {
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   asio::signal_set signals{io};
-  std::map<SessionId, std::unique_ptr<Session>> sessions;  // touched only on the listener thread
-  std::atomic<std::size_t> active{0};
-  std::atomic<std::size_t> rejected{0};
+  asio::steady_timer backoff{io};
+  files::Fd reserve;  // a descriptor kept free for shedding a connection when they run out
+  std::unique_ptr<MemoryBudget> budget;
+
+  // Listener thread only.
+  std::list<ConnPtr> pending;                      // arrival order
+  std::unordered_map<std::string, unsigned> per_address;
+  unsigned counted = 0;                            // pending connections under the caps
+  struct Turn {
+    std::deque<std::pair<std::weak_ptr<Conn>, std::function<void()>>> jobs;
+    bool queued = false;
+  };
+  std::unordered_map<std::string, Turn> dh_jobs;   // public-key work, per source address
+  std::deque<std::string> dh_turns;                // addresses with work, in turn
+  bool dh_posted = false;
+  std::map<SessionId, Record> sessions;
+  std::map<xsec::Key32, KeyUse> key_use;
+  LogRation ration;
   bool stopping = false;
 
-  void log(const std::string& line) const { config.log ? config.log(line) : default_log(line); }
+  std::atomic<std::size_t> active{0};
+  std::atomic<std::size_t> pending_count{0};
+  std::atomic<std::size_t> rejected{0};
 
+  void log(const std::string& line) const {
+    // One event, one line, nothing raw from a peer: the whole line is escaped here.
+    const std::string safe = text::escape(line);
+    config.log ? config.log(safe) : default_log(safe);
+  }
+  // A line a peer can cause before it has authenticated.
+  void log_rationed(const std::string& line) {
+    if (!ration.allow(Clock::now())) return;
+    const std::size_t dropped = ration.take_dropped();
+    log(dropped ? fmt::format("{} ({} similar lines left out)", line, dropped) : line);
+  }
+
+  void check_descriptors();
   void accept();
-  void handshake(tcp::socket s);
-  void reject(std::shared_ptr<tcp::socket> s, const std::string& peer, errc code, const std::string& message);
-  void admit(tcp::socket s, wire::Negotiation nego, std::vector<std::uint8_t> opening, const std::string& peer);
+  void shed();
+  void on_accept(tcp::socket s);
+  void make_room(const std::string& addr);
+  void evict(const ConnPtr& c, const std::string& why);
+  void uncount(Conn& c);
+  void release(Conn& c);
+  void read_opening(const ConnPtr& c);
+  void on_opening(const ConnPtr& c);
+  void start_noise(const ConnPtr& c);
+  void on_established(const ConnPtr& c, xsec::HandshakeResult r);
+  void start_join(const ConnPtr& c);
+  void on_joined(const ConnPtr& c, xsec::HandshakeResult r);
+  void refuse(const ConnPtr& c, errc code, const std::string& message);
+  xsec::Defer defer_for(const ConnPtr& c);
+  void schedule_dh();
+  std::string check(const wire::Negotiation& n, errc& code) const;
+  void create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r, const xsec::Permission& perm,
+                      files::Fd confined);
+  void run_session(Session& s);
   void reap(const SessionId& id);
   void begin_stop();
 };
@@ -97,8 +231,22 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   bool created = false;
   impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
   if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
+  // The server's secrets must not be reachable through the root: a read-only client could fetch
+  // the private key, a read-write one rewrite who may log in.
+  const std::string root_real = real(c.root);
+  for (const auto& [what, path] : {std::pair<const char*, std::string>{"state directory", c.state_dir},
+                                   {"authorized keys file", files::split_parent(c.authorized_keys).first}}) {
+    const std::string r = real(path);
+    if (!root_real.empty() && !r.empty() && within(root_real, r))
+      throw Error(errc::bad_argument, fmt::format("the {} '{}' lies inside the served root '{}': clients could reach it; "
+                                                  "keep it outside (--state-dir, --authorized-keys)",
+                                                  what, path, c.root));
+  }
   // A malformed authorized-keys file is an error now rather than at the first client.
   if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
+  if (c.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
+  impl_->budget = std::make_unique<MemoryBudget>(c.memory_limit ? c.memory_limit : default_memory_limit());
+  impl_->reserve = files::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   std::string host;
   std::uint16_t port = 0;
   if (!xdsi::parse_host_port(c.listen, 7721, host, port))
@@ -112,6 +260,7 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   if (!ec) a.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) a.bind(ep, ec);
   if (!ec) a.listen(asio::socket_base::max_listen_connections, ec);
+  if (!ec) a.native_non_blocking(true, ec);
   if (ec) throw Error(errc::bad_argument, "cannot listen on " + c.listen + ": " + ec.message());
 }
 
@@ -126,7 +275,9 @@ std::uint16_t Server::port() const noexcept {
 }
 
 std::size_t Server::active_sessions() const noexcept { return impl_->active.load(); }
+std::size_t Server::pending_connections() const noexcept { return impl_->pending_count.load(); }
 std::size_t Server::rejected_channels() const noexcept { return impl_->rejected.load(); }
+const MemoryBudget& Server::memory() const noexcept { return *impl_->budget; }
 const xsec::Key32& Server::public_key() const noexcept { return impl_->key.public_key; }
 
 void Server::stop() {
@@ -144,198 +295,536 @@ void Server::run(bool handle_signals) {
       d.begin_stop();
     });
   }
-  d.log(fmt::format("listening on {}:{} root={} key={}", d.acceptor.local_endpoint().address().to_string(),
-                    d.acceptor.local_endpoint().port(), d.config.root, xsec::fingerprint(d.key.public_key)));
+  d.log(fmt::format("listening on {}:{} root={} key={} memory-limit={}", d.acceptor.local_endpoint().address().to_string(),
+                    d.acceptor.local_endpoint().port(), d.config.root, xsec::fingerprint(d.key.public_key),
+                    d.budget->limit()));
   if (::access(d.config.authorized_keys.c_str(), F_OK) != 0)
     d.log("no authorized keys at " + d.config.authorized_keys + ": every client will be refused until one is added");
+  d.check_descriptors();
   d.accept();
-  d.io.run();
+  // A handler that throws fails what it was doing (a connection's deadline still ends it), never
+  // the listener.
+  for (;;) {
+    try {
+      d.io.run();
+      break;
+    } catch (const std::exception& e) {
+      d.log(std::string("internal error on the listener (going on): ") + e.what());
+    }
+  }
   // Sessions still registered (none after a clean stop) are joined here.
-  for (auto& [id, s] : d.sessions)
-    if (s->thread.joinable()) s->thread.join();
+  for (auto& [id, r] : d.sessions)
+    if (r.session->thread.joinable()) r.session->thread.join();
   d.sessions.clear();
   d.log("stopped");
 }
 
+// The configured maxima need descriptors: raise the soft limit as far as the hard one allows and
+// say so when even that is short (connections beyond it are shed, see accept()).
+void Server::Impl::check_descriptors() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  const rlim_t need = static_cast<rlim_t>(config.max_pending) +
+                      static_cast<rlim_t>(config.max_sessions) * (config.max_channels + 16) + 64;
+  if (rl.rlim_cur < need && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = std::min(need, rl.rlim_max);
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (rl.rlim_cur < need)
+    log(fmt::format("descriptor limit is {}, the configured maxima may need {} (max-pending + max-sessions x "
+                    "(max-channels + 16)): connections beyond it are refused until descriptors free up",
+                    rl.rlim_cur, need));
+}
+
 void Server::Impl::accept() {
   acceptor.async_accept([this](const ErrorCode& ec, tcp::socket s) {
-    if (stopping) return;
+    if (stopping || ec == asio::error::operation_aborted) return;
     if (!ec) {
-      handshake(std::move(s));
-    } else if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space) {
-      log("accept: " + ec.message());
+      try {
+        on_accept(std::move(s));
+      } catch (const std::exception& e) {
+        log_rationed(std::string("cannot take a connection: ") + e.what());
+      }
+      return accept();
+    }
+    if (is_exhaustion(ec)) {
+      // Out of descriptors or memory: re-arming at once would spin. Shed one waiting
+      // connection with the reserve descriptor and pause accepting for a moment.
+      log_rationed("accept: " + ec.message() + ": shedding a connection and pausing for 100 ms");
+      shed();
+      backoff.expires_after(std::chrono::milliseconds(100));
+      backoff.async_wait([this](const ErrorCode& e) {
+        if (!e && !stopping) accept();
+      });
+      return;
     }
     accept();
   });
 }
 
-// Reads preamble + NEGO frame under one deadline, checks every field, then admits the channel.
-void Server::Impl::handshake(tcp::socket sock) {
-  struct State {
-    std::shared_ptr<tcp::socket> s;
-    asio::steady_timer timer;
-    wire::PreambleBytes pre{};
-    wire::HeaderBytes hdr{};
-    std::vector<std::uint8_t> payload;
-    std::string peer;
-    std::size_t got = 0;
-  };
-  auto st = std::make_shared<State>(
-      State{std::make_shared<tcp::socket>(std::move(sock)), asio::steady_timer(io), {}, {}, {}, {}, 0});
-  st->peer = xdsi::peer_name(*st->s);
-  st->timer.expires_after(config.handshake_timeout);
-  st->timer.async_wait([this, st](const ErrorCode& ec) {
-    if (ec) return;
-    reject(st->s, st->peer, errc::timeout,
-           fmt::format("negotiation header did not arrive within {} ms", config.handshake_timeout.count()));
+void Server::Impl::shed() {
+  reserve.reset();
+  const int fd = ::accept4(acceptor.native_handle(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd >= 0) ::close(fd);
+  reserve = files::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+}
+
+void Server::Impl::on_accept(tcp::socket s) {
+  ErrorCode ec;
+  const auto ep = s.remote_endpoint(ec);
+  if (ec) return;  // gone already
+  auto c = std::make_shared<Conn>(io);
+  c->addr = ep.address().to_string();
+  c->peer = xdsi::peer_name(s);
+  make_room(c->addr);
+  c->ch = std::make_unique<xdsi::Channel>(std::move(s), 0);
+  c->self = pending.insert(pending.end(), c);
+  ++per_address[c->addr];
+  ++counted;
+  pending_count = pending.size();
+  c->deadline.expires_after(config.handshake_timeout);
+  c->deadline.async_wait([this, w = std::weak_ptr<Conn>(c)](const ErrorCode& e) {
+    auto conn = w.lock();
+    if (e || !conn || conn->settled) return;
+    refuse(conn, errc::timeout,
+           fmt::format("the opening and handshake did not complete within {} ms", config.handshake_timeout.count()));
   });
-  auto truncated = [this, st](const char* what, std::size_t got, std::size_t want) {
-    st->timer.cancel();
-    reject(st->s, st->peer, errc::protocol_error,
-           fmt::format("connection ended after {} of {} bytes of the {} (truncated header)", got, want, what));
+  read_opening(c);
+}
+
+// Room for one more pending connection from addr: the caps never refuse a newcomer, they drop
+// the oldest of whoever holds the most, so a flood from some addresses cannot lock out others.
+void Server::Impl::make_room(const std::string& addr) {
+  auto oldest_of = [this](const std::string& a) -> ConnPtr {
+    for (auto& c : pending)
+      if (c->counted && !c->settled && c->addr == a) return c;
+    for (auto& c : pending)  // refused ones that are still saying why
+      if (c->counted && c->addr == a) return c;
+    return nullptr;
   };
-  asio::async_read(*st->s, asio::buffer(st->pre), [this, st, truncated](const ErrorCode& ec, std::size_t n) {
-    if (ec == asio::error::operation_aborted) return;
-    if (ec) return truncated("preamble", n, wire::preamble_size);
-    auto version = wire::decode_preamble(st->pre);
-    if (!version) {
-      st->timer.cancel();
-      return reject(st->s, st->peer, errc::protocol_error, "not an xDFS client (bad magic bytes)");
-    }
-    if (*version != protocol_version) {
-      st->timer.cancel();
-      return reject(st->s, st->peer, errc::bad_version,
+  if (auto it = per_address.find(addr); it != per_address.end() && it->second >= config.max_pending_per_address) {
+    if (auto v = oldest_of(addr))
+      evict(v, fmt::format("{} connections from {} are pending, its limit", it->second, addr));
+  }
+  if (counted >= config.max_pending) {
+    auto busiest = std::max_element(per_address.begin(), per_address.end(),
+                                    [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (busiest != per_address.end())
+      if (auto v = oldest_of(busiest->first))
+        evict(v, fmt::format("{} connections are pending, the server's limit", counted));
+  }
+}
+
+void Server::Impl::evict(const ConnPtr& c, const std::string& why) {
+  log_rationed(fmt::format("dropped a pending connection from {}: {}", c->peer, why));
+  c->settled = true;
+  ErrorCode ignored;
+  c->deadline.cancel(ignored);
+  c->ch->close();
+  release(*c);
+}
+
+void Server::Impl::uncount(Conn& c) {
+  if (!c.counted) return;
+  c.counted = false;
+  if (auto it = per_address.find(c.addr); it != per_address.end() && --it->second == 0) per_address.erase(it);
+  --counted;
+}
+
+void Server::Impl::release(Conn& c) {
+  if (c.released) return;
+  c.released = true;
+  uncount(c);
+  if (c.joining) {
+    if (auto it = sessions.find(c.opening.session); it != sessions.end()) --it->second.joins_in_progress;
+    c.joining = false;
+  }
+  auto keep = *c.self;  // erasing the list node must not destroy c under our feet
+  pending.erase(c.self);
+  pending_count = pending.size();
+}
+
+// Preamble, then the NEGO frame's header, then its payload: at most a few hundred bytes, each
+// part read only once the one before it checked out.
+void Server::Impl::read_opening(const ConnPtr& c) {
+  auto& sock = c->ch->socket();
+  asio::async_read(sock, asio::buffer(c->pre), [this, c](const ErrorCode& ec, std::size_t n) {
+    if (c->settled) return;
+    if (ec)
+      return refuse(c, errc::protocol_error,
+                    fmt::format("connection ended after {} of {} bytes of the preamble (truncated header)", n,
+                                wire::preamble_size));
+    auto version = wire::decode_preamble(c->pre);
+    if (!version) return refuse(c, errc::protocol_error, "not an xDFS client (bad magic bytes)");
+    if (*version != protocol_version)
+      return refuse(c, errc::bad_version,
                     fmt::format("client speaks protocol version {}, this server speaks {}", *version, protocol_version));
-    }
-    asio::async_read(*st->s, asio::buffer(st->hdr), [this, st, truncated](const ErrorCode& ec, std::size_t n) {
-      if (ec == asio::error::operation_aborted) return;
-      if (ec) return truncated("frame header", n, wire::frame_header_size);
+    asio::async_read(c->ch->socket(), asio::buffer(c->hdr), [this, c](const ErrorCode& ec, std::size_t n) {
+      if (c->settled) return;
+      if (ec)
+        return refuse(c, errc::protocol_error,
+                      fmt::format("connection ended after {} of {} bytes of the frame header (truncated header)", n,
+                                  wire::frame_header_size));
       std::string why;
-      auto h = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(st->hdr), &why);
-      if (!h || h->event != wire::Event::nego) {
-        st->timer.cancel();
-        return reject(st->s, st->peer, errc::protocol_error,
-                      h ? std::string("expected a negotiation header, got ") + wire::to_string(h->event) : why);
-      }
-      st->payload.resize(h->length);
-      asio::async_read(*st->s, asio::buffer(st->payload), [this, st, truncated](const ErrorCode& ec, std::size_t n) {
-        if (ec == asio::error::operation_aborted) return;
-        if (ec) return truncated("negotiation header", n, st->payload.size());
-        st->timer.cancel();
-        std::string why;
-        auto nego = wire::decode_negotiation(st->payload, &why);
-        if (!nego) return reject(st->s, st->peer, errc::protocol_error, why);
-        auto& n_ = *nego;
-        auto refuse = [&](errc c, const std::string& m) { reject(st->s, st->peer, c, m); };
-        if (n_.version != protocol_version)
-          return refuse(errc::bad_version, fmt::format("negotiation header version {}, this server speaks {}",
-                                                       n_.version, protocol_version));
-        if (n_.channel_count == 0) return refuse(errc::bad_argument, "channel count n = 0");
-        if (n_.channel_count > config.max_channels)
-          return refuse(errc::limit_exceeded,
-                        fmt::format("n = {} channels requested, this server allows {}", n_.channel_count,
-                                    config.max_channels));
-        if (n_.channel_index >= n_.channel_count)
-          return refuse(errc::bad_channel,
-                        fmt::format("channel index {} is not below n = {}", n_.channel_index, n_.channel_count));
-        if (n_.block_size < wire::min_block_size || n_.block_size > config.max_block_size)
-          return refuse(errc::bad_argument, fmt::format("block size {} is outside {}..{}", n_.block_size,
-                                                        wire::min_block_size, config.max_block_size));
-        if (n_.extended_flags & ~wire::known_flags)
-          return refuse(errc::bad_argument, fmt::format("unknown extended flags {:#x}", n_.extended_flags));
-        if ((n_.extended_flags & wire::flag_memory) && !config.allow_memory_mode)
-          return refuse(errc::bad_argument, "memory mode is disabled on this server (xdfsd --allow-memory-mode)");
-        if (auto s = files::check_relative_path(n_.remote_path); !s) return refuse(s.code, s.message);
-        std::vector<std::uint8_t> opening(st->pre.begin(), st->pre.end());
-        opening.insert(opening.end(), st->hdr.begin(), st->hdr.end());
-        opening.insert(opening.end(), st->payload.begin(), st->payload.end());
-        admit(std::move(*st->s), std::move(n_), std::move(opening), st->peer);
+      auto h = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(c->hdr), &why);
+      if (!h) return refuse(c, errc::protocol_error, why);
+      if (h->event != wire::Event::nego)
+        return refuse(c, errc::protocol_error,
+                      std::string("expected a negotiation header, got ") + wire::to_string(h->event));
+      if (h->length == 0 || h->length > wire::max_opening_payload)
+        return refuse(c, errc::protocol_error,
+                      fmt::format("opening of {} bytes (1..{} allowed): this payload exceeds the limit", h->length,
+                                  wire::max_opening_payload));
+      c->payload.resize(h->length);
+      asio::async_read(c->ch->socket(), asio::buffer(c->payload), [this, c](const ErrorCode& ec, std::size_t n) {
+        if (c->settled) return;
+        if (ec)
+          return refuse(c, errc::protocol_error,
+                        fmt::format("connection ended after {} of {} bytes of the negotiation header (truncated header)",
+                                    n, c->payload.size()));
+        on_opening(c);
       });
     });
   });
 }
 
-void Server::Impl::reject(std::shared_ptr<tcp::socket> s, const std::string& peer, errc code, const std::string& message) {
-  if (!s->is_open()) return;
-  ++rejected;
-  log(fmt::format("rejected channel from {}: {}: {}", peer, to_string(code), message));
-  // Tell the peer why, then close; a peer that does not read is closed on after the deadline.
-  auto buf = std::make_shared<std::vector<std::uint8_t>>();
-  auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
-  wire::FrameHeader h;
-  h.event = wire::Event::exception;
-  h.length = static_cast<std::uint32_t>(payload.size());
-  auto hb = wire::encode(h);
-  buf->insert(buf->end(), hb.begin(), hb.end());
-  buf->insert(buf->end(), payload.begin(), payload.end());
-  auto timer = std::make_shared<asio::steady_timer>(io, std::chrono::seconds(2));
-  timer->async_wait([s](const ErrorCode& ec) {
-    if (!ec) {
-      ErrorCode ignored;
-      s->close(ignored);
+void Server::Impl::on_opening(const ConnPtr& c) {
+  std::string why;
+  auto o = wire::decode_opening(c->payload, &why);
+  if (!o) return refuse(c, errc::protocol_error, why);
+  if (o->version != protocol_version)
+    return refuse(c, errc::bad_version,
+                  fmt::format("negotiation header version {}, this server speaks {}", o->version, protocol_version));
+  if (o->protect < config.min_protect)
+    return refuse(c, errc::permission_denied,
+                  fmt::format("this server requires protection '{}' or stronger, the client asked for '{}'",
+                              xsec::to_string(static_cast<xsec::Protect>(config.min_protect)),
+                              xsec::to_string(static_cast<xsec::Protect>(o->protect))));
+  c->opening = std::move(*o);
+  c->opening_bytes.reserve(c->pre.size() + c->hdr.size() + c->payload.size());
+  c->opening_bytes.assign(c->pre.begin(), c->pre.end());
+  c->opening_bytes.insert(c->opening_bytes.end(), c->hdr.begin(), c->hdr.end());
+  c->opening_bytes.insert(c->opening_bytes.end(), c->payload.begin(), c->payload.end());
+  c->payload = {};
+  if (c->opening.join) return start_join(c);
+  if (sessions.count(c->opening.session))
+    return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " already exists");
+  start_noise(c);
+}
+
+// Public-key work runs one step at a time, the source addresses that have some taking turns: a
+// flood of handshakes from some addresses delays the others by one step per address at most.
+xsec::Defer Server::Impl::defer_for(const ConnPtr& c) {
+  return [this, w = std::weak_ptr<Conn>(c)](std::function<void()> work) {
+    auto conn = w.lock();
+    if (!conn || conn->settled) return;
+    auto& t = dh_jobs[conn->addr];
+    // Work of connections that went meanwhile leaves now: an address never has more queued than
+    // it has connections pending.
+    std::erase_if(t.jobs, [](const auto& j) {
+      auto cj = j.first.lock();
+      return !cj || cj->settled;
+    });
+    t.jobs.emplace_back(w, std::move(work));
+    if (!t.queued) {
+      t.queued = true;
+      dh_turns.push_back(conn->addr);
     }
-  });
-  asio::async_write(*s, asio::buffer(*buf), [s, buf, timer](const ErrorCode&, std::size_t) {
-    ErrorCode ignored;
-    s->shutdown(tcp::socket::shutdown_send, ignored);
-    // Let the peer read the exception before the close; the timer closes at the latest.
+    schedule_dh();
+  };
+}
+
+void Server::Impl::schedule_dh() {
+  if (dh_posted || dh_turns.empty()) return;
+  dh_posted = true;
+  asio::post(io, [this] {
+    dh_posted = false;
+    if (dh_turns.empty()) return;
+    const std::string addr = std::move(dh_turns.front());
+    dh_turns.pop_front();
+    auto it = dh_jobs.find(addr);
+    if (it == dh_jobs.end()) return schedule_dh();
+    if (it->second.jobs.empty()) {
+      dh_jobs.erase(it);
+      return schedule_dh();
+    }
+    auto job = std::move(it->second.jobs.front());
+    it->second.jobs.pop_front();
+    if (it->second.jobs.empty()) dh_jobs.erase(it);
+    else dh_turns.push_back(addr);
+    schedule_dh();  // before the work: if it throws, the others still get their turn
+    if (auto conn = job.first.lock(); conn && !conn->settled) job.second();
   });
 }
 
-void Server::Impl::admit(tcp::socket s, wire::Negotiation nego, std::vector<std::uint8_t> opening,
-                         const std::string& peer) {
-  auto it = sessions.find(nego.session);
-  if (nego.join && it == sessions.end())
-    return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::bad_channel,
-                  "no session " + nego.session.short_hex() + " to join");
-  if (!nego.join && it != sessions.end())
-    return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::bad_channel,
-                  "session " + nego.session.short_hex() + " already exists");
-  if (it == sessions.end()) {
-    if (stopping) return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::shutting_down, "server is stopping");
-    if (sessions.size() >= config.max_sessions)
-      return reject(std::make_shared<tcp::socket>(std::move(s)), peer, errc::limit_exceeded,
-                    fmt::format("{} sessions are running, the limit", config.max_sessions));
-    auto session = std::make_unique<Session>();
-    Session* sp = session.get();
-    sp->guard.emplace(sp->io.get_executor());
-    const SessionId id = nego.session;
-    sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
-        sp->io, config, root.get(), key, id, peer, nego,
-        [this, sp](SessionReport r) {
-          // Session thread: log the end line and let the loop run dry (lingering closes last).
-          log(format_report(r));
-          sp->guard.reset();
-        },
-        [this](const std::string& line) { log(line); }});
-    sp->handler = factory(*sp->env);
-    // Only once the loop has run dry does the listener reap, so its join never blocks accepting.
+void Server::Impl::start_noise(const ConnPtr& c) {
+  const auto mode = static_cast<xsec::Protect>(c->opening.protect);
+  const auto cipher = static_cast<xsec::Cipher>(c->opening.cipher);
+  xsec::server_establish(*c->ch, c->opening_bytes, key, mode, cipher, defer_for(c),
+                         [this, c](xsec::HandshakeResult r) { on_established(c, std::move(r)); });
+}
+
+// What the negotiation asks must fit this server's limits; the reason otherwise ("" if it fits).
+std::string Server::Impl::check(const wire::Negotiation& n, errc& code) const {
+  code = errc::bad_argument;
+  if (n.channel_count == 0) return "channel count n = 0";
+  if (n.channel_count > config.max_channels) {
+    code = errc::limit_exceeded;
+    return fmt::format("n = {} channels requested, this server allows {}", n.channel_count, config.max_channels);
+  }
+  if (n.block_size < wire::min_block_size || n.block_size > config.max_block_size)
+    return fmt::format("block size {} is outside {}..{}", n.block_size, wire::min_block_size, config.max_block_size);
+  if (n.extended_flags & ~wire::known_flags) return fmt::format("unknown extended flags {:#x}", n.extended_flags);
+  const bool memory = (n.extended_flags & wire::flag_memory) != 0;
+  if (memory && !config.allow_memory_mode) return "memory mode is disabled on this server (xdfsd --allow-memory-mode)";
+  if (memory && n.mode == Mode::path) return "memory mode does not apply to path sessions";
+  if (n.mode == Mode::upload && config.max_file_size && n.file_size > config.max_file_size) {
+    code = errc::limit_exceeded;
+    return fmt::format("file size {} exceeds this server's limit of {} bytes", n.file_size, config.max_file_size);
+  }
+  if (auto s = files::check_relative_path(n.remote_path); !s) {
+    code = s.code;
+    return s.message;
+  }
+  return {};
+}
+
+void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
+  if (c->settled) return;
+  if (r.code != errc::ok) return refuse(c, r.code, r.message);
+  std::string why;
+  auto nego = wire::decode_negotiation(r.payload, &why);
+  if (!nego) return refuse(c, errc::protocol_error, "negotiation: " + why);
+  errc code = errc::ok;
+  if (auto bad = check(*nego, code); !bad.empty()) return refuse(c, code, bad);
+  // Who it is and what it may do.
+  const std::string who = "client key " + xsec::fingerprint(r.remote_static);
+  xsec::AuthorizedKeys keys;
+  try {
+    keys = xsec::AuthorizedKeys::load(config.authorized_keys);
+  } catch (const Error& e) {
+    return refuse(c, errc::auth_failed, std::string("the server cannot check client keys: ") + e.what());
+  }
+  const xsec::Permission* perm = keys.find(r.remote_static);
+  if (!perm) return refuse(c, errc::auth_failed, who + " is not in the server's authorized keys");
+  if (!perm->write && nego->mode == Mode::upload) return refuse(c, errc::permission_denied, who + " may only download (read-only)");
+  files::Fd confined;
+  if (!perm->subdir.empty())
+    if (auto st = files::open_beneath(root.get(), perm->subdir, O_PATH | O_DIRECTORY, 0, confined); !st)
+      return refuse(c, st.code, who + " is confined to " + st.message);
+  // Admission: the server's and the key's limits.
+  if (stopping) return refuse(c, errc::shutting_down, "server is stopping");
+  if (sessions.size() >= config.max_sessions)
+    return refuse(c, errc::limit_exceeded, fmt::format("{} sessions are running, the limit", config.max_sessions));
+  if (sessions.count(c->opening.session))
+    return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " already exists");
+  const KeyUse use = key_use.count(r.remote_static) ? key_use[r.remote_static] : KeyUse{};
+  const unsigned max_s = perm->sessions ? perm->sessions : config.max_sessions_per_key;
+  const unsigned max_c = perm->channels ? perm->channels : config.max_channels_per_key;
+  if (use.sessions >= max_s)
+    return refuse(c, errc::limit_exceeded, fmt::format("{} has {} sessions running, its limit", who, use.sessions));
+  if (use.channels + nego->channel_count > max_c)
+    return refuse(c, errc::limit_exceeded,
+                  fmt::format("{} has {} channels open and asks for {} more, its limit is {}", who, use.channels,
+                              nego->channel_count, max_c));
+  create_session(c, std::move(*nego), r, *perm, std::move(confined));
+}
+
+void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r,
+                                  const xsec::Permission& perm, files::Fd confined) {
+  const SessionId id = c->opening.session;
+  Record rec;
+  rec.session = std::make_unique<Session>();
+  Session* sp = rec.session.get();
+  sp->root = std::move(confined);
+  runtime::Client client{r.remote_static, xsec::fingerprint(r.remote_static), perm.write};
+  sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
+      sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, c->opening, nego, client,
+      r.session_secret, *budget,
+      [this, sp](SessionReport rep) {
+        // Session thread: log the end line and let the loop run dry (lingering closes last).
+        if (sp->reported) return;
+        sp->reported = true;
+        log(format_report(rep));
+        sp->guard.reset();
+      },
+      [this](const std::string& line) { log(line); }});
+  sp->guard.emplace(sp->io.get_executor());
+  rec.secret = r.session_secret;
+  rec.opening = c->opening;
+  rec.channels = nego.channel_count;
+  rec.client = r.remote_static;
+  try {
     sp->thread = std::thread([this, sp, id] {
-      sp->io.run();
+      run_session(*sp);
       asio::post(io, [this, id] { reap(id); });
     });
-    it = sessions.emplace(id, std::move(session)).first;
-    ++active;
+  } catch (const std::system_error& e) {
+    return refuse(c, errc::limit_exceeded, std::string("cannot start a session thread: ") + e.what());
   }
-  // The socket moves to the session's own io_context: its network thread owns it from now on.
-  Session* sp = it->second.get();
-  ErrorCode ec;
-  auto protocol = s.local_endpoint(ec).protocol();
-  if (ec) return;  // the peer is already gone
-  // Owned until the session thread adopts it: closed if that thread has already ended.
-  auto fd = std::make_shared<files::Fd>(s.release());
-  asio::post(sp->io, [sp, fd, protocol, nego = std::move(nego), opening = std::move(opening), peer]() mutable {
-    tcp::socket moved(sp->io, protocol, fd->release());
-    sp->handler->add_channel(std::move(moved), std::move(nego), std::move(opening), peer);
+  // The channel moves to the session's loop: its thread owns it from now on.
+  c->settled = true;
+  ErrorCode ignored;
+  c->deadline.cancel(ignored);
+  auto d = std::make_shared<xdsi::Channel::Detached>(c->ch->detach());
+  release(*c);
+  d->index = 0;
+  auto& use = key_use[rec.client];
+  ++use.sessions;
+  use.channels += rec.channels;
+  sessions.emplace(id, std::move(rec));
+  active = sessions.size();
+  asio::post(sp->io, [sp, d] {
+    if (!sp->handler) return;  // it could not be made: the channel closes with d
+    auto ch = xdsi::Channel::adopt(sp->io, std::move(*d));
+    if (!ch) return;
+    // The handshake's last word: the session exists, its other channels may join now.
+    ch->send_control(wire::Event::handshake, {});
+    sp->handler->add_channel(std::move(ch));
   });
+}
+
+void Server::Impl::start_join(const ConnPtr& c) {
+  const auto& o = c->opening;
+  auto it = sessions.find(o.session);
+  if (it == sessions.end()) return refuse(c, errc::bad_channel, "no session " + o.session.short_hex() + " to join");
+  Record& rec = it->second;
+  if (o.protect != rec.opening.protect || o.cipher != rec.opening.cipher)
+    return refuse(c, errc::bad_channel,
+                  fmt::format("channel {} does not match the negotiation of session {}", o.channel_index,
+                              o.session.short_hex()));
+  if (o.channel_index >= rec.channels)
+    return refuse(c, errc::bad_channel,
+                  fmt::format("channel index {} is not below n = {} of session {}", o.channel_index, rec.channels,
+                              o.session.short_hex()));
+  // Joins in progress count against their session, not the pending caps: a session's own n
+  // channels arriving at once must not push each other out. A stranger who saw the session id
+  // can hold at most n of them, and none claims an index before it has proved the secret.
+  if (rec.joins_in_progress >= rec.channels)
+    return refuse(c, errc::limit_exceeded,
+                  fmt::format("session {} has {} channels proving themselves already", o.session.short_hex(),
+                              rec.joins_in_progress));
+  ++rec.joins_in_progress;
+  c->joining = true;
+  uncount(*c);
+  xsec::server_join(*c->ch, c->opening_bytes, o.join_nonce, rec.secret, static_cast<xsec::Protect>(o.protect),
+                    static_cast<xsec::Cipher>(o.cipher),
+                    [this, c](xsec::HandshakeResult r) { on_joined(c, std::move(r)); });
+}
+
+void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
+  if (c->settled) return;
+  auto it = sessions.find(c->opening.session);
+  if (it != sessions.end() && c->joining) --it->second.joins_in_progress;
+  c->joining = false;
+  if (r.code != errc::ok) {
+    // A channel that cannot prove the session secret does not join and learns nothing more;
+    // the session goes on waiting for the real one (bounded by its join timeout).
+    log_rationed(fmt::format("session {} refused channel {} from {}: {}: {}", c->opening.session.short_hex(),
+                             c->opening.channel_index, c->peer, to_string(r.code), r.message));
+    ++rejected;
+    c->settled = true;
+    ErrorCode ignored;
+    c->deadline.cancel(ignored);
+    c->ch->close();
+    release(*c);
+    return;
+  }
+  if (it == sessions.end()) return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " has ended");
+  Session* sp = it->second.session.get();
+  c->settled = true;
+  ErrorCode ignored;
+  c->deadline.cancel(ignored);
+  auto d = std::make_shared<xdsi::Channel::Detached>(c->ch->detach());
+  d->index = c->opening.channel_index;
+  release(*c);
+  asio::post(sp->io, [sp, d] {
+    if (!sp->handler) return;
+    if (auto ch = xdsi::Channel::adopt(sp->io, std::move(*d))) sp->handler->add_channel(std::move(ch));
+  });
+}
+
+// Tells the peer why (over the protected channel once it has keys), then closes: at once when
+// the peer closes too, after a second at the latest. Until then it stays under the caps.
+void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& message) {
+  if (c->settled) return;
+  c->settled = true;
+  ++rejected;
+  log_rationed(fmt::format("rejected channel from {}: {}: {}", c->peer, to_string(code), message));
+  if (c->joining) {
+    if (auto it = sessions.find(c->opening.session); it != sessions.end()) --it->second.joins_in_progress;
+    c->joining = false;
+  }
+  if (!c->ch->open()) return release(*c);
+  c->ch->send_control(wire::Event::exception,
+                      wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),
+                      [c](const ErrorCode&) { c->ch->shutdown_send(); });
+  c->deadline.expires_after(std::chrono::seconds(1));
+  c->deadline.async_wait([this, c](const ErrorCode& e) {
+    if (e == asio::error::operation_aborted && !c->released) return;
+    c->ch->close();
+    release(*c);
+  });
+}
+
+void Server::Impl::run_session(Session& s) {
+  try {
+    s.handler = factory(*s.env);
+  } catch (const std::exception& e) {
+    log(fmt::format("session {} could not start: {}", s.env->id.short_hex(), e.what()));
+    s.guard.reset();
+  }
+  // A handler that throws fails its own session: the mode tells the peer and removes partial
+  // files (crash); if even that throws, the session is torn down by its destructors. Other
+  // sessions and the listener never see it.
+  int crashes = 0;
+  for (;;) {
+    std::string what;
+    try {
+      s.io.run();
+      break;
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      what = "unknown exception";
+    }
+    if (++crashes == 1 && s.handler) {
+      try {
+        s.handler->crash("internal error: " + what);
+        continue;
+      } catch (...) {
+      }
+    }
+    if (!s.reported) {
+      s.reported = true;
+      SessionReport rep;
+      rep.id = s.env->id;
+      rep.peer = s.env->peer;
+      rep.mode = s.env->nego.mode;
+      rep.path = s.env->nego.remote_path;
+      rep.channels = s.env->nego.channel_count;
+      rep.code = errc::internal;
+      rep.message = what;
+      log(format_report(rep));
+    }
+    break;
+  }
+  // Teardown happens here, on the session's thread, never on the listener: the handler joins
+  // its disk threads and workers (whose long operations stop once the session has ended).
+  s.handler.reset();
 }
 
 void Server::Impl::reap(const SessionId& id) {
   auto it = sessions.find(id);
   if (it == sessions.end()) return;
-  if (it->second->thread.joinable()) it->second->thread.join();
+  if (it->second.session->thread.joinable()) it->second.session->thread.join();
+  if (auto u = key_use.find(it->second.client); u != key_use.end()) {
+    --u->second.sessions;
+    u->second.channels -= it->second.channels;
+    if (u->second.sessions == 0) key_use.erase(u);
+  }
   sessions.erase(it);
-  --active;
+  active = sessions.size();
   if (stopping && sessions.empty()) io.stop();
 }
 
@@ -345,13 +834,23 @@ void Server::Impl::begin_stop() {
   ErrorCode ignored;
   acceptor.close(ignored);
   signals.cancel(ignored);
+  backoff.cancel(ignored);
+  for (auto it = pending.begin(); it != pending.end();) {
+    auto c = *it++;
+    c->settled = true;
+    c->deadline.cancel(ignored);
+    c->ch->close();
+    release(*c);
+  }
   if (sessions.empty()) {
     io.stop();
     return;
   }
-  for (auto& [id, s] : sessions) {
-    Session* sp = s.get();
-    asio::post(sp->io, [sp] { sp->handler->shutdown(); });
+  for (auto& [id, r] : sessions) {
+    Session* sp = r.session.get();
+    asio::post(sp->io, [sp] {
+      if (sp->handler) sp->handler->shutdown();
+    });
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "xdfs/text.hpp"
 #include "xdopi.capnp.h"
 
 namespace xdfs::wire {
@@ -153,12 +154,22 @@ std::optional<std::uint16_t> decode_preamble(std::span<const std::uint8_t, pream
   return get_u16(&b[4]);
 }
 
+std::vector<std::uint8_t> encode(const Opening& o) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::Opening>();
+  r.setVersion(o.version);
+  r.setSessionGuid(kj::arrayPtr(o.session.bytes.data(), o.session.bytes.size()));
+  r.setChannelIndex(o.channel_index);
+  r.setProtect(o.protect);
+  r.setCipher(o.cipher);
+  r.setJoin(o.join);
+  r.setJoinNonce(kj::arrayPtr(o.join_nonce.data(), o.join_nonce.size()));
+  return to_bytes(msg);
+}
+
 std::vector<std::uint8_t> encode(const Negotiation& n) {
   capnp::MallocMessageBuilder msg;
   auto r = msg.initRoot<schema::Negotiation>();
-  r.setVersion(n.version);
-  r.setSessionGuid(kj::arrayPtr(n.session.bytes.data(), n.session.bytes.size()));
-  r.setChannelIndex(n.channel_index);
   r.setChannelCount(n.channel_count);
   r.setMode(static_cast<schema::Mode>(n.mode));
   r.setRemotePath(n.remote_path);
@@ -167,10 +178,6 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setExtendedFlags(n.extended_flags);
   r.setFileSize(n.file_size);
   r.setWindow(n.window);
-  r.setProtect(n.protect);
-  r.setCipher(n.cipher);
-  r.setJoin(n.join);
-  r.setJoinNonce(kj::arrayPtr(n.join_nonce.data(), n.join_nonce.size()));
   return to_bytes(msg);
 }
 
@@ -193,17 +200,52 @@ std::vector<std::uint8_t> encode(const ExceptionHeader& e) {
   return to_bytes(msg);
 }
 
-std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why) {
-  return read_message<schema::Negotiation>(b, why, [&](schema::Negotiation::Reader r) -> std::optional<Negotiation> {
-    Negotiation n;
-    n.version = r.getVersion();
+std::optional<Opening> decode_opening(std::span<const std::uint8_t> b, std::string* why) {
+  if (b.size() > max_opening_payload) {
+    set_why(why, "opening of " + std::to_string(b.size()) + " bytes exceeds the " +
+                     std::to_string(max_opening_payload) + "-byte limit");
+    return std::nullopt;
+  }
+  return read_message<schema::Opening>(b, why, [&](schema::Opening::Reader r) -> std::optional<Opening> {
+    Opening o;
+    o.version = r.getVersion();
     auto guid = r.getSessionGuid();
-    if (guid.size() != n.session.bytes.size()) {
+    if (guid.size() != o.session.bytes.size()) {
       set_why(why, "session GUID must be 16 bytes, got " + std::to_string(guid.size()));
       return std::nullopt;
     }
-    std::memcpy(n.session.bytes.data(), guid.begin(), guid.size());
-    n.channel_index = r.getChannelIndex();
+    std::memcpy(o.session.bytes.data(), guid.begin(), guid.size());
+    o.channel_index = r.getChannelIndex();
+    o.protect = r.getProtect();
+    o.cipher = r.getCipher();
+    if (o.protect > 2 || o.cipher > 1) {
+      set_why(why, "unknown protection " + std::to_string(o.protect) + " or cipher " + std::to_string(o.cipher));
+      return std::nullopt;
+    }
+    o.join = r.getJoin();
+    auto jn = r.getJoinNonce();
+    if (o.join ? jn.size() != 32 : jn.size() != 0) {
+      set_why(why, "join nonce of " + std::to_string(jn.size()) + " bytes");
+      return std::nullopt;
+    }
+    if (o.join != (o.channel_index != 0)) {
+      set_why(why, o.join ? "channel 0 cannot join: it opens the session" : "channel " + std::to_string(o.channel_index) +
+                                                                               " must join the session of channel 0");
+      return std::nullopt;
+    }
+    o.join_nonce.assign(jn.begin(), jn.end());
+    return o;
+  });
+}
+
+std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why) {
+  if (b.size() > max_negotiation_payload) {
+    set_why(why, "negotiation of " + std::to_string(b.size()) + " bytes exceeds the " +
+                     std::to_string(max_negotiation_payload) + "-byte limit");
+    return std::nullopt;
+  }
+  return read_message<schema::Negotiation>(b, why, [&](schema::Negotiation::Reader r) -> std::optional<Negotiation> {
+    Negotiation n;
     n.channel_count = r.getChannelCount();
     auto mode = static_cast<unsigned>(r.getMode());
     if (mode > static_cast<unsigned>(Mode::path)) {
@@ -219,26 +261,24 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.extended_flags = r.getExtendedFlags();
     n.file_size = r.getFileSize();
     n.window = r.getWindow();
-    n.protect = r.getProtect();
-    n.cipher = r.getCipher();
-    if (n.protect > 2 || n.cipher > 1) {
-      set_why(why, "unknown protection " + std::to_string(n.protect) + " or cipher " + std::to_string(n.cipher));
+    if (n.file_size > max_file_size || n.window > max_file_size) {
+      set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
+                       " exceeds the protocol's limit of 2^62 bytes");
       return std::nullopt;
     }
-    n.join = r.getJoin();
-    auto jn = r.getJoinNonce();
-    if (n.join ? jn.size() != 32 : jn.size() != 0) {
-      set_why(why, "join nonce of " + std::to_string(jn.size()) + " bytes");
-      return std::nullopt;
-    }
-    n.join_nonce.assign(jn.begin(), jn.end());
     return n;
   });
 }
 
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why) {
   return read_message<schema::NegotiationReply>(b, why, [&](schema::NegotiationReply::Reader r) -> std::optional<NegotiationReply> {
-    return NegotiationReply{r.getFileSize(), r.getWindow(), r.getBlockSize()};
+    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize()};
+    if (n.file_size > max_file_size || n.window > max_file_size) {
+      set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
+                       " exceeds the protocol's limit of 2^62 bytes");
+      return std::nullopt;
+    }
+    return n;
   });
 }
 
@@ -252,10 +292,8 @@ std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b,
     // Never cut a UTF-8 sequence in half: back up over continuation bytes.
     if (len < msg.size())
       while (len > 0 && (static_cast<unsigned char>(msg.cStr()[len]) & 0xC0) == 0x80) --len;
-    std::string text(msg.cStr(), len);
-    for (auto& c : text)
-      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) c = ' ';
-    e.message = std::move(text);
+    // One printable line: a peer must not be able to forge log lines or drive a terminal.
+    e.message = text::escape({msg.cStr(), len});
     e.channel_index = r.getChannelIndex();
     e.offset = r.getOffset();
     return e;

@@ -1,9 +1,13 @@
 #include "xdfs/xdsi.hpp"
 
+#include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 
+#include <unistd.h>
+
 #include <charconv>
+#include <utility>
 
 namespace xdfs::xdsi {
 
@@ -62,15 +66,24 @@ void Channel::async_read_header(HeaderHandler h) {
                      if (ec) return h(ec, {});
                      auto hdr = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(in_header_), &error_text_);
                      if (!hdr) return h(make_error_code(boost::system::errc::protocol_error), {});
+                     in_checked_ = false;
                      if (guard_ && hdr->length == 0) {
                        // Nothing else will be read for this frame: check it now.
-                       return read_tag_then({}, [h, hv = *hdr](const ErrorCode& ec2) { h(ec2, hv); });
+                       return read_tag_then({}, [this, h, hv = *hdr](const ErrorCode& ec2) {
+                         in_checked_ = !ec2;
+                         h(ec2, hv);
+                       });
                      }
                      h({}, *hdr);
                    });
 }
 
 void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
+  if (in_checked_ && dst.empty()) {
+    // An empty frame already checked with its header: there is nothing more to read.
+    in_checked_ = false;
+    return asio::post(socket_.get_executor(), [h = std::move(h)] { h({}); });
+  }
   asio::async_read(socket_, asio::buffer(dst.data(), dst.size()),
                    [this, dst, h = std::move(h)](const ErrorCode& ec, std::size_t) {
                      if (ec || !guard_) return h(ec);
@@ -161,7 +174,7 @@ void Channel::linger_close(std::function<void()> done) {
     std::function<void()> done;
     void operator()(const ErrorCode& ec, std::size_t) {
       if (!ec && self->socket_.is_open()) {
-        self->socket_.async_read_some(asio::buffer(self->drain_), std::move(*this));
+        self->socket_.async_read_some(asio::buffer(*self->drain_), std::move(*this));
         return;
       }
       self->close();
@@ -172,13 +185,55 @@ void Channel::linger_close(std::function<void()> done) {
     if (done) done();
     return;
   }
-  socket_.async_read_some(asio::buffer(drain_), Drain{this, std::move(done)});
+  if (!drain_) drain_ = std::make_unique<std::array<std::uint8_t, 4096>>();
+  socket_.async_read_some(asio::buffer(*drain_), Drain{this, std::move(done)});
 }
 
 void Channel::close() noexcept {
   ErrorCode ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
+}
+
+Channel::Detached::Detached(Detached&& o) noexcept
+    : fd(std::exchange(o.fd, -1)), protocol(o.protocol), index(o.index), guard(std::move(o.guard)) {}
+
+Channel::Detached& Channel::Detached::operator=(Detached&& o) noexcept {
+  if (this != &o) {
+    if (fd >= 0) ::close(fd);
+    fd = std::exchange(o.fd, -1);
+    protocol = o.protocol;
+    index = o.index;
+    guard = std::move(o.guard);
+  }
+  return *this;
+}
+
+Channel::Detached::~Detached() {
+  if (fd >= 0) ::close(fd);
+}
+
+Channel::Detached Channel::detach() {
+  Detached d;
+  ErrorCode ec;
+  auto ep = socket_.local_endpoint(ec);
+  d.protocol = ec ? tcp::v4() : ep.protocol();
+  d.index = index_;
+  d.guard = std::move(guard_);
+  d.fd = socket_.is_open() ? socket_.release(ec) : -1;
+  if (ec) d.fd = -1;
+  return d;
+}
+
+std::unique_ptr<Channel> Channel::adopt(asio::io_context& io, Detached d) {
+  tcp::socket s(io);
+  ErrorCode ec;
+  s.assign(d.protocol, d.fd, ec);
+  if (ec) return nullptr;  // d still owns (and closes) the descriptor
+  d.fd = -1;
+  auto ch = std::make_unique<Channel>(std::move(s), d.index);
+  ch->guard_ = std::move(d.guard);
+  return ch;
 }
 
 void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,

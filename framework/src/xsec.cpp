@@ -152,6 +152,19 @@ void make_private_dir(const std::string& dir) {
   }
 }
 
+// "name=N" with N a whole number from 1 to 1000000.
+std::optional<unsigned> count_option(const std::string& word, const char* name) {
+  const std::size_t len = std::strlen(name);
+  if (word.compare(0, len, name) != 0 || word.size() == len || word.size() > len + 7) return std::nullopt;
+  unsigned v = 0;
+  for (std::size_t i = len; i < word.size(); ++i) {
+    if (word[i] < '0' || word[i] > '9') return std::nullopt;
+    v = v * 10 + static_cast<unsigned>(word[i] - '0');
+  }
+  if (v == 0 || v > 1000000) return std::nullopt;
+  return v;
+}
+
 std::string parent_of(const std::string& path) {
   auto slash = path.rfind('/');
   return slash == std::string::npos ? "" : path.substr(0, slash);
@@ -297,7 +310,9 @@ AuthorizedKeys AuthorizedKeys::parse(const std::string& text, const std::string&
       if (w[i] == "rw") p.write = true;
       else if (w[i] == "ro") p.write = false;
       else if (w[i].rfind("subdir=", 0) == 0 && w[i].size() > 7) p.subdir = w[i].substr(7);
-      else throw Error(errc::bad_argument, where + ": unknown option '" + w[i] + "'");
+      else if (auto n = count_option(w[i], "sessions=")) p.sessions = *n;
+      else if (auto c = count_option(w[i], "channels=")) p.channels = *c;
+      else throw Error(errc::bad_argument, where + ": unknown option '" + w[i] + "' (rw, ro, subdir=DIR, sessions=N, channels=N)");
     }
     ak.keys_[*key] = p;
   }
@@ -446,23 +461,26 @@ bool NoiseXX::read_message_2(std::span<const std::uint8_t> msg) {
   return d_->decrypt_and_hash(msg.subspan(64 + tag_size), payload) && payload.empty();
 }
 
-// -> s, se
-std::vector<std::uint8_t> NoiseXX::write_message_3() {
+// -> s, se (with the payload: the initiator's first words that only the responder can read)
+std::vector<std::uint8_t> NoiseXX::write_message_3(std::span<const std::uint8_t> payload) {
   std::vector<std::uint8_t> out;
   d_->encrypt_and_hash(d_->s.public_key, out);
   if (!d_->mix_dh(d_->s.secret, d_->re)) return {};
-  d_->encrypt_and_hash({}, out);
+  d_->encrypt_and_hash(payload, out);
   return out;
 }
 
-bool NoiseXX::read_message_3(std::span<const std::uint8_t> msg) {
-  if (msg.size() != 32 + tag_size + tag_size) return false;
+bool NoiseXX::read_message_3(std::span<const std::uint8_t> msg, std::vector<std::uint8_t>* payload) {
+  if (msg.size() < 32 + tag_size + tag_size) return false;
   std::vector<std::uint8_t> s;
   if (!d_->decrypt_and_hash(msg.subspan(0, 32 + tag_size), s) || s.size() != 32) return false;
   std::memcpy(rs_.data(), s.data(), 32);
   if (!d_->mix_dh(d_->e_secret, rs_)) return false;
-  std::vector<std::uint8_t> payload;
-  return d_->decrypt_and_hash(msg.subspan(32 + tag_size), payload) && payload.empty();
+  std::vector<std::uint8_t> p;
+  if (!d_->decrypt_and_hash(msg.subspan(32 + tag_size), p)) return false;
+  if (payload) *payload = std::move(p);
+  else if (!p.empty()) return false;
+  return true;
 }
 
 NoiseXX::Result NoiseXX::split() const {
@@ -637,7 +655,9 @@ bool BlockCrypto::open(std::uint8_t* data, std::uint32_t len, std::uint64_t offs
 namespace xdfs::xsec {
 namespace {
 
-constexpr std::uint32_t max_handshake_payload = 256;
+// Noise messages 1 and 2 and the join messages are at most 96 bytes; message 3 carries the
+// negotiation.
+constexpr std::uint32_t max_handshake_payload = 32 + 2 * tag_size + wire::max_negotiation_payload;
 
 HandshakeResult failure(errc code, std::string msg, bool remote = false) {
   HandshakeResult r;
@@ -679,60 +699,66 @@ void install(xdsi::Channel& ch, Protect mode, Cipher cipher, const Key32& send, 
   ch.protect(std::make_unique<FrameProtector>(mode, cipher, send, recv));
 }
 
-void refuse(xdsi::Channel& ch, const HandshakeResult& r) {
-  ch.send_control(wire::Event::exception, wire::encode(wire::ExceptionHeader{r.code, r.message, ch.index(), 0}));
-}
-
 }  // namespace
 
 void client_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, const KeyPair& self, Protect mode,
-                      Cipher cipher, ServerKeyCheck check, HandshakeHandler h) {
+                      Cipher cipher, std::vector<std::uint8_t> payload, ServerKeyCheck check, HandshakeHandler h) {
   auto noise = std::make_shared<NoiseXX>(true, self, opening);
   send_handshake(ch, noise->write_message_1());
-  read_handshake(ch, [&ch, noise, mode, cipher, check = std::move(check), h = std::move(h)](
-                         HandshakeResult r, std::vector<std::uint8_t> msg2) {
+  read_handshake(ch, [&ch, noise, mode, cipher, payload = std::move(payload), check = std::move(check),
+                      h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> msg2) {
     if (r.code != errc::ok) return h(r);
     if (!noise->read_message_2(msg2))
       return h(failure(errc::auth_failed,
-                       "the server's handshake does not verify (a changed negotiation header, or not the server's key)"));
+                       "the server's handshake does not verify (a changed opening, or not the server's key)"));
+    // The server is known before the negotiation leaves: a stranger never learns what is moved.
     if (auto verdict = check(noise->remote_static()); verdict.code != errc::ok) return h(verdict);
-    auto msg3 = noise->write_message_3();
+    auto msg3 = noise->write_message_3(payload);
+    if (msg3.empty()) return h(failure(errc::auth_failed, "the server's ephemeral key is a low-order point"));
     send_handshake(ch, std::move(msg3));
     auto keys = noise->split();
     install(ch, mode, cipher, keys.send, keys.recv);
-    HandshakeResult ok;
-    ok.remote_static = noise->remote_static();
-    ok.session_secret = keys.session_secret;
-    h(ok);
-  });
-}
-
-void server_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, const KeyPair& self, Protect mode,
-                      Cipher cipher, ClientKeyCheck check, HandshakeHandler h) {
-  auto noise = std::make_shared<NoiseXX>(false, self, opening);
-  read_handshake(ch, [&ch, noise, mode, cipher, check = std::move(check), h = std::move(h)](
-                         HandshakeResult r, std::vector<std::uint8_t> msg1) mutable {
-    if (r.code != errc::ok) return h(r);
-    if (!noise->read_message_1(msg1)) return h(failure(errc::protocol_error, "malformed first handshake message"));
-    auto msg2 = noise->write_message_2();
-    if (msg2.empty()) return h(failure(errc::auth_failed, "the client's ephemeral key is a low-order point"));
-    send_handshake(ch, std::move(msg2));
-    read_handshake(ch, [&ch, noise, mode, cipher, check = std::move(check), h = std::move(h)](
-                           HandshakeResult r2, std::vector<std::uint8_t> msg3) {
-      if (r2.code != errc::ok) return h(r2);
-      if (!noise->read_message_3(msg3))
-        return h(failure(errc::auth_failed,
-                         "the client's handshake does not verify (a changed negotiation header, or a wrong key)"));
-      auto keys = noise->split();
-      install(ch, mode, cipher, keys.send, keys.recv);
-      if (auto verdict = check(noise->remote_static()); verdict.code != errc::ok) {
-        refuse(ch, verdict);
-        return h(verdict);
-      }
+    // The server confirms (an empty, protected HANDSHAKE frame) once it has accepted the key and
+    // the negotiation and the session exists; only then may the other channels join it.
+    read_handshake(ch, [noise, keys, h = std::move(h)](HandshakeResult r4, std::vector<std::uint8_t> confirm) {
+      if (r4.code != errc::ok) return h(r4);
+      if (!confirm.empty()) return h(failure(errc::protocol_error, "the server's confirmation carries a payload"));
       HandshakeResult ok;
       ok.remote_static = noise->remote_static();
       ok.session_secret = keys.session_secret;
       h(ok);
+    });
+  });
+}
+
+void server_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, const KeyPair& self, Protect mode,
+                      Cipher cipher, Defer defer, HandshakeHandler h) {
+  auto noise = std::make_shared<NoiseXX>(false, self, opening);
+  if (!defer) defer = [](std::function<void()> work) { work(); };
+  read_handshake(ch, [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r,
+                                                                          std::vector<std::uint8_t> msg1) mutable {
+    if (r.code != errc::ok) return h(r);
+    if (msg1.size() != 32) return h(failure(errc::protocol_error, "malformed first handshake message"));
+    defer([&ch, noise, mode, cipher, defer, h = std::move(h), msg1 = std::move(msg1)]() mutable {
+      if (!noise->read_message_1(msg1)) return h(failure(errc::protocol_error, "malformed first handshake message"));
+      auto msg2 = noise->write_message_2();
+      if (msg2.empty()) return h(failure(errc::auth_failed, "the client's ephemeral key is a low-order point"));
+      send_handshake(ch, std::move(msg2));
+      read_handshake(ch, [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r2,
+                                                                             std::vector<std::uint8_t> msg3) mutable {
+        if (r2.code != errc::ok) return h(r2);
+        defer([&ch, noise, mode, cipher, h = std::move(h), msg3 = std::move(msg3)] {
+          HandshakeResult ok;
+          if (!noise->read_message_3(msg3, &ok.payload))
+            return h(failure(errc::auth_failed,
+                             "the client's handshake does not verify (a changed opening, or a wrong key)"));
+          auto keys = noise->split();
+          install(ch, mode, cipher, keys.send, keys.recv);
+          ok.remote_static = noise->remote_static();
+          ok.session_secret = keys.session_secret;
+          h(std::move(ok));
+        });
+      });
     });
   });
 }

@@ -64,7 +64,6 @@ BENCHMARK(BM_FrameHeaderRoundTrip);
 
 Negotiation sample_negotiation() {
   Negotiation n;
-  n.channel_index = 3;
   n.channel_count = 64;
   n.mode = xdfs::Mode::upload;
   n.remote_path = "incoming/run-42/big-file.iso";

@@ -9,7 +9,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   namespace w = xdfs::wire;
-  const std::uint8_t which = data[0] % 5;
+  const std::uint8_t which = data[0] % 6;
   std::span<const std::uint8_t> rest(data + 1, size - 1);
   std::string why;
   switch (which) {
@@ -25,6 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       break;
     case 1:
       if (auto n = w::decode_negotiation(rest, &why)) {
+        if (n->file_size > w::max_file_size || n->window > w::max_file_size || n->remote_path.size() > w::max_path_bytes)
+          __builtin_trap();
         // Whatever decodes must encode and decode to the same thing.
         auto again = w::decode_negotiation(w::encode(*n), &why);
         if (!again || !(*again == *n)) __builtin_trap();
@@ -38,6 +40,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (e->code == xdfs::errc::ok || e->message.size() > 512) __builtin_trap();
         for (char c : e->message)
           if (static_cast<unsigned char>(c) < 0x20) __builtin_trap();
+      }
+      break;
+    case 5:
+      if (auto o = w::decode_opening(rest, &why)) {
+        // What decodes keeps the decoder's promises and survives a round trip.
+        if (o->protect > 2 || o->cipher > 1 || o->join != (o->channel_index != 0) ||
+            o->join_nonce.size() != (o->join ? 32u : 0u))
+          __builtin_trap();
+        auto again = w::decode_opening(w::encode(*o), &why);
+        if (!again || !(*again == *o)) __builtin_trap();
       }
       break;
     case 4:

@@ -15,6 +15,7 @@ flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
        -I"$src/framework/include" -I"$src/pathm/include" -I"$build/framework/schema" -I"$build/pathm/schema"
        -I"$build/pathm" -I/usr/include/botan-2)
 libsrc=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp"
+        "$src/framework/src/text.cpp" "$src/framework/src/budget.cpp" "$src/framework/src/ranges.cpp"
         "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
         "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")
 libs=(-lcapnp -lkj -lbotan-2 -lpthread)

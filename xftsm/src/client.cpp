@@ -52,7 +52,7 @@ public:
         deadline_(io_),
         ticker_(io_),
         linger_(io_) {
-    nego_.session = SessionId::random();
+    opening_.session = SessionId::random();
     nego_.channel_count = opt.channels;
     nego_.mode = mode;
     nego_.remote_path = std::move(remote);
@@ -154,7 +154,7 @@ private:
     auto [dir, name] = files::split_parent(local);
     int dfd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) throw TransferError(errc_from_errno(errno), "directory '" + dir + "': " + std::strerror(errno), false);
-    if (auto st = files::PendingFile::create(files::Fd(dfd), name, nego_.session.short_hex(), pending_); !st)
+    if (auto st = files::PendingFile::create(files::Fd(dfd), name, opening_.session.short_hex(), pending_); !st)
       throw TransferError(st.code, st.message, false);
     sink_ = piod::Sink{pending_.fd(), true, false};
   }
@@ -171,8 +171,8 @@ private:
     } catch (const Error& e) {
       throw TransferError(e.code(), e.context(), false);
     }
-    nego_.protect = static_cast<std::uint8_t>(opt_.protect);
-    nego_.cipher = static_cast<std::uint8_t>(xsec::preferred_cipher());
+    opening_.protect = static_cast<std::uint8_t>(opt_.protect);
+    opening_.cipher = static_cast<std::uint8_t>(xsec::preferred_cipher());
     start_ = Clock::now();
     if (machine_.fire(Event::start) != Action::connect_channels) throw TransferError(errc::internal, machine_.why(), false);
     deadline_.expires_after(opt_.connect_timeout);
@@ -226,18 +226,20 @@ private:
     });
   }
 
+  // Each channel opens with the preamble and its opening in the clear; channel 0 then runs Noise
+  // XX and sends the negotiation inside it (once the server's key checked out), the others join.
   void on_connected(xdsi::Channel& ch) {
     xdsi::SocketOptions so;
     so.tcp_window = opt_.tcp_window;
     xdsi::apply(ch.socket(), so);
-    auto n = nego_;
-    n.channel_index = ch.index();
-    n.join = ch.index() != 0;
-    if (n.join) {
-      n.join_nonce.resize(32);
-      xsec::random_fill(n.join_nonce);
+    auto o = opening_;
+    o.channel_index = ch.index();
+    o.join = ch.index() != 0;
+    if (o.join) {
+      o.join_nonce.resize(32);
+      xsec::random_fill(o.join_nonce);
     }
-    auto payload = wire::encode(n);
+    auto payload = wire::encode(o);
     wire::FrameHeader h;
     h.event = wire::Event::nego;
     h.length = static_cast<std::uint32_t>(payload.size());
@@ -251,10 +253,10 @@ private:
     ch.send_raw(std::move(bytes), [this, &ch](const ErrorCode& ec) {
       if (ec && !machine_.finished()) channel_lost(ch, ec);
     });
-    const auto mode = static_cast<xsec::Protect>(nego_.protect);
-    const auto cipher = static_cast<xsec::Cipher>(nego_.cipher);
-    if (!n.join) {
-      xsec::client_establish(ch, std::move(opening), identity_, mode, cipher,
+    const auto mode = static_cast<xsec::Protect>(opening_.protect);
+    const auto cipher = static_cast<xsec::Cipher>(opening_.cipher);
+    if (!o.join) {
+      xsec::client_establish(ch, std::move(opening), identity_, mode, cipher, wire::encode(nego_),
                              [this](const xsec::Key32& k) { return check_server(k); },
                              [this, &ch](xsec::HandshakeResult r) {
                                if (machine_.finished()) return;
@@ -264,7 +266,7 @@ private:
                                for (std::uint32_t i = 1; i < opt_.channels; ++i) connect(i);
                              });
     } else {
-      xsec::client_join(ch, std::move(opening), n.join_nonce, secret_, mode, cipher,
+      xsec::client_join(ch, std::move(opening), o.join_nonce, secret_, mode, cipher,
                         [this, &ch](xsec::HandshakeResult r) {
                           if (machine_.finished()) return;
                           if (r.code != errc::ok) return secure_failed(r);
@@ -371,6 +373,9 @@ private:
       sender_->start();
     } else {
       size_ = reply_->file_size;
+      if (pending_.active())
+        if (auto st = files::check_room(pending_.dir(), size_, "'" + pending_.final_name() + "'"); !st)
+          return fail_early(st.code, st.message, false, Event::local_error);
       p.file_size = size_;
       p.data_event = wire::Event::xftsmd;
       sink_.opener = crypto(false);
@@ -382,7 +387,7 @@ private:
   // The block protection of this session's data direction (none in clear mode).
   xsec::BlockCrypto* crypto(bool client_to_server) {
     if (opt_.protect == xsec::Protect::clear) return nullptr;
-    block_crypto_ = std::make_unique<xsec::BlockCrypto>(opt_.protect, static_cast<xsec::Cipher>(nego_.cipher),
+    block_crypto_ = std::make_unique<xsec::BlockCrypto>(opt_.protect, static_cast<xsec::Cipher>(opening_.cipher),
                                                         xsec::data_key(secret_, client_to_server));
     return block_crypto_.get();
   }
@@ -437,7 +442,8 @@ private:
   Machine machine_;
   Endpoint endpoint_;
   TransferOptions opt_;
-  wire::Negotiation nego_;
+  wire::Opening opening_;   // what every channel says first (each with its own index and nonce)
+  wire::Negotiation nego_;  // what channel 0 says inside its handshake
   std::uint32_t slots_ = 32;
   tcp::resolver resolver_;
   tcp::resolver::results_type results_;

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 namespace xdfs::xftsm {
 
@@ -16,20 +18,26 @@ namespace {
 
 constexpr std::uint8_t max_per_channel = 2;
 
-// The pool never needs more slots than the file has blocks (a small file, a small pool), and
-// always has two so that reading and sending overlap.
-std::uint32_t pool_slots(const TransferParams& p) {
-  const std::uint64_t blocks = (p.file_size + p.block_size - 1) / p.block_size;
-  return static_cast<std::uint32_t>(std::max<std::uint64_t>(std::min<std::uint64_t>(p.slots, blocks), 2));
-}
-
 std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   if (ec == werr::eof) return "channel " + std::to_string(ch.index()) + " closed by the peer";
   if (ec == werr::connection_reset) return "channel " + std::to_string(ch.index()) + " reset by the peer";
   return "channel " + std::to_string(ch.index()) + ": " + ec.message();
 }
 
+// The wake-up descriptor of the engine's event loop: its own copy of the pipe's eventfd.
+int dup_or_throw(int fd) {
+  const int d = ::dup(fd);
+  if (d < 0) throw Error(errc_from_errno(errno), std::string("dup of the disk wake-up descriptor: ") + std::strerror(errno));
+  return d;
+}
+
 }  // namespace
+
+std::uint32_t pool_slots(const TransferParams& p) noexcept {
+  const std::uint64_t bs = p.block_size ? p.block_size : 1;
+  const std::uint64_t blocks = p.file_size / bs + (p.file_size % bs != 0);  // no overflow near 2^64
+  return static_cast<std::uint32_t>(std::max<std::uint64_t>(std::min<std::uint64_t>(p.slots, blocks), 2));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Engine
@@ -42,7 +50,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       host_(host),
       params_(p),
       pipe_(p.block_size, pool_slots(p)),
-      wake_(io, ::dup(pipe_.net_wake().fd())),
+      wake_(io, dup_or_throw(pipe_.net_wake().fd())),
       watchdog_(io),
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()) {
@@ -294,8 +302,6 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
     : Engine(io, machine, channels, host, p), sink_(sink), eofr_(channels.size(), false) {
   free_slots_.reserve(pipe_.slots());
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
-  const std::uint64_t blocks = (p.file_size + p.block_size - 1) / p.block_size;
-  seen_.assign((blocks + 63) / 64, 0);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
   ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
 }
@@ -350,12 +356,8 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
                 "bad block on channel " + std::to_string(idx) + ": offset " + std::to_string(h.offset) + " length " +
                     std::to_string(h.length) + " in a file of " + std::to_string(size) + " bytes",
                 false, true);
-  const std::uint64_t block = h.offset / bs;
-  auto& word = seen_[block / 64];
-  const std::uint64_t bit = std::uint64_t(1) << (block % 64);
-  if (word & bit)
+  if (!seen_.insert(h.offset, h.offset + expect))
     return fail(errc::protocol_error, "block at offset " + std::to_string(h.offset) + " received twice", false, true);
-  word |= bit;
   if (free_slots_.empty()) {
     parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
     return;

@@ -70,6 +70,8 @@ public:
   static Status create(Fd dir, const std::string& name, const std::string& tag, PendingFile& out);
 
   int fd() const noexcept { return fd_.get(); }
+  /// The directory it is written in.
+  int dir() const noexcept { return dir_.get(); }
   const std::string& temp_name() const noexcept { return temp_; }
   const std::string& final_name() const noexcept { return name_; }
   bool active() const noexcept { return static_cast<bool>(fd_); }
@@ -85,6 +87,13 @@ private:
   std::string name_;
   std::string temp_;
 };
+
+/// Whether `bytes` more fit on the file system of the open directory `dir` (its space available
+/// to unprivileged users); disk_full naming `what` and both figures if not.
+Status check_room(int dir, std::uint64_t bytes, const std::string& what);
+
+/// The process's umask (read once, without changing it).
+mode_t process_umask() noexcept;
 
 /// "dir/name" -> ("dir", "name"); "name" -> (".", "name").
 std::pair<std::string, std::string> split_parent(const std::string& path);

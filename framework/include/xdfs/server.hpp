@@ -1,10 +1,14 @@
-// The server runtime: listener, handshake checks, the session registry and shutdown.
+// The server runtime: listener, authentication, admission, the session registry and shutdown.
 //
-// The listener thread accepts connections, reads each channel's preamble and negotiation header
-// under a deadline and checks them. The first channel of a session GUID creates the session,
-// which gets its own io_context and network thread (the paper's MTEDP model: m sessions, m
-// network threads); later channels of that GUID are handed to that thread. What a session does
-// with its channels is the business of a mode (xFTSM, path mode), plugged in as a factory.
+// The listener thread accepts connections and, for each, reads the channel's opening and runs its
+// handshake (Noise XX for a session's first channel, the cheap join for the others) under one
+// deadline. Until then a connection costs a small constant and no thread, and counts against a
+// server-wide and a per-address cap of pending connections (the oldest goes when one is full).
+// Public-key work is queued fairly between source addresses. Only an authenticated first
+// channel, whose key is authorized for what its negotiation asks, creates a session: its own
+// io_context and network thread (the paper's MTEDP model: m sessions, m network threads), which
+// the session's other channels join once they have proved its secret. What a session does with
+// its channels is the business of a mode (xFTSM, path mode), plugged in as a factory.
 #pragma once
 
 #include <atomic>
@@ -14,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "xdfs/budget.hpp"
 #include "xdfs/error.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
@@ -26,24 +31,39 @@ namespace xdfs {
 struct ServerConfig {
   std::string root;                       ///< directory served; nothing outside it is reachable
   /// Where the server keeps its identity (server_x25519, made on first start, mode 0600).
-  /// Empty: $XDFS_STATE_DIR, else $XDG_STATE_HOME/xdfsd, else ~/.local/state/xdfsd.
+  /// Empty: $XDFS_STATE_DIR, else $XDG_STATE_HOME/xdfsd, else ~/.local/state/xdfsd. It must not
+  /// lie inside the root (a client could read the server's key).
   std::string state_dir;
   /// Client keys admitted, with their permissions. Empty: <state_dir>/authorized_keys.
   /// Read at each session start, so edits apply without a restart.
   std::string authorized_keys;
   std::string listen = "127.0.0.1:7721";  ///< HOST:PORT; port 0 picks a free one
-  unsigned max_sessions = 64;             ///< sessions at once; more are refused
+  unsigned max_sessions = 64;             ///< authenticated sessions at once; more are refused
   unsigned max_channels = 256;            ///< n per session; more is refused
+  /// Per client key, unless its authorized_keys line says otherwise (sessions=N, channels=N):
+  unsigned max_sessions_per_key = 16;     ///< sessions at once
+  unsigned max_channels_per_key = 1024;   ///< channels at once, over all its sessions
+  /// Connections that have not authenticated yet (reading their opening, in their handshake):
+  unsigned max_pending = 1024;            ///< server-wide; when full, the oldest of the busiest address goes
+  unsigned max_pending_per_address = 64;  ///< from one source address; when full, its oldest goes
   std::uint32_t max_block_size = 16u << 20;
   std::uint32_t max_tcp_window = 64u << 20;
-  std::size_t ring_bytes = 32u << 20;     ///< per-session pool between network and disk
-  std::chrono::milliseconds handshake_timeout{10000};  ///< preamble + negotiation must arrive in this
+  std::size_t ring_bytes = 32u << 20;     ///< per-session pool between network and disk (less if memory is short)
+  /// Memory the server may hold for its peers at once (rings, path-mode requests and replies);
+  /// 0: default_memory_limit() (a quarter of the machine's memory, at most 2 GiB).
+  std::size_t memory_limit = 0;
+  /// Largest file a client may upload; 0: what the target file system has free.
+  std::uint64_t max_file_size = 0;
+  /// Weakest protection accepted (xsec::Protect: 0 clear, 1 integrity, 2 private).
+  std::uint8_t min_protect = 0;
+  std::chrono::milliseconds handshake_timeout{5000};   ///< opening + handshake must complete in this
   std::chrono::milliseconds join_timeout{10000};       ///< all n channels must arrive in this
   std::chrono::milliseconds idle_timeout{60000};       ///< a session with no progress this long ends
   bool fsync = false;                     ///< fdatasync received files before renaming them into place
   bool allow_memory_mode = false;         ///< accept memory-to-memory sessions (benchmarks)
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
-  /// Where log lines go (one line each, no newline). Default: stderr with a timestamp.
+  /// Where log lines go (one line each, no newline, escaped: nothing from a peer can break a
+  /// line or drive a terminal). Default: stderr with a timestamp.
   std::function<void(const std::string&)> log;
 };
 
@@ -62,18 +82,28 @@ struct SessionReport {
 
 namespace runtime {
 
-/// Given to a mode when a session registers. Lives as long as the session.
+/// Who a session's client is, as its authentication established.
+struct Client {
+  xsec::Key32 key{};
+  std::string fingerprint;   ///< "SHA256:..." for log lines
+  bool write = true;         ///< rw (else ro: nothing may be changed)
+};
+
+/// Given to a mode when a session starts. Lives as long as the session.
 struct SessionEnv {
   boost::asio::io_context& io;   ///< the session's own loop, run by its network thread
   const ServerConfig& config;    ///< state_dir and authorized_keys resolved
-  int root_fd;                   ///< O_PATH descriptor of the root
-  const xsec::KeyPair& key;      ///< the server's identity
+  int root_fd;                   ///< O_PATH descriptor of what the client may see (its key's subdirectory)
   SessionId id;
   std::string peer;
-  wire::Negotiation first;       ///< the first channel's negotiation
+  wire::Opening opening;         ///< channel 0's opening: protection level and cipher
+  wire::Negotiation nego;        ///< what the client asked for (checked against the limits)
+  Client client;
+  xsec::Key32 session_secret{};  ///< the block keys of the session derive from it
+  MemoryBudget& budget;          ///< server-wide: reserve before allocating for a peer
   /// The mode calls this once when the session ends (on the session thread).
   std::function<void(SessionReport)> done;
-  /// The mode calls this once when all channels are in (for the start log line).
+  /// One log line (escaped by the runtime).
   std::function<void(const std::string&)> log;
 };
 
@@ -81,12 +111,14 @@ struct SessionEnv {
 class SessionHandler {
 public:
   virtual ~SessionHandler() = default;
-  /// A channel that passed the handshake checks and names this session's GUID. `opening` is
-  /// the preamble and NEGO frame as received: the security handshake binds them.
-  virtual void add_channel(xdsi::tcp::socket socket, wire::Negotiation nego, std::vector<std::uint8_t> opening,
-                           std::string peer) = 0;
+  /// An authenticated channel of this session: channel 0 first (it ran Noise XX), then the
+  /// others as they prove the session secret. Its frames are protected from now on.
+  virtual void add_channel(std::unique_ptr<xdsi::Channel> ch) = 0;
   /// The server is stopping: fail the session, remove partial files, tell the peer.
   virtual void shutdown() = 0;
+  /// One of the session's handlers threw: fail the session now with this reason, tell the
+  /// peer, remove partial files. Other sessions never see it.
+  virtual void crash(const std::string& what) = 0;
 };
 
 using HandlerFactory = std::function<std::unique_ptr<SessionHandler>(SessionEnv& env)>;
@@ -111,8 +143,12 @@ public:
   void stop();
   /// Sessions registered right now (thread-safe).
   std::size_t active_sessions() const noexcept;
+  /// Connections not authenticated yet (thread-safe).
+  std::size_t pending_connections() const noexcept;
   /// Channels refused at the handshake so far (thread-safe).
   std::size_t rejected_channels() const noexcept;
+  /// The memory budget of the server's peers.
+  const MemoryBudget& memory() const noexcept;
   /// The server's public key.
   const xsec::Key32& public_key() const noexcept;
 

@@ -39,7 +39,7 @@ bool check_text(std::string_view text, const char* what, std::string* why);
 
 /// The paper's channel events (Table 3), plus the control frames xDFS needs around them.
 enum class Event : std::uint8_t {
-  nego = 1,       ///< negotiation header (Cap'n Proto Negotiation)
+  nego = 1,       ///< the channel's opening (Cap'n Proto Opening); the negotiation rides in the handshake
   nego_reply = 2, ///< server accepts the session (Cap'n Proto NegotiationReply)
   xftsmu = 3,     ///< file block, client to server
   xftsmd = 4,     ///< file block, server to client
@@ -87,11 +87,26 @@ PreambleBytes encode_preamble(std::uint16_t version = protocol_version) noexcept
 /// Checks the magic; returns the peer's version, or errc::protocol_error.
 std::optional<std::uint16_t> decode_preamble(std::span<const std::uint8_t, preamble_size> b) noexcept;
 
-/// Negotiation header (the paper's Table 2).
-struct Negotiation {
+/// What a channel says first, in the clear (the NEGO frame after the preamble): only what the
+/// server needs to run the channel's handshake. An unauthenticated peer can make the server read
+/// this much and no more.
+struct Opening {
   std::uint16_t version = protocol_version;
   SessionId session;
   std::uint32_t channel_index = 0;
+  std::uint8_t protect = 2;     ///< xsec::Protect: 0 clear, 1 integrity, 2 private
+  std::uint8_t cipher = 0;      ///< xsec::Cipher for private mode
+  bool join = false;            ///< joins an established session with its secret
+  std::vector<std::uint8_t> join_nonce;  ///< join: 32 fresh random bytes from the client
+  bool operator==(const Opening&) const = default;
+};
+
+/// Largest opening payload: the fields above encode in about 100 bytes.
+inline constexpr std::uint32_t max_opening_payload = 512;
+
+/// The transfer (the paper's Table 2 without the opening's fields). It is the payload of the
+/// client's last Noise XX message: encrypted, and bound into the handshake's transcript.
+struct Negotiation {
   std::uint32_t channel_count = 1;
   Mode mode = Mode::upload;
   std::string remote_path;
@@ -100,12 +115,15 @@ struct Negotiation {
   std::uint64_t extended_flags = 0;
   std::uint64_t file_size = 0;  ///< upload: size of the file the client sends
   std::uint64_t window = 0;     ///< download: unacknowledged bytes the client accepts
-  std::uint8_t protect = 2;     ///< xsec::Protect: 0 clear, 1 integrity, 2 private
-  std::uint8_t cipher = 0;      ///< xsec::Cipher for private mode
-  bool join = false;            ///< joins an established session with its secret
-  std::vector<std::uint8_t> join_nonce;  ///< join: 32 fresh random bytes from the client
   bool operator==(const Negotiation&) const = default;
 };
+
+/// Largest negotiation payload (a 4096-byte path and the scalars).
+inline constexpr std::uint32_t max_negotiation_payload = 8192;
+
+/// Largest file size and window the protocol carries: 2^62 bytes, so that a sum of two of them
+/// (an offset plus a length, a size plus a window) never overflows 64 bits.
+inline constexpr std::uint64_t max_file_size = std::uint64_t(1) << 62;
 
 struct NegotiationReply {
   std::uint64_t file_size = 0;
@@ -123,12 +141,14 @@ struct ExceptionHeader {
 };
 
 /// Cap'n Proto encodings of the control messages (flat array of words, unpacked).
+std::vector<std::uint8_t> encode(const Opening& o);
 std::vector<std::uint8_t> encode(const Negotiation& n);
 std::vector<std::uint8_t> encode(const NegotiationReply& r);
 std::vector<std::uint8_t> encode(const ExceptionHeader& e);
 
 /// Decoders treat the input as hostile: size limits, traversal limits and field checks apply,
 /// and any failure returns nullopt with the reason in `why`.
+std::optional<Opening> decode_opening(std::span<const std::uint8_t> b, std::string* why = nullptr);
 std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why = nullptr);
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why = nullptr);
 std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b, std::string* why = nullptr);

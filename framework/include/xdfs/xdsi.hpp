@@ -106,6 +106,23 @@ public:
 
   const std::string& last_error_text() const noexcept { return error_text_; }
 
+  /// The channel's socket and protection without its event loop, for another thread's loop to
+  /// adopt (the listener authenticates a channel, then hands it to its session's thread). No
+  /// operation may be pending. The channel is closed afterwards.
+  struct Detached {
+    Detached() = default;
+    Detached(Detached&& o) noexcept;
+    Detached& operator=(Detached&& o) noexcept;
+    ~Detached();
+    int fd = -1;
+    tcp protocol = tcp::v4();
+    std::uint32_t index = 0;
+    std::unique_ptr<FrameGuard> guard;
+  };
+  Detached detach();
+  /// A channel on `io` from a detached one; call it on the thread that runs `io`.
+  static std::unique_ptr<Channel> adopt(asio::io_context& io, Detached d);
+
 private:
   struct Out {
     wire::HeaderBytes header;
@@ -123,9 +140,10 @@ private:
   tcp::socket socket_;
   std::uint32_t index_;
   wire::HeaderBytes in_header_{};
+  bool in_checked_ = false;  // the frame just read was empty and its tag checked with the header
   std::deque<Out> out_;
   std::string error_text_;
-  std::array<std::uint8_t, 4096> drain_{};
+  std::unique_ptr<std::array<std::uint8_t, 4096>> drain_;  // only while lingering
   std::array<std::uint8_t, 16> in_tag_{};
   std::unique_ptr<FrameGuard> guard_;
 };

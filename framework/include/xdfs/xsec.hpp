@@ -81,10 +81,12 @@ KeyPair load_or_create_key(const std::string& path, bool* created = nullptr);
 struct Permission {
   bool write = true;        ///< rw: upload and download; ro: download only
   std::string subdir;       ///< if set, the client sees only this directory under the root
+  unsigned sessions = 0;    ///< sessions at once (0: the server's per-key default)
+  unsigned channels = 0;    ///< channels at once over its sessions (0: the server's per-key default)
 };
 
 /// The server's authorized-keys file: one client per line,
-///   xdfs-x25519 <base64> [rw|ro] [subdir=PATH] [# comment]
+///   xdfs-x25519 <base64> [rw|ro] [subdir=PATH] [sessions=N] [channels=N] [# comment]
 class AuthorizedKeys {
 public:
   /// Parses the file; a malformed line is an error naming its line number.
@@ -128,8 +130,10 @@ public:
   bool read_message_1(std::span<const std::uint8_t> msg);
   std::vector<std::uint8_t> write_message_2();
   bool read_message_2(std::span<const std::uint8_t> msg);
-  std::vector<std::uint8_t> write_message_3();
-  bool read_message_3(std::span<const std::uint8_t> msg);
+  /// Message 3 carries the initiator's payload (encrypted; empty if none). read_message_3 with
+  /// no payload out-parameter refuses a message that carries one.
+  std::vector<std::uint8_t> write_message_3(std::span<const std::uint8_t> payload = {});
+  bool read_message_3(std::span<const std::uint8_t> msg, std::vector<std::uint8_t>* payload = nullptr);
 
   /// The peer's static key (after message 2 for the initiator, 3 for the responder).
   const Key32& remote_static() const noexcept { return rs_; }
@@ -224,20 +228,24 @@ struct HandshakeResult {
   bool remote = false;      ///< the peer reported the failure (an exception header)
   Key32 remote_static{};    ///< establish: the peer's identity
   Key32 session_secret{};   ///< establish: what the other channels join with
+  std::vector<std::uint8_t> payload;  ///< server establish: what the client's message 3 carried
 };
 using HandshakeHandler = std::function<void(HandshakeResult)>;
 /// Client side: decides whether the server's static key is acceptable (known hosts).
 using ServerKeyCheck = std::function<HandshakeResult(const Key32& server_static)>;
-/// Server side: decides whether the client's static key is acceptable (authorized keys).
-using ClientKeyCheck = std::function<HandshakeResult(const Key32& client_static)>;
+/// Runs a step that costs public-key work, now or later (a server queues them fairly).
+using Defer = std::function<void(std::function<void()>)>;
 
 /// The Noise XX exchange on a channel whose opening bytes (preamble and NEGO frame) are
-/// `opening`; on success the channel is protected with its own keys. On the server a refused
-/// client key is reported to the client (over the now protected channel) before h runs.
+/// `opening`; on success the channel is protected with its own keys. The client sends
+/// `payload` (the negotiation) in message 3, once it has checked the server's key; the server
+/// returns it in the result, with the client's key, for the caller to judge. The caller then
+/// answers over the now protected channel: an empty HANDSHAKE frame once the session exists
+/// (client_establish completes only when it arrives), or an EXCEPTION saying why not.
 void client_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, const KeyPair& self, Protect mode,
-                      Cipher cipher, ServerKeyCheck check, HandshakeHandler h);
+                      Cipher cipher, std::vector<std::uint8_t> payload, ServerKeyCheck check, HandshakeHandler h);
 void server_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, const KeyPair& self, Protect mode,
-                      Cipher cipher, ClientKeyCheck check, HandshakeHandler h);
+                      Cipher cipher, Defer defer, HandshakeHandler h);
 
 /// The cheap join of channels 2..n: server sends its nonce and proof, client answers with its
 /// proof; both derive the channel's keys from the session secret and both nonces.

@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "xdfs/budget.hpp"
 #include "xdfs/pathm/fsops.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/pathm/pool.hpp"
@@ -59,6 +60,9 @@ struct ServerParams {
   bool fsync = false;
   std::string tag;  ///< names temporary files (the session id)
   std::chrono::milliseconds idle_timeout{60000};
+  /// The server's memory budget: request and reply bytes are reserved in it before they are
+  /// allocated (null: no budget, as on a client).
+  MemoryBudget* budget = nullptr;
 };
 
 /// Serves path requests on a root directory until the client ends the session (EOFT).

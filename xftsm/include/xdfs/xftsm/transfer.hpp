@@ -19,6 +19,7 @@
 
 #include "xdfs/files.hpp"
 #include "xdfs/piod.hpp"
+#include "xdfs/ranges.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
 #include "xdfs/xftsm/cfsm.hpp"
@@ -51,6 +52,10 @@ struct TransferParams {
   /// How long a failing side waits for its exception header to leave before closing.
   std::chrono::milliseconds linger{2000};
 };
+
+/// Slots an engine's pool gets for these parameters: no more than the file has blocks (a small
+/// file, a small pool), never fewer than two, so that reading and sending overlap.
+std::uint32_t pool_slots(const TransferParams& p) noexcept;
 
 /// Common plumbing: the CFSM, the disk wake-up, the idle watchdog and failure handling.
 class Engine {
@@ -148,7 +153,7 @@ private:
     wire::FrameHeader h;
   };
   std::vector<Parked> parked_;           // channels waiting for a free slot
-  std::vector<std::uint64_t> seen_;      // bitmap of blocks received
+  RangeSet seen_;                        // bytes whose blocks arrived (grows with what arrived)
   std::vector<bool> eofr_;               // per channel
   std::size_t eofr_count_ = 0;
   std::uint64_t received_ = 0;
