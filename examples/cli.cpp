@@ -28,6 +28,8 @@ std::optional<std::uint64_t> parse_size(const std::string& text) {
   else if (unit == "K" || unit == "k" || unit == "KiB") mult = 1ull << 10;
   else if (unit == "M" || unit == "m" || unit == "MiB") mult = 1ull << 20;
   else if (unit == "G" || unit == "g" || unit == "GiB") mult = 1ull << 30;
+  else if (unit == "T" || unit == "t" || unit == "TiB") mult = 1ull << 40;
+  else if (unit == "P" || unit == "p" || unit == "PiB") mult = 1ull << 50;
   else return std::nullopt;
   if (*num > UINT64_MAX / mult) return std::nullopt;
   return *num * mult;

@@ -7,7 +7,7 @@
 
 namespace xdfs::cli {
 
-/// "65536", "64K", "64KiB", "1M", "2G" (powers of 1024) -> bytes; nullopt if malformed.
+/// "65536", "64K", "64KiB", "1M", "2G", "1T", "1P" (powers of 1024) -> bytes; nullopt if malformed.
 std::optional<std::uint64_t> parse_size(const std::string& text);
 
 /// Unsigned decimal within [lo, hi].

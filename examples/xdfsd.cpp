@@ -24,11 +24,21 @@ const char* usage =
     "  --authorized-keys FILE   client keys admitted (default STATE-DIR/authorized_keys), lines of\n"
     "                           'xdfs-x25519 KEY [rw|ro] [subdir=DIR]' (see xduc pubkey)\n"
     "  --print-key              print the server's public key and exit\n"
-    "  --max-sessions N         sessions at once (default 64)\n"
+    "  --max-sessions N         authenticated sessions at once (default 64)\n"
     "  --max-channels N         channels per session (default 256)\n"
+    "  --max-sessions-per-key N sessions one client key may hold (default 16; sessions=N in\n"
+    "                           authorized_keys overrides it for a key)\n"
+    "  --max-channels-per-key N channels one client key may hold over its sessions (default\n"
+    "                           1024; channels=N in authorized_keys)\n"
+    "  --max-pending N          connections not authenticated yet, server-wide (default 1024)\n"
+    "  --max-pending-per-address N   ... from one source address (default 64)\n"
+    "  --memory-limit SIZE      memory for all sessions' buffers together (default: a quarter of\n"
+    "                           the machine's memory, at most 2G)\n"
+    "  --max-file-size SIZE     largest upload (default: what the file system has free)\n"
+    "  --min-protect MODE       refuse sessions weaker than clear|integrity|private (default clear)\n"
     "  --max-block-size SIZE    largest block a client may ask for (default 16M)\n"
     "  --ring SIZE              per-session buffer between network and disk (default 32M)\n"
-    "  --handshake-timeout SEC  negotiation header deadline (default 10)\n"
+    "  --handshake-timeout SEC  deadline for a connection's opening and handshake (default 5)\n"
     "  --join-timeout SEC       deadline for all n channels to arrive (default 10)\n"
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
@@ -79,6 +89,34 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_uint(value(i), 1, 100000);
       if (!v) bad("--max-sessions takes a number from 1 to 100000");
       cfg.max_sessions = static_cast<unsigned>(*v);
+    } else if (a == "--max-sessions-per-key") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 100000);
+      if (!v) bad("--max-sessions-per-key takes a number from 1 to 100000");
+      cfg.max_sessions_per_key = static_cast<unsigned>(*v);
+    } else if (a == "--max-channels-per-key") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 1000000);
+      if (!v) bad("--max-channels-per-key takes a number from 1 to 1000000");
+      cfg.max_channels_per_key = static_cast<unsigned>(*v);
+    } else if (a == "--max-pending") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 1000000);
+      if (!v) bad("--max-pending takes a number from 1 to 1000000");
+      cfg.max_pending = static_cast<unsigned>(*v);
+    } else if (a == "--max-pending-per-address") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 1000000);
+      if (!v) bad("--max-pending-per-address takes a number from 1 to 1000000");
+      cfg.max_pending_per_address = static_cast<unsigned>(*v);
+    } else if (a == "--memory-limit") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < (16u << 20)) bad("--memory-limit takes a size of at least 16M, e.g. 1G");
+      cfg.memory_limit = static_cast<std::size_t>(*v);
+    } else if (a == "--max-file-size") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v == 0 || *v > xdfs::wire::max_file_size) bad("--max-file-size takes a size from 1 to 4096P, e.g. 100G");
+      cfg.max_file_size = *v;
+    } else if (a == "--min-protect") {
+      auto p = xdfs::xsec::parse_protect(value(i));
+      if (!p) bad("--min-protect takes clear, integrity or private");
+      cfg.min_protect = static_cast<std::uint8_t>(*p);
     } else if (a == "--max-channels") {
       auto v = xdfs::cli::parse_uint(value(i), 1, 4096);
       if (!v) bad("--max-channels takes a number from 1 to 4096");

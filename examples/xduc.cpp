@@ -14,6 +14,7 @@
 
 #include "cli.hpp"
 #include "xdfs/client.hpp"
+#include "xdfs/text.hpp"
 #include "xdfs/wire.hpp"
 
 namespace {
@@ -33,6 +34,7 @@ const char* usage =
     "  --checksum             with --sync: compare content (SHA-256) instead of mtime\n"
     "  --follow               copy what symlinks point to instead of the symlinks\n"
     "  --workers N            local threads reading or writing files in a tree copy (default 4)\n"
+    "  --max-listing SIZE     memory a tree copy may hold for the server's listing (default 2G)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
     "server, sum prints the SHA-256 of remote files as sha256sum does.\n"
@@ -110,15 +112,19 @@ char type_char(xdfs::pathm::Type t) {
   }
 }
 
+// Names and targets come from the server: shown escaped (a name with a newline or an escape
+// sequence is shown as \n or \x1b, never acted on by the terminal).
+std::string shown(const std::string& s) { return xdfs::text::escape(s); }
+
 void print_entry(const xdfs::pathm::Entry& e, bool json) {
   if (json) {
     fmt::print("{{\"path\":\"{}\",\"type\":\"{}\",\"size\":{},\"mode\":\"{:04o}\",\"mtime_ns\":{}{}}}\n",
-               json_escape(e.path), xdfs::pathm::to_string(e.type), e.size, e.mode, e.mtime_ns,
-               e.type == xdfs::pathm::Type::symlink ? ",\"target\":\"" + json_escape(e.target) + "\"" : "");
+               json_escape(shown(e.path)), xdfs::pathm::to_string(e.type), e.size, e.mode, e.mtime_ns,
+               e.type == xdfs::pathm::Type::symlink ? ",\"target\":\"" + json_escape(shown(e.target)) + "\"" : "");
     return;
   }
-  fmt::print("{} {:04o} {:>12} {} {}{}\n", type_char(e.type), e.mode, e.size, format_time(e.mtime_ns), e.path,
-             e.type == xdfs::pathm::Type::symlink ? " -> " + e.target : "");
+  fmt::print("{} {:04o} {:>12} {} {}{}\n", type_char(e.type), e.mode, e.size, format_time(e.mtime_ns), shown(e.path),
+             e.type == xdfs::pathm::Type::symlink ? " -> " + shown(e.target) : "");
 }
 
 std::string base_name(std::string p) {
@@ -133,7 +139,7 @@ std::string join_path(const std::string& a, const std::string& b) {
 }
 
 int report_error(const xdfs::Error& e, bool remote) {
-  fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), remote ? " (server)" : "", e.context());
+  fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), remote ? " (server)" : "", shown(e.context()));
   if (e.code() == xdfs::errc::cancelled) return 130;
   return e.code() == xdfs::errc::bad_argument ? 2 : 1;
 }
@@ -198,6 +204,10 @@ int main(int argc, char** argv) {
       tree.checksum = true;
     } else if (a == "--follow") {
       tree.follow = true;
+    } else if (a == "--max-listing") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < (1u << 20)) bad("--max-listing takes a size of at least 1M, e.g. 4G");
+      tree.max_listing = static_cast<std::size_t>(*v);
     } else if (a == "--workers") {
       auto v = xdfs::cli::parse_uint(value(i), 1, 64);
       if (!v) bad("--workers takes a thread count from 1 to 64");
@@ -273,7 +283,7 @@ int main(int argc, char** argv) {
               print_entry(e, json);
               continue;
             }
-            if (urls.size() > 1 && !json) fmt::print("{}:\n", u.path.empty() ? "." : u.path);
+            if (urls.size() > 1 && !json) fmt::print("{}:\n", u.path.empty() ? "." : shown(u.path));
             fs->list(u.path, recursive, [&](std::vector<xdfs::pathm::Entry>& chunk) {
               for (const auto& x : chunk) print_entry(x, json);
             });
@@ -284,7 +294,7 @@ int main(int argc, char** argv) {
           } else if (op == "rm") {
             fs->remove(u.path, recursive);
           } else if (op == "sum") {
-            fmt::print("{}  {}\n", fs->checksum(u.path), u.path);
+            fmt::print("{}  {}\n", fs->checksum(u.path), shown(u.path));
           }
         }
       }
@@ -294,6 +304,9 @@ int main(int argc, char** argv) {
       return report_error(e, e.remote());
     } catch (const xdfs::Error& e) {
       return report_error(e, fsp && fsp->client().remote_error());
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
+      return 1;
     }
   }
 
@@ -359,7 +372,7 @@ int main(int argc, char** argv) {
       if (tty) fmt::print(stderr, "\n");
       for (const auto& f : e.result().failures)
         fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
-                   f.message.find(f.path) == std::string::npos ? f.path + ": " : "", f.message);
+                   f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
       try {
         fs->close();
       } catch (const xdfs::Error&) {
@@ -372,6 +385,10 @@ int main(int argc, char** argv) {
     } catch (const xdfs::Error& e) {
       if (tty) fmt::print(stderr, "\n");
       return report_error(e, fs && fs->client().remote_error());
+    } catch (const std::exception& e) {
+      if (tty) fmt::print(stderr, "\n");
+      fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
+      return 1;
     }
   }
 
@@ -393,12 +410,12 @@ int main(int argc, char** argv) {
   } catch (const xdfs::TransferError& e) {
     line.end();
     const char* side = e.remote() ? " (server)" : "";
-    fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), side, e.context());
+    fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), side, shown(e.context()));
     if (e.code() == xdfs::errc::cancelled) return 130;
     return e.code() == xdfs::errc::bad_argument ? 2 : 1;
   } catch (const std::exception& e) {
     line.end();
-    fmt::print(stderr, "xduc: {}\n", e.what());
+    fmt::print(stderr, "xduc: {}\n", shown(e.what()));
     return 1;
   }
 }

@@ -1,5 +1,6 @@
 #include "xdfs/files.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <sys/stat.h>
@@ -11,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
+#include <vector>
 
 #include "xdfs/wire.hpp"
 
@@ -66,6 +69,55 @@ Status check_room(int dir, std::uint64_t bytes, const std::string& what) {
   if (bytes <= avail) return Status::ok();
   return {errc::disk_full, what + ": " + std::to_string(bytes) + " bytes do not fit, " + std::to_string(avail) +
                                " bytes are free"};
+}
+
+namespace {
+
+bool is_temp_of(const char* name, const std::string& tag_prefix) {
+  const std::string_view n(name);
+  const std::string mark = ".xdfs-" + tag_prefix;
+  return n.size() > mark.size() + 6 && n.front() == '.' && n.substr(n.size() - 5) == ".part" &&
+         n.find(mark) != std::string_view::npos;
+}
+
+std::size_t sweep_dir(int dir, const std::string& tag_prefix, const std::atomic<bool>* stop, int depth) {
+  if (depth > 256) return 0;
+  const int fd = ::dup(dir);
+  DIR* d = fd < 0 ? nullptr : ::fdopendir(fd);
+  if (!d) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  std::size_t removed = 0;
+  std::vector<std::string> subdirs;
+  while (const dirent* e = ::readdir(d)) {
+    if (stop && stop->load(std::memory_order_relaxed)) break;
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    if (e->d_type == DT_DIR) {
+      subdirs.emplace_back(e->d_name);
+    } else if ((e->d_type == DT_REG || e->d_type == DT_UNKNOWN) && is_temp_of(e->d_name, tag_prefix)) {
+      struct stat st {};
+      if (::fstatat(dir, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+          ::unlinkat(dir, e->d_name, 0) == 0)
+        ++removed;
+    } else if (e->d_type == DT_UNKNOWN) {
+      subdirs.emplace_back(e->d_name);  // opened below with O_DIRECTORY: a non-directory fails
+    }
+  }
+  ::closedir(d);
+  for (const auto& name : subdirs) {
+    if (stop && stop->load(std::memory_order_relaxed)) break;
+    Fd sub(::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (sub) removed += sweep_dir(sub.get(), tag_prefix, stop, depth + 1);
+  }
+  return removed;
+}
+
+}  // namespace
+
+std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std::atomic<bool>* stop) {
+  Fd top(::openat(root, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  return top ? sweep_dir(top.get(), tag_prefix, stop, 0) : 0;
 }
 
 mode_t process_umask() noexcept {

@@ -136,6 +136,15 @@ void DiskWriter::join() {
 }
 
 void DiskWriter::run() {
+  // A throw here (memory) fails the transfer, never the process.
+  try {
+    write_blocks();
+  } catch (const std::exception& e) {
+    pipe_.set_error(errc::internal, std::string("disk writer: ") + e.what());
+  }
+}
+
+void DiskWriter::write_blocks() {
   std::vector<Block> batch;
   batch.reserve(pipe_.slots());
   std::map<std::uint64_t, Block> pending;  // non-seekable sinks: blocks waiting for their turn
@@ -240,6 +249,14 @@ void DiskReader::join() {
 }
 
 void DiskReader::run() {
+  try {
+    read_blocks();
+  } catch (const std::exception& e) {
+    pipe_.set_error(errc::internal, std::string("disk reader: ") + e.what());
+  }
+}
+
+void DiskReader::read_blocks() {
   const std::uint32_t bs = pipe_.block_size();
   Block batch[max_iov];
   iovec iov[max_iov];

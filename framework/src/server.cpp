@@ -1,6 +1,8 @@
 #include "xdfs/server.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <limits.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -156,6 +158,13 @@ struct Server::Impl {
   asio::steady_timer backoff{io};
   files::Fd reserve;  // a descriptor kept free for shedding a connection when they run out
   std::unique_ptr<MemoryBudget> budget;
+  // This run's mark on its temporary files, recorded (and locked while it runs) in
+  // STATE-DIR/instances, so that the next start can tell a crashed run's files from a live one's.
+  std::string instance;
+  std::string instance_file;
+  files::Fd instance_lock;
+  std::thread sweeper;
+  std::atomic<bool> sweep_stop{false};
 
   // Listener thread only.
   std::list<ConnPtr> pending;                      // arrival order
@@ -190,6 +199,8 @@ struct Server::Impl {
   }
 
   void check_descriptors();
+  void record_instance();
+  void sweep_dead_instances();
   void accept();
   void shed();
   void on_accept(tcp::socket s);
@@ -246,6 +257,7 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
   if (c.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
   impl_->budget = std::make_unique<MemoryBudget>(c.memory_limit ? c.memory_limit : default_memory_limit());
+  impl_->record_instance();
   impl_->reserve = files::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   std::string host;
   std::uint16_t port = 0;
@@ -301,6 +313,7 @@ void Server::run(bool handle_signals) {
   if (::access(d.config.authorized_keys.c_str(), F_OK) != 0)
     d.log("no authorized keys at " + d.config.authorized_keys + ": every client will be refused until one is added");
   d.check_descriptors();
+  d.sweep_dead_instances();
   d.accept();
   // A handler that throws fails what it was doing (a connection's deadline still ends it), never
   // the listener.
@@ -316,7 +329,58 @@ void Server::run(bool handle_signals) {
   for (auto& [id, r] : d.sessions)
     if (r.session->thread.joinable()) r.session->thread.join();
   d.sessions.clear();
+  d.sweep_stop = true;
+  if (d.sweeper.joinable()) d.sweeper.join();
+  // Every session removed its partial files: nothing of this run is left to sweep.
+  if (!d.instance_file.empty()) ::unlink(d.instance_file.c_str());
   d.log("stopped");
+}
+
+void Server::Impl::record_instance() {
+  instance = "s" + SessionId::random().short_hex();
+  const std::string dir = config.state_dir + "/instances";
+  ::mkdir(dir.c_str(), 0700);
+  const std::string path = dir + "/" + instance;
+  files::Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    log("cannot record this run in " + dir + " (" + std::strerror(errno) +
+        "): partial files of a crash of it will not be removed at the next start");
+    if (fd) ::unlink(path.c_str());
+    return;
+  }
+  instance_lock = std::move(fd);
+  instance_file = path;
+}
+
+// Runs that ended without cleaning up (killed, crashed) left their lock file unlocked: their
+// partial files are removed, in the background, and so is the record.
+void Server::Impl::sweep_dead_instances() {
+  const std::string dir = config.state_dir + "/instances";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  std::vector<std::pair<std::string, std::shared_ptr<files::Fd>>> dead;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() != 9 || name[0] != 's' || name == instance) continue;
+    auto fd = std::make_shared<files::Fd>(::open((dir + "/" + name).c_str(), O_RDWR | O_CLOEXEC));
+    // Held while sweeping, so that two servers starting at once do not both sweep it.
+    if (*fd && ::flock(fd->get(), LOCK_EX | LOCK_NB) == 0) dead.emplace_back(name, fd);
+  }
+  ::closedir(d);
+  if (dead.empty()) return;
+  try {
+    sweeper = std::thread([this, dir, dead] {
+      for (const auto& [name, lock] : dead) {
+        const std::size_t n = files::sweep_temp_files(root.get(), name + "-", &sweep_stop);
+        if (sweep_stop) return;
+        ::unlink((dir + "/" + name).c_str());
+        log(fmt::format("removed {} partial file{} left by an earlier run ({}) that ended without cleaning up", n,
+                        n == 1 ? "" : "s", name));
+      }
+    });
+  } catch (const std::system_error& e) {
+    log(std::string("cannot sweep partial files of earlier runs: ") + e.what());
+  }
 }
 
 // The configured maxima need descriptors: raise the soft limit as far as the hard one allows and
@@ -639,7 +703,8 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   sp->root = std::move(confined);
   runtime::Client client{r.remote_static, xsec::fingerprint(r.remote_static), perm.write};
   sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
-      sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, c->opening, nego, client,
+      sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
+      nego, client,
       r.session_secret, *budget,
       [this, sp](SessionReport rep) {
         // Session thread: log the end line and let the loop run dry (lingering closes last).

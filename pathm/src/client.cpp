@@ -115,8 +115,9 @@ std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std
       continue;
     }
     flush();  // a batch is a contiguous run of the list
-    for (std::uint64_t off = 0; off < f.size; off += block)
-      units.push_back(Unit{i, 1, std::min<std::uint64_t>(block, f.size - off), true, off});
+    // A large file is one unit here; its chunks are made one at a time as they are sent
+    // (TreePlan::take), never all at once: a size from a server is as untrusted as its names.
+    units.push_back(Unit{i, 1, f.size, true, 0});
   }
   flush();
   return units;
@@ -208,7 +209,15 @@ void Client::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
     --outstanding_[it->second.first];
     pending_.erase(it);
   }
-  handler(*r, std::move(buf));
+  // A handler that throws ends the session (its caller's wait() then reports why): it must not
+  // unwind out of the loop while replies for the frames it left are still on their way.
+  try {
+    handler(*r, std::move(buf));
+  } catch (const Error& e) {
+    fail(e.code(), e.context(), false);
+  } catch (const std::exception& e) {
+    fail(errc::internal, e.what(), false);
+  }
 }
 
 std::string Client::remote_join(const std::string& base, const std::string& rel) const {
@@ -466,6 +475,8 @@ struct TreePlan {
   // The files' units (batches of small files, chunks of large ones), in the order they go.
   std::vector<Unit> units;
   std::size_t next_unit = 0;
+  std::uint64_t chunk = 1;     // block size: the bytes of one chunk
+  std::uint64_t chunk_at = 0;  // the next chunk's offset in the large file at next_unit
   std::vector<std::uint64_t> file_ids;  // per entry of files: a large file's id, 0 until its first chunk
   std::uint64_t ids = 1;
   std::vector<char> file_failed;  // per entry of files, once the copy goes on without it
@@ -474,18 +485,32 @@ struct TreePlan {
 
   void plan_files(std::uint32_t block, std::size_t batch_bytes, std::size_t name_prefix) {
     units = plan(files, block, batch_bytes, name_prefix);
+    chunk = block;
     file_ids.assign(files.size(), 0);
     file_failed.assign(files.size(), 0);
     file_done.assign(files.size(), 0);
   }
-  // The next unit to send and its large file's id (0 for a batch); the rest of a large file that
-  // failed is left out. False once every unit has gone.
+  // The next unit to send and its large file's id (0 for a batch): a batch, or the next chunk of
+  // a large file; the rest of a large file that failed is left out. False once every unit has gone.
   bool take(Unit& u, std::uint64_t& fid) {
     while (next_unit < units.size()) {
-      u = units[next_unit++];
-      if (u.chunk && file_failed[u.first]) continue;
-      if (u.chunk && file_ids[u.first] == 0) file_ids[u.first] = ids++;
-      fid = u.chunk ? file_ids[u.first] : 0;
+      const Unit& cur = units[next_unit];
+      if (!cur.chunk) {
+        u = cur;
+        fid = 0;
+        ++next_unit;
+        return true;
+      }
+      const std::uint64_t size = files[cur.first].size;
+      if (file_failed[cur.first] || chunk_at >= size) {
+        ++next_unit;
+        chunk_at = 0;
+        continue;
+      }
+      if (file_ids[cur.first] == 0) file_ids[cur.first] = ids++;
+      u = Unit{cur.first, 1, std::min<std::uint64_t>(chunk, size - chunk_at), true, chunk_at};
+      chunk_at += u.bytes;
+      fid = file_ids[cur.first];
       return true;
     }
     return false;
@@ -535,6 +560,25 @@ struct TreePlan {
     if (!result.failures.empty()) throw TreeError(std::move(result));
     return std::move(result);
   }
+};
+
+// What a tree copy keeps of a server's listing is bounded (TreeOptions::max_listing): a server
+// that lists without end fails the copy instead of filling this side's memory.
+class ListingBound {
+public:
+  ListingBound(const TreeOptions& o, const std::string& remote) : max_(o.max_listing), remote_(remote) {}
+  void add(const Entry& e) {
+    bytes_ += sizeof(Entry) + e.path.size() + e.target.size() + e.message.size();
+    if (max_ && bytes_ > max_)  // ends the session (Client::on_reply), so the server stops too
+      throw Error(errc::limit_exceeded, fmt::format("the listing of '{}' from the server exceeds {} bytes of memory "
+                                                    "(--max-listing)",
+                                                    remote_, max_));
+  }
+
+private:
+  std::size_t max_;
+  std::string remote_;
+  std::size_t bytes_ = 0;
 };
 
 // Request bytes a tree copy keeps outstanding.
@@ -597,8 +641,12 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   mkdir(remote, true);
   if (o.sync) {
     std::unordered_map<std::string, Entry> there;
+    ListingBound bound(o, remote);
     list(remote, true, [&](std::vector<Entry>& chunk) {
-      for (auto& e : chunk) there.emplace(e.path, std::move(e));
+      for (auto& e : chunk) {
+        bound.add(e);
+        there.emplace(e.path, std::move(e));
+      }
     });
     auto at_destination = [&](const Entry& e) {
       auto it = there.find(e.path);
@@ -650,7 +698,9 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::size_t inflight = 0, building = 0;
   {
-    WorkPool pool(o.workers);
+    WorkPool pool(o.workers, [this](const std::string& what) {
+      asio::post(io_, [this, what] { fail(errc::internal, "tree worker: " + what, false); });
+    });
     auto alive = std::make_shared<bool>(true);
     std::function<void()> pump = [&] {
       Unit u;
@@ -728,12 +778,21 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   TreePlan p;
   top.path = ".";
   p.dirs.push_back(top);
+  ListingBound bound(o, remote);
   list(remote, true, [&](std::vector<Entry>& chunk) {
-    for (auto& e : chunk) p.add(std::move(e));
+    for (auto& e : chunk) {
+      bound.add(e);
+      p.add(std::move(e));
+    }
   });
+  struct stat before {};
+  const bool existed = ::stat(local.c_str(), &before) == 0;
   make_local_dirs(local);
   Fd dst = open_local_dir(local);
   TreeWriter writer(dst.get(), download_tag(), o.fsync, block_size_);
+  // The top directory gets the remote mode only if this copy made it: a directory that was
+  // there (the user's home, say) keeps its own.
+  if (!existed) writer.claim(".");
   // What a killed download into this tree left behind goes first.
   for (const auto& d : p.dirs) p.result.swept += sweep_stale_downloads(dst.get(), d.path);
   if (o.sync) {
@@ -756,7 +815,9 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
   const std::size_t window = window_of(o, block_size_, channels_.size());
   std::size_t inflight = 0, writing = 0;
   {
-    WorkPool pool(o.workers);
+    WorkPool pool(o.workers, [this](const std::string& what) {
+      asio::post(io_, [this, what] { fail(errc::internal, "tree worker: " + what, false); });
+    });
     auto alive = std::make_shared<bool>(true);
     std::function<void()> pump = [&] {
       Unit u;

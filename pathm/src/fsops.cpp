@@ -15,6 +15,7 @@
 #include <cstring>
 #include <set>
 
+#include "xdfs/ranges.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 
@@ -83,7 +84,10 @@ Status open_parent(int root, const std::string& path, Fd& dir, std::string& name
   return files::open_beneath(root, parent, O_PATH | O_DIRECTORY, 0, dir);
 }
 
-Status remove_tree(int dir, const std::string& name, const std::string& shown, int depth) {
+Status stopped(const std::string& what) { return {errc::cancelled, what + " stopped: the session ended"}; }
+
+Status remove_tree(int dir, const std::string& name, const std::string& shown, int depth, Stop stop) {
+  if (stop && stop->load(std::memory_order_relaxed)) return stopped("remove " + quoted(shown));
   if (depth > 1024) return {errc::limit_exceeded, quoted(shown) + " is nested too deeply"};
   if (::unlinkat(dir, name.c_str(), 0) == 0) return Status::ok();
   if (errno != EISDIR && errno != EPERM) return Status::from_errno(errno, "remove " + quoted(shown));
@@ -102,7 +106,7 @@ Status remove_tree(int dir, const std::string& name, const std::string& shown, i
   }
   Status st;
   for (const auto& n : names) {
-    st = remove_tree(::dirfd(d), n, shown + "/" + n, depth + 1);
+    st = remove_tree(::dirfd(d), n, shown + "/" + n, depth + 1, stop);
     if (!st) break;
   }
   ::closedir(d);
@@ -148,7 +152,7 @@ Status stat_entry(int root, const std::string& raw, Entry& out) {
 }
 
 Status list_dir(int root, const std::string& raw, bool recursive, bool follow, std::size_t chunk,
-                const std::function<bool(std::vector<Entry>&)>& emit) {
+                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop) {
   const std::string path = normal(raw);
   if (auto s = check_path(path); !s) return s;
   std::vector<std::string> todo{""};  // directories still to read, relative to path
@@ -177,6 +181,10 @@ Status list_dir(int root, const std::string& raw, bool recursive, bool follow, s
     Status st;
     errno = 0;
     while (auto* ent = ::readdir(d)) {
+      if (stop && stop->load(std::memory_order_relaxed)) {
+        st = stopped("list " + quoted(base));
+        break;
+      }
       const char* n = ent->d_name;
       if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
       Entry e;
@@ -244,7 +252,7 @@ Status make_dir(int root, const std::string& raw, bool parents, std::uint32_t mo
   return Status::from_errno(err, "mkdir " + quoted(path));
 }
 
-Status remove_path(int root, const std::string& raw, bool recursive) {
+Status remove_path(int root, const std::string& raw, bool recursive, Stop stop) {
   const std::string path = normal(raw);
   if (auto s = check_path(path); !s) return s;
   Fd dir;
@@ -266,7 +274,7 @@ Status remove_path(int root, const std::string& raw, bool recursive) {
   Fd real;  // O_PATH descriptors cannot be read: reopen the parent for the walk
   auto [parent, last] = files::split_parent(path);
   if (auto s = files::open_beneath(root, parent, O_RDONLY | O_DIRECTORY, 0, real); !s) return s;
-  return remove_tree(real.get(), name, path, 0);
+  return remove_tree(real.get(), name, path, 0, stop);
 }
 
 Status rename_path(int root, const std::string& from_raw, const std::string& to_raw) {
@@ -310,7 +318,7 @@ Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, con
 }
 
 Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
-                std::vector<std::uint8_t>& digest) {
+                std::vector<std::uint8_t>& digest, Stop stop) {
   Fd fd;
   Entry e;
   if (auto s = open_file(root, path, fd, e); !s) return s;
@@ -319,6 +327,7 @@ Status checksum(int root, const std::string& path, std::uint64_t offset, std::ui
   auto hash = Botan::HashFunction::create_or_throw("SHA-256");
   std::vector<std::uint8_t> buf(1 << 20);
   while (left > 0) {
+    if (stop && stop->load(std::memory_order_relaxed)) return stopped("checksum of " + quoted(path));
     auto n = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));
     if (auto s = read_exact(fd.get(), {buf.data(), n}, offset, path); !s) return s;
     hash->update(buf.data(), n);
@@ -339,7 +348,7 @@ struct TreeWriter::Partial {
   std::uint64_t size = 0;
   std::uint32_t mode = 0;
   std::int64_t mtime = 0;
-  std::vector<bool> seen;
+  RangeSet seen;  // chunks that came (grows with them, not with the size announced)
   std::uint64_t written = 0;
   bool failed = false;
   // Buffered writes to one file serialise on its inode lock anyway: a worker waiting here sleeps
@@ -358,8 +367,8 @@ struct ParentCache {
 };
 thread_local ParentCache parent_cache;
 
-Status finish_file(int fd, const std::string& path, std::uint32_t mode, std::int64_t mtime, bool sync) {
-  if (::fchmod(fd, safe_mode(mode)) != 0) return Status::from_errno(errno, "chmod " + quoted(path));
+Status finish_file(int fd, const std::string& path, std::uint32_t mode, mode_t umask, std::int64_t mtime, bool sync) {
+  if (::fchmod(fd, safe_mode(mode) & ~umask) != 0) return Status::from_errno(errno, "chmod " + quoted(path));
   const timespec ts[2] = {to_timespec(mtime), to_timespec(mtime)};
   if (::futimens(fd, ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(path));
   if (sync && ::fdatasync(fd) != 0) return Status::from_errno(errno, "fdatasync " + quoted(path));
@@ -381,8 +390,48 @@ Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, 
 
 }  // namespace
 
-TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open)
-    : root_(root), tag_(std::move(tag)), fsync_(fsync), chunk_(chunk), max_open_(max_open), counter_(writer_ids++) {}
+TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open, mode_t umask,
+                       std::uint64_t max_file_size)
+    : root_(root),
+      tag_(std::move(tag)),
+      fsync_(fsync),
+      chunk_(chunk),
+      max_open_(max_open),
+      umask_(umask & 0777),
+      max_file_size_(max_file_size),
+      counter_(writer_ids++) {}
+
+namespace {
+std::string made_key(const std::string& dir) {
+  std::string k = normal(dir);
+  return k.empty() ? std::string(".") : k;
+}
+}  // namespace
+
+void TreeWriter::made(const std::string& dir) {
+  std::lock_guard lk(mu_);
+  made_.insert(made_key(dir));
+}
+
+bool TreeWriter::made_here(const std::string& dir) const {
+  std::lock_guard lk(mu_);
+  return made_.count(made_key(dir)) != 0;
+}
+
+Status TreeWriter::make_parents(const std::string& path) {
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    const std::string prefix = path.substr(0, pos);
+    if (prefix.empty() || prefix.back() == '/' || prefix == ".") continue;
+    Fd dir;
+    std::string name;
+    if (auto s = open_parent(root_, prefix, dir, name); !s) return s;
+    if (::mkdirat(dir.get(), name.c_str(), 0777) == 0) made(prefix);
+    else if (errno != EEXIST) return Status::from_errno(errno, "mkdir " + quoted(prefix));
+  }
+  return Status::ok();
+}
 
 TreeWriter::~TreeWriter() { discard_all(); }
 
@@ -468,7 +517,7 @@ Status TreeWriter::parent_of(const std::string& path, Fd& dir, std::string& name
   }
   auto st = files::open_beneath(root_, parent, O_PATH | O_DIRECTORY, 0, dir);
   if (!st && create && st.code == errc::no_such_file) {
-    if (auto m = make_dir(root_, parent, true, 0); !m) return m;
+    if (auto m = make_parents(parent); !m) return m;
     st = files::open_beneath(root_, parent, O_PATH | O_DIRECTORY, 0, dir);
   }
   if (!st) return st;
@@ -488,7 +537,12 @@ Status TreeWriter::put(const Entry& e) {
       Fd dir;
       std::string name;
       if (auto s = parent_of(e.path, dir, name, true); !s) return s;
-      if (::mkdirat(dir.get(), name.c_str(), 0700) == 0) return Status::ok();
+      // Made with its own mode plus the owner's rwx (so that its contents can be written; the
+      // exact mode comes with set_attrs), less the umask.
+      if (::mkdirat(dir.get(), name.c_str(), (safe_mode(e.mode) | S_IRWXU) & ~umask_ & 07777) == 0) {
+        made(e.path);
+        return Status::ok();
+      }
       const int err = errno;
       struct stat st {};
       if (err == EEXIST && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
@@ -536,7 +590,7 @@ Status TreeWriter::put_file(const Entry& e) {
   Fd fd(::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!fd) return Status::from_errno(errno, "create " + quoted(e.path));
   Status st = write_all(fd.get(), e.data, 0, e.path);
-  if (st) st = finish_file(fd.get(), e.path, e.mode, e.mtime_ns, fsync_);
+  if (st) st = finish_file(fd.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_);
   fd.reset();
   if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {
     st = Status::from_errno(errno, "rename into " + quoted(e.path));
@@ -547,8 +601,11 @@ Status TreeWriter::put_file(const Entry& e) {
 }
 
 Status TreeWriter::put_chunk(const Entry& e) {
-  if (e.size > (std::uint64_t(1) << 50)) return {errc::bad_argument, quoted(e.path) + " is too large"};
-  const std::uint64_t blocks = (e.size + chunk_ - 1) / chunk_;
+  // Every number here is the peer's: bounded before it is used, and no allocation follows it.
+  if (e.size > wire::max_file_size) return {errc::limit_exceeded, quoted(e.path) + " is larger than 2^62 bytes"};
+  if (max_file_size_ && e.size > max_file_size_)
+    return {errc::limit_exceeded, quoted(e.path) + " of " + std::to_string(e.size) + " bytes exceeds the limit of " +
+                                      std::to_string(max_file_size_)};
   if (e.offset % chunk_ != 0 || e.offset >= e.size ||
       e.data.size() != std::min<std::uint64_t>(chunk_, e.size - e.offset))
     return {errc::protocol_error, "chunk of " + quoted(e.path) + " at offset " + std::to_string(e.offset) +
@@ -558,34 +615,43 @@ Status TreeWriter::put_chunk(const Entry& e) {
     std::unique_lock lk(mu_);
     auto it = partial_.find(e.file_id);
     if (it == partial_.end()) {
-      if (partial_.size() >= max_open_)
-        return {errc::limit_exceeded, "more than " + std::to_string(max_open_) + " large files in progress"};
-      p = std::make_shared<Partial>();
-      p->path = e.path;
-      p->size = e.size;
-      p->mode = e.mode;
-      p->mtime = e.mtime_ns;
-      p->seen.assign(blocks, false);
-      // Made under the lock: two workers holding the first chunks of one file must not both
-      // create it. This happens once per large file.
+      // The parent first (making it notes directories, which takes the lock), then the file
+      // under the lock: two workers holding the first chunks of one file must not both create
+      // it. This happens once per large file.
+      lk.unlock();
       Fd dir;
       std::string name;
-      if (auto s = parent_of(e.path, dir, name, true); !s) return s;
-      p->name = name;
-      p->temp = temp_name(name, tag_ + "-" + std::to_string(e.file_id));
-      p->fd = Fd(::openat(dir.get(), p->temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
-      if (!p->fd) return Status::from_errno(errno, "create " + quoted(e.path));
-      p->dir = std::move(dir);
-      partial_.emplace(e.file_id, p);
+      auto s = parent_of(e.path, dir, name, true);
+      lk.lock();
+      if (!s) return s;
+      it = partial_.find(e.file_id);
+      if (it == partial_.end()) {
+        if (partial_.size() >= max_open_)
+          return {errc::limit_exceeded, "more than " + std::to_string(max_open_) + " large files in progress"};
+        if (max_file_size_ == 0)
+          if (auto room = files::check_room(dir.get(), e.size, quoted(e.path)); !room) return room;
+        p = std::make_shared<Partial>();
+        p->path = e.path;
+        p->size = e.size;
+        p->mode = e.mode;
+        p->mtime = e.mtime_ns;
+        p->name = name;
+        p->temp = temp_name(name, tag_ + "-" + std::to_string(e.file_id));
+        p->fd = Fd(::openat(dir.get(), p->temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!p->fd) return Status::from_errno(errno, "create " + quoted(e.path));
+        p->dir = std::move(dir);
+        partial_.emplace(e.file_id, p);
+      } else {
+        p = it->second;
+      }
     } else {
       p = it->second;
     }
     if (p->failed) return {errc::io_error, quoted(e.path) + " failed earlier"};
     if (p->path != e.path || p->size != e.size)
       return {errc::protocol_error, "chunk of file id " + std::to_string(e.file_id) + " names another file"};
-    const auto b = e.offset / chunk_;
-    if (p->seen[b]) return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
-    p->seen[b] = true;
+    if (!p->seen.insert(e.offset, e.offset + e.data.size()))
+      return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
   }
   Status st;
   {
@@ -601,7 +667,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
   if (p->written < p->size) return Status::ok();
   partial_.erase(e.file_id);
   lk.unlock();
-  st = finish_file(p->fd.get(), e.path, p->mode, p->mtime, fsync_);
+  st = finish_file(p->fd.get(), e.path, p->mode, umask_, p->mtime, fsync_);
   p->fd.reset();
   if (st && ::renameat(p->dir.get(), p->temp.c_str(), p->dir.get(), p->name.c_str()) != 0)
     st = Status::from_errno(errno, "rename into " + quoted(e.path));
@@ -631,9 +697,35 @@ Status TreeWriter::set_attrs(const Entry& e) {
     fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (!fd) return Status::from_errno(errno, "open " + quoted(e.path));
   }
-  if (::fchmod(fd.get(), safe_mode(e.mode)) != 0) return Status::from_errno(errno, "chmod " + quoted(e.path));
+  // The mode only of what this writer made: a directory that was there before (the user's own
+  // destination, say) keeps its mode whatever the peer says it should be.
+  if (made_here(e.path) && ::fchmod(fd.get(), safe_mode(e.mode) & ~umask_) != 0)
+    return Status::from_errno(errno, "chmod " + quoted(e.path));
   if (::futimens(fd.get(), ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
   return Status::ok();
 }
+
+Status TreeWriter::make_dir(const std::string& raw, bool parents, std::uint32_t mode) {
+  const std::string path = normal(raw);
+  if (auto s = check_path(path); !s) return s;
+  if (path.empty() || path == ".") return parents ? Status::ok() : Status{errc::bad_argument, "the root exists"};
+  if (parents)
+    if (auto [parent, last] = files::split_parent(path); parent != ".")
+      if (auto s = make_parents(parent); !s) return s;
+  Fd dir;
+  std::string name;
+  if (auto s = open_parent(root_, path, dir, name); !s) return s;
+  if (::mkdirat(dir.get(), name.c_str(), mode ? safe_mode(mode) & ~umask_ : 0777) == 0) {
+    made(path);
+    return Status::ok();
+  }
+  const int err = errno;
+  struct stat st {};
+  if (err == EEXIST && parents && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+    return Status::ok();
+  return Status::from_errno(err, "mkdir " + quoted(path));
+}
+
+void TreeWriter::claim(const std::string& dir) { made(dir); }
 
 }  // namespace xdfs::pathm

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "pathm.capnp.h"
+#include "xdfs/text.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -93,6 +94,11 @@ bool read_entries(ListReader list, std::vector<Entry>& out, std::string* why) {
       set_why(why, "unknown entry type " + std::to_string(t));
       return false;
     }
+    if (e.getSize() > wire::max_file_size || e.getOffset() > wire::max_file_size) {
+      set_why(why, "entry size " + std::to_string(e.getSize()) + " or offset " + std::to_string(e.getOffset()) +
+                       " exceeds the protocol's limit of 2^62 bytes");
+      return false;
+    }
     auto& o = out[i];
     o.path = e.getPath().cStr();
     o.type = static_cast<Type>(t);
@@ -103,7 +109,7 @@ bool read_entries(ListReader list, std::vector<Entry>& out, std::string* why) {
     o.offset = e.getOffset();
     o.file_id = e.getFileId();
     o.code = e.getCode() == 0 ? errc::ok : errc_from_wire(e.getCode());
-    o.message = e.getMessage().cStr();
+    o.message = text::escape(e.getMessage().cStr());  // a human message: one printable line
     auto d = e.getData();
     o.data = {d.begin(), d.size()};
   }
@@ -207,7 +213,7 @@ std::optional<Reply> decode_reply(std::span<const std::uint8_t> buf, std::string
     Reply r;
     r.id = m.getId();
     r.code = m.getCode() == 0 ? errc::ok : errc_from_wire(m.getCode());
-    r.message = m.getMessage().cStr();
+    r.message = text::escape(m.getMessage().cStr());
     r.last = m.getLast();
     r.algorithm = m.getAlgorithm().cStr();
     auto d = m.getDigest();

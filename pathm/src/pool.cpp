@@ -2,9 +2,15 @@
 
 namespace xdfs::pathm {
 
-WorkPool::WorkPool(unsigned threads) {
+WorkPool::WorkPool(unsigned threads, std::function<void(const std::string&)> on_error)
+    : on_error_(std::move(on_error)) {
   if (threads == 0) threads = 1;
-  for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  try {
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  } catch (...) {
+    stop();  // the threads already made are joined before the failure goes on
+    throw;
+  }
 }
 
 WorkPool::~WorkPool() { stop(); }
@@ -40,7 +46,14 @@ void WorkPool::run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    job();
+    // A job that throws fails what it was doing, never the process.
+    try {
+      job();
+    } catch (const std::exception& e) {
+      if (on_error_) on_error_(e.what());
+    } catch (...) {
+      if (on_error_) on_error_("unknown exception");
+    }
   }
 }
 

@@ -48,8 +48,33 @@ struct Server::Shared {
   std::mutex mu;
   std::condition_variable cv;
   std::unordered_map<std::uint64_t, int> unsent;  // listing id -> chunks queued, not yet sent
-  bool stopped = false;
+  std::atomic<bool> stopped{false};              // the session ended: long operations stop
 };
+
+namespace {
+
+// How long a worker waits for the server's memory before it refuses a request.
+constexpr auto memory_wait = std::chrono::seconds(2);
+
+// Bytes a reply may take at most, reserved before the worker builds it (the reservation shrinks
+// to what the reply really took).
+std::size_t reply_estimate(const Request& r, std::uint64_t get_bytes) {
+  constexpr std::size_t text = 2 * wire::max_path_bytes + 1024;  // a message or an entry with its names
+  switch (r.op) {
+    case Op::get: return static_cast<std::size_t>(get_bytes) + r.entries.size() * 1280 + 4096;
+    case Op::put:
+    case Op::set_attrs: return r.entries.size() * 1280 + text;  // a failure per entry at worst
+    default: return text;
+  }
+}
+
+std::size_t chunk_estimate(const std::vector<Entry>& chunk) {
+  std::size_t n = 1024;
+  for (const auto& e : chunk) n += e.path.size() + e.target.size() + 160;
+  return n;
+}
+
+}  // namespace
 
 Server::Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done)
     : io_(io),
@@ -57,19 +82,23 @@ Server::Server(asio::io_context& io, ChannelList& channels, int root, const Serv
       root_(root),
       p_(p),
       done_(std::move(done)),
-      writer_(root, p.tag, p.fsync, p.block_size),
+      writer_(root, p.tag, p.fsync, p.block_size, 1024, files::process_umask(), p.max_file_size),
       shared_(std::make_shared<Shared>()),
       limit_(4 * max_message(p.block_size)),
       watchdog_(io),
       linger_(io),
-      pool_(p.workers) {}
+      retry_(io),
+      pool_(p.workers, [this, alive = std::weak_ptr<Shared>(shared_)](const std::string& what) {
+        // A worker's job threw: that fails this session, never the process.
+        asio::post(io_, [this, alive, what] {
+          if (alive.lock()) fail(errc::internal, "path worker: " + what, false, true);
+        });
+      }) {}
 
 Server::~Server() {
-  {
-    std::lock_guard lk(shared_->mu);
-    shared_->stopped = true;
-  }
+  shared_->stopped = true;
   shared_->cv.notify_all();
+  if (p_.budget) p_.budget->wake_all();
   pool_.stop();
 }
 
@@ -106,21 +135,14 @@ void Server::read_loop(xdsi::Channel& ch) {
                       fmt::format("path request of {} bytes (this session takes 1..{})", h.length,
                                   max_message(p_.block_size)),
                       false, true);
-        auto buf = Buffer::make(h.length);
-        ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) {
-          if (finished_) return;
-          if (ec) {
-            auto f = read_failure(ch, ec, "client");
-            return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
-          }
-          on_request(ch, buf);
-        });
-        return;
+        return admit(ch, h);
       }
       case wire::Event::eoft: {
         // The client is done: every request has its answer. Close quietly.
         finished_ = true;
         watchdog_.cancel();
+        retry_.cancel();
+        shared_->stopped = true;
         for (auto& c : channels_)
           if (c && c->open()) c->linger_close([] {});
         linger_.expires_after(std::chrono::seconds(2));
@@ -152,27 +174,61 @@ void Server::read_loop(xdsi::Channel& ch) {
   });
 }
 
-void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf) {
-  inflight_ += buf->size;
-  ++busy_;
-  ++requests_;
-  pool_.submit([this, c = &ch, buf] { execute(c, buf); });
-  if (inflight_ > limit_ || busy_ >= max_busy()) {
-    parked_.push_back(&ch);  // the workers are behind: stop reading until they catch up
+void Server::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
+  // The session's bound: what its workers hold and its replies not yet sent. The channel parks
+  // with the header read and the payload not: nothing of it is in memory yet.
+  if (busy_ >= max_busy() || (inflight_ > 0 && inflight_ + h.length > limit_)) {
+    parked_.push_back({&ch, h});
     return;
   }
-  read_loop(ch);
+  // The server's: the payload's buffer is reserved before it exists.
+  auto r = Reservation::take(p_.budget, h.length);
+  if (!r) {
+    parked_.push_back({&ch, h});
+    if (!retry_armed_) {
+      // Other sessions hold the memory: nothing of this one may free it, so look again soon.
+      retry_armed_ = true;
+      retry_.expires_after(std::chrono::milliseconds(50));
+      retry_.async_wait([this](const xdsi::ErrorCode& ec) {
+        retry_armed_ = false;
+        if (!ec) resume();
+      });
+    }
+    return;
+  }
+  auto held = std::make_shared<Reservation>(std::move(*r));
+  inflight_ += h.length;
+  auto buf = Buffer::make(h.length);
+  ch.async_read_payload(buf->writable(), [this, &ch, buf, held](const xdsi::ErrorCode& ec) {
+    if (finished_) return;
+    if (ec) {
+      auto f = read_failure(ch, ec, "client");
+      return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
+    }
+    on_request(ch, buf, held);
+  });
+}
+
+void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held) {
+  ++busy_;
+  ++requests_;
+  last_ = Clock::now();
+  pool_.submit([this, c = &ch, buf, held] { execute(c, buf, held); });
+  read_loop(ch);  // the next header; whether its payload is read then is admit's call
 }
 
 void Server::resume() {
-  if (inflight_ > limit_ || busy_ >= max_busy() || finished_) return;
+  if (finished_) return;
   auto parked = std::move(parked_);
   parked_.clear();
-  for (auto* ch : parked) read_loop(*ch);
+  for (const auto& p : parked) admit(*p.ch, p.h);  // in order; what still does not fit parks again
 }
 
 void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent) {
-  if (finished_ || !ch->open()) return;
+  if (finished_ || !ch->open()) {
+    if (sent) sent();
+    return;
+  }
   auto holder = std::make_shared<Encoded>(std::move(e));
   wire::FrameHeader h;
   h.event = wire::Event::xpathm;
@@ -185,26 +241,52 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
   });
 }
 
-// On a worker: decode, do the file-system work, and hand the replies to the network thread.
-void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
+// On a worker: decode, do the file-system work, and hand the replies to the network thread. A
+// throw here fails this session with its reason.
+void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held) {
+  try {
+    answer(ch, buf, held);
+  } catch (const std::exception& e) {
+    std::weak_ptr<Shared> alive = shared_;
+    asio::post(io_, [this, alive, what = std::string(e.what())] {
+      if (alive.lock()) fail(errc::internal, "path worker: " + what, false, true);
+    });
+  }
+}
+
+void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held) {
   std::weak_ptr<Shared> alive = shared_;
   const std::size_t cost = buf->size;
-  // A request counts against the limit until its reply has left: a client that asks for
+  // A request counts against the limits until its reply has left: a client that asks for
   // file bytes and never reads them stops being read itself.
-  auto post = [this, alive, ch, cost](Encoded e, bool) {
-    asio::post(io_, [this, alive, ch, cost, e = std::move(e)]() mutable {
+  auto post = [this, alive, ch, cost, held](Encoded e, Held reply_held) {
+    if (reply_held) reply_held->shrink_to(e.size);
+    asio::post(io_, [this, alive, ch, cost, held, reply_held, e = std::move(e)]() mutable {
       if (!alive.lock()) return;
       const std::size_t reply = e.size;
       --busy_;
       inflight_ += reply;
       last_ = Clock::now();
-      send_reply(ch, std::move(e), [this, alive, cost, reply] {
+      send_reply(ch, std::move(e), [this, alive, cost, reply, held, reply_held] {
         if (!alive.lock()) return;
+        held->reset();
+        if (reply_held) reply_held->reset();
         inflight_ -= cost + reply;
         last_ = Clock::now();
         resume();
       });
     });
+  };
+  // Room for a reply in the server's memory, waited for a little; refused after that.
+  auto reserve = [this](std::size_t bytes) -> Held {
+    if (!p_.budget) return std::make_shared<Reservation>();
+    if (!p_.budget->reserve(bytes, memory_wait, &shared_->stopped)) return nullptr;
+    return std::make_shared<Reservation>(p_.budget, bytes);
+  };
+  auto out_of_memory = [this](std::uint64_t id) {
+    return error_reply(id, {errc::limit_exceeded,
+                            fmt::format("the server's memory for transfers ({} MiB) is in use; try again later",
+                                        p_.budget ? p_.budget->limit() >> 20 : 0)});
   };
   std::string why;
   auto req = decode_request(buf->bytes(), &why);
@@ -220,10 +302,24 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
   if (writes && p_.read_only)
     return post(error_reply(r.id, {errc::permission_denied, std::string(to_string(r.op)) +
                                                                 ": this client key is read-only"}),
-                true);
+                nullptr);
+  // A get's bytes, summed without overflow: the sizes are the peer's.
+  const std::uint64_t budget = 2ull * p_.block_size;
+  std::uint64_t want = 0;
+  if (r.op == Op::get)
+    for (const auto& e : r.entries) want = e.size > budget - std::min(want, budget) ? budget + 1 : want + e.size;
+  if (r.op == Op::get && want > budget)
+    return post(error_reply(r.id, {errc::limit_exceeded, fmt::format("get of more than {} bytes in one request", budget)}),
+                nullptr);
+  Held reply_held;
+  if (r.op != Op::list) {
+    reply_held = reserve(reply_estimate(r, want));
+    if (!reply_held) return post(out_of_memory(r.id), nullptr);
+  }
   Reply rep;
   rep.id = r.id;
   Status st;
+  const Stop stop = &shared_->stopped;
   switch (r.op) {
     case Op::stat: {
       Entry e;
@@ -233,51 +329,68 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
     }
     case Op::list: {
       auto shared = shared_;
-      st = list_dir(root_, r.path, r.recursive, false, list_chunk, [&](std::vector<Entry>& chunk) {
-        if (chunk.empty()) return true;
-        Reply part;
-        part.id = r.id;
-        part.last = false;
-        part.entries = std::move(chunk);
-        chunk.clear();
-        {
-          std::unique_lock lk(shared->mu);
-          shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent[r.id] < list_ahead; });
-          if (shared->stopped) return false;
-          ++shared->unsent[r.id];
-        }
-        auto e = encode(part);
-        asio::post(io_, [this, alive, ch, id = r.id, e = std::move(e)]() mutable {
-          auto s = alive.lock();
-          if (!s) return;
-          auto done = [s, id] {
+      bool starved = false;
+      st = list_dir(
+          root_, r.path, r.recursive, false, list_chunk,
+          [&](std::vector<Entry>& chunk) {
+            if (chunk.empty()) return true;
+            Reply part;
+            part.id = r.id;
+            part.last = false;
+            part.entries = std::move(chunk);
+            chunk.clear();
             {
-              std::lock_guard lk(s->mu);
-              --s->unsent[id];
+              std::unique_lock lk(shared->mu);
+              shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent[r.id] < list_ahead; });
+              if (shared->stopped) return false;
             }
-            s->cv.notify_all();
-          };
-          if (finished_ || !ch->open()) return done();
-          send_reply(ch, std::move(e), done);
-        });
-        return true;
-      });
+            Held chunk_held = reserve(chunk_estimate(part.entries));
+            if (!chunk_held) {
+              starved = true;
+              return false;
+            }
+            {
+              std::lock_guard lk(shared->mu);
+              ++shared->unsent[r.id];
+            }
+            auto e = encode(part);
+            chunk_held->shrink_to(e.size);
+            asio::post(io_, [this, alive, ch, id = r.id, chunk_held, e = std::move(e)]() mutable {
+              auto s = alive.lock();
+              if (!s) return;
+              auto done = [s, id, chunk_held] {
+                chunk_held->reset();
+                {
+                  std::lock_guard lk(s->mu);
+                  --s->unsent[id];
+                }
+                s->cv.notify_all();
+              };
+              if (finished_ || !ch->open()) return done();
+              send_reply(ch, std::move(e), done);
+            });
+            return true;
+          },
+          stop);
       {
         std::lock_guard lk(shared->mu);
         shared->unsent.erase(r.id);
       }
+      if (starved) return post(out_of_memory(r.id), nullptr);
+      reply_held = reserve(reply_estimate(r, 0));
+      if (!reply_held) return post(out_of_memory(r.id), nullptr);
       break;
     }
-    case Op::mkdir: st = make_dir(root_, r.path, r.recursive, r.mode); break;
+    case Op::mkdir: st = writer_.make_dir(r.path, r.recursive, r.mode); break;
     case Op::remove:
       if (auto c = check_path(r.path); c && (r.path.empty() || r.path == "."))
         st = {errc::permission_denied, "refusing to remove the root"};
       else
-        st = remove_path(root_, r.path, r.recursive);
+        st = remove_path(root_, r.path, r.recursive, stop);
       break;
     case Op::rename: st = rename_path(root_, r.path, r.to); break;
     case Op::checksum:
-      st = checksum(root_, r.path, r.offset, r.length, rep.digest);
+      st = checksum(root_, r.path, r.offset, r.length, rep.digest, stop);
       rep.algorithm = "sha256";
       break;
     case Op::put: {
@@ -286,6 +399,7 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
       std::vector<Status> outcome;
       outcome.reserve(r.entries.size());
       for (const auto& e : r.entries) {
+        if (shared_->stopped) break;
         if (e.code != errc::ok) {  // the client could not read it: skipped (a large file given up)
           if (e.file_id != 0) writer_.abandon(e.file_id);
           outcome.push_back(Status::ok());
@@ -295,6 +409,7 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
         if (outcome.back()) n += e.data.size();
       }
       bytes_ += n;
+      outcome.resize(r.entries.size(), Status{errc::cancelled, "the session ended"});
       answer_each(rep, outcome);
       break;
     }
@@ -306,14 +421,6 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
       break;
     }
     case Op::get: {
-      // Files are read straight into the reply's bytes.
-      std::uint64_t want = 0;
-      for (const auto& e : r.entries) want += e.size;
-      const std::uint64_t budget = 2ull * p_.block_size;
-      if (want > budget) {
-        st = {errc::limit_exceeded, fmt::format("get of {} bytes in one request (at most {})", want, budget)};
-        break;
-      }
       // Files are read straight into the reply; one that cannot be read is answered as failed
       // and the others go on.
       auto w = Writer::reply(r.id, r.entries.size(), static_cast<std::size_t>(want));
@@ -330,7 +437,8 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
           if (len > p_.block_size || off > e.size || e.size - off < len)
             s = {errc::size_mismatch, "'" + q.path + "' is shorter than the range asked for (it changed?)"};
         }
-        if (s && total + len > budget) s = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
+        if (s && (len > budget || total > budget - len))
+          s = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
         if (s) {
           e.offset = off;
           e.file_id = q.file_id;
@@ -344,11 +452,11 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf) {
         total += len;
       }
       bytes_ += total;
-      return post(w.finish(), true);
+      return post(w.finish(), reply_held);
     }
   }
-  if (!st) return post(error_reply(r.id, st), true);
-  post(encode(rep), true);
+  if (!st) return post(error_reply(r.id, st), reply_held);
+  post(encode(rep), reply_held);
 }
 
 void Server::abort(errc code, const std::string& message) { fail(code, message, false, true); }
@@ -357,11 +465,10 @@ void Server::fail(errc code, const std::string& message, bool from_peer, bool te
   if (finished_) return;
   finished_ = true;
   watchdog_.cancel();
-  {
-    std::lock_guard lk(shared_->mu);
-    shared_->stopped = true;
-  }
+  retry_.cancel();
+  shared_->stopped = true;
   shared_->cv.notify_all();
+  if (p_.budget) p_.budget->wake_all();
   writer_.discard_all();
   if (tell) {
     xdsi::tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));

@@ -193,7 +193,16 @@ private:
                                                   Event::local_error);
                               connect_all(results);
                             });
-    io_.run();
+    // A handler that throws ends this transfer with its reason (and its partial file), not the
+    // calling program.
+    try {
+      io_.run();
+    } catch (const std::exception& e) {
+      if (sender_) sender_->abort(errc::internal, e.what());
+      if (receiver_) receiver_->abort(errc::internal, e.what());
+      fail_early(errc::internal, e.what(), false, Event::local_error);
+      end(errc::internal, e.what(), false);  // whichever of them reported first, the reason is set
+    }
     const double setup = accepted_ ? std::chrono::duration<double>(accepted_at_ - start_).count() : 0;
     if (path_ready_ && code_ == errc::ok) return TransferResult{0, seconds_, opt_.channels, setup};
     // Nothing of this session is left running: make sure the disk thread is gone too.

@@ -150,9 +150,10 @@ private:
       pp.workers = env_.config.path_workers;
       pp.read_only = !env_.client.write;
       pp.fsync = env_.config.fsync;
-      pp.tag = env_.id.short_hex();
+      pp.tag = env_.tag;
       pp.idle_timeout = env_.config.idle_timeout;
       pp.budget = &env_.budget;
+      pp.max_file_size = env_.config.max_file_size;
       path_ = std::make_unique<pathm::Server>(env_.io, channels_, root_fd(), pp,
                                               [this](errc code, const std::string& message, bool from_peer) {
                                                 (void)machine_.fire(code == errc::ok ? Event::committed
@@ -187,7 +188,7 @@ private:
       files::Fd dirfd;
       if (auto st = files::open_beneath(root_fd(), dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
         return fail_early(st.code, st.message, Event::local_error);
-      if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.id.short_hex(), pending_); !st)
+      if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.tag, pending_); !st)
         return fail_early(st.code, st.message, Event::local_error);
       // Without a size limit of its own the server takes what the file system can hold: an
       // upload that cannot fit is refused now, not when the disk is full.

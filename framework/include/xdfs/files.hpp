@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -91,6 +92,11 @@ private:
 /// Whether `bytes` more fit on the file system of the open directory `dir` (its space available
 /// to unprivileged users); disk_full naming `what` and both figures if not.
 Status check_room(int dir, std::uint64_t bytes, const std::string& what);
+
+/// Removes, anywhere below the directory `root` (never following a symlink), the temporary
+/// files (".NAME.xdfs-TAG.part") whose TAG starts with `tag_prefix`. Stops early once *stop is
+/// set. Returns how many went.
+std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std::atomic<bool>* stop = nullptr);
 
 /// The process's umask (read once, without changing it).
 mode_t process_umask() noexcept;

@@ -205,6 +205,7 @@ public:
 
 private:
   void run();
+  void write_blocks();
   BlockPipe& pipe_;
   Sink sink_;
   std::thread thread_;
@@ -220,6 +221,7 @@ public:
 
 private:
   void run();
+  void read_blocks();
   BlockPipe& pipe_;
   Source source_;
   std::uint64_t next_;

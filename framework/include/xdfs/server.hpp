@@ -96,6 +96,9 @@ struct SessionEnv {
   int root_fd;                   ///< O_PATH descriptor of what the client may see (its key's subdirectory)
   SessionId id;
   std::string peer;
+  /// Names this session's temporary files: the server run's own mark, then the session, so that
+  /// what a crashed run left behind is found and removed when the server starts again.
+  std::string tag;
   wire::Opening opening;         ///< channel 0's opening: protection level and cipher
   wire::Negotiation nego;        ///< what the client asked for (checked against the limits)
   Client client;

@@ -61,8 +61,10 @@ struct ServerParams {
   std::string tag;  ///< names temporary files (the session id)
   std::chrono::milliseconds idle_timeout{60000};
   /// The server's memory budget: request and reply bytes are reserved in it before they are
-  /// allocated (null: no budget, as on a client).
+  /// allocated (null: no budget).
   MemoryBudget* budget = nullptr;
+  /// Largest file a put may create (0: what the file system has free).
+  std::uint64_t max_file_size = 0;
 };
 
 /// Serves path requests on a root directory until the client ends the session (EOFT).
@@ -79,9 +81,14 @@ public:
 
 private:
   struct Shared;
+  using Held = std::shared_ptr<Reservation>;
   void read_loop(xdsi::Channel& ch);
-  void on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
-  void execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf);
+  /// A request's header arrived: read its payload now if the session's bound and the server's
+  /// memory allow it, else park the channel (it is not read until they do).
+  void admit(xdsi::Channel& ch, const wire::FrameHeader& h);
+  void on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held);
+  void execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held);
+  void answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held);
   void send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent = {});
   void fail(errc code, const std::string& message, bool from_peer, bool tell);
   void resume();
@@ -90,6 +97,11 @@ private:
   // memory (a get may answer with two blocks).
   std::size_t max_busy() const noexcept { return 4u * p_.workers; }
 
+  struct Parked {
+    xdsi::Channel* ch;
+    wire::FrameHeader h;
+  };
+
   asio::io_context& io_;
   ChannelList& channels_;
   int root_;
@@ -97,7 +109,7 @@ private:
   Done done_;
   TreeWriter writer_;
   std::shared_ptr<Shared> shared_;
-  std::vector<xdsi::Channel*> parked_;
+  std::vector<Parked> parked_;  // channels whose next request waits for room (its header is read)
   std::size_t inflight_ = 0;  // bytes of requests not answered yet, and of replies not sent yet
   std::size_t busy_ = 0;      // requests a worker holds
   std::size_t limit_;
@@ -105,6 +117,8 @@ private:
   std::uint64_t requests_ = 0;
   asio::steady_timer watchdog_;
   asio::steady_timer linger_;
+  asio::steady_timer retry_;   // memory was short: parked requests try again
+  bool retry_armed_ = false;
   std::chrono::steady_clock::time_point last_;
   bool finished_ = false;
   WorkPool pool_;  // last: joined first
@@ -118,6 +132,9 @@ struct TreeOptions {
   unsigned workers = 4;    ///< local threads for reading (upload) or writing (download) files
   std::size_t batch_bytes = 1u << 20;  ///< file bytes per batch of small files
   std::size_t window = 0;  ///< request bytes outstanding; 0: 8 blocks per channel, at least 32 MiB
+  /// Memory a copy may hold for the server's listing of the tree (names and attributes);
+  /// a listing beyond it fails the copy with limit_exceeded. 0: no bound.
+  std::size_t max_listing = std::size_t(2) << 30;
   std::function<void(std::uint64_t files, std::uint64_t bytes)> progress;
 };
 

@@ -9,12 +9,14 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "xdfs/files.hpp"
@@ -33,19 +35,23 @@ std::string normal(const std::string& path);
 /// The entry at path, without following a final symlink.
 Status stat_entry(int root, const std::string& path, Entry& out);
 
+/// A flag a long operation checks as it goes (a recursive listing or removal, a checksum):
+/// once it is set, the operation stops with errc::cancelled. Null: never.
+using Stop = const std::atomic<bool>*;
+
 /// Lists the directory at path (the whole tree below it if recursive, parents before children),
 /// handing out chunks of at most `chunk` entries; emit returns false to stop. Entry paths are
 /// relative to path. With `follow`, symlinks are listed as what they point to.
 Status list_dir(int root, const std::string& path, bool recursive, bool follow, std::size_t chunk,
-                const std::function<bool(std::vector<Entry>&)>& emit);
+                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop = nullptr);
 
 Status make_dir(int root, const std::string& path, bool parents, std::uint32_t mode);
 /// Removes a file or symlink; a directory only when recursive (with all it holds).
-Status remove_path(int root, const std::string& path, bool recursive);
+Status remove_path(int root, const std::string& path, bool recursive, Stop stop = nullptr);
 Status rename_path(int root, const std::string& from, const std::string& to);
 /// SHA-256 of bytes [offset, offset+length) of a regular file (length 0: to the end).
 Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
-                std::vector<std::uint8_t>& digest);
+                std::vector<std::uint8_t>& digest, Stop stop = nullptr);
 
 /// Opens a regular file beneath root for reading and returns its entry (size, mode, mtime).
 Status open_file(int root, const std::string& path, files::Fd& fd, Entry& e);
@@ -65,15 +71,25 @@ std::size_t sweep_stale_downloads(int root, const std::string& path);
 
 class TreeWriter {
 public:
-  /// chunk: the block size large files are split into; max_open: large files in progress at once.
-  TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open = 1024);
+  /// chunk: the block size large files are split into; max_open: large files in progress at
+  /// once; umask: masked off every mode it sets (as the kernel does for a plain create);
+  /// max_file_size: largest file it accepts (0: what the file system has free when the file
+  /// starts).
+  TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open = 1024,
+             mode_t umask = files::process_umask(), std::uint64_t max_file_size = 0);
   ~TreeWriter();
   TreeWriter(const TreeWriter&) = delete;
   TreeWriter& operator=(const TreeWriter&) = delete;
 
   Status put(const Entry& e);
-  /// Sets mode and mtime (directories after their contents are in place).
+  /// Sets mtime, and mode of the directories this writer made (directories after their
+  /// contents are in place). A directory that was there before keeps its mode: a peer must not
+  /// be able to open up a directory it did not make.
   Status set_attrs(const Entry& e);
+  /// Makes a directory (with its parents), noting what it made.
+  Status make_dir(const std::string& path, bool parents, std::uint32_t mode);
+  /// Counts a directory as made by this writer (the caller made it for this copy).
+  void claim(const std::string& dir);
   /// Files in progress (a large file not yet whole).
   std::size_t open_files() const;
   /// Removes every temporary file still in progress (after a failure).
@@ -87,6 +103,10 @@ private:
   Status put_file(const Entry& e);
   Status put_chunk(const Entry& e);
   Status parent_of(const std::string& path, files::Fd& dir, std::string& name, bool create);
+  /// Makes the missing directories of path (relative to the root), noting each one made.
+  Status make_parents(const std::string& path);
+  void made(const std::string& dir);
+  bool made_here(const std::string& dir) const;
   /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused.
   static void give_up(Partial& p);
 
@@ -95,8 +115,11 @@ private:
   bool fsync_;
   std::uint32_t chunk_;
   std::size_t max_open_;
+  mode_t umask_;
+  std::uint64_t max_file_size_;
   mutable std::mutex mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Partial>> partial_;
+  std::unordered_set<std::string> made_;  // directories this writer created (normalized paths)
   std::uint64_t counter_ = 0;
 };
 

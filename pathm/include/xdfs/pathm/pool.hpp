@@ -6,6 +6,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -13,7 +14,8 @@ namespace xdfs::pathm {
 
 class WorkPool {
 public:
-  explicit WorkPool(unsigned threads);
+  /// on_error hears what a job threw (on the worker's thread); the worker goes on with the next.
+  explicit WorkPool(unsigned threads, std::function<void(const std::string&)> on_error = {});
   /// Stops taking jobs, drops those not started and joins the threads.
   ~WorkPool();
   WorkPool(const WorkPool&) = delete;
@@ -30,6 +32,7 @@ private:
   std::deque<std::function<void()>> jobs_;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
+  std::function<void(const std::string&)> on_error_;
 };
 
 }  // namespace xdfs::pathm
