@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -148,10 +149,11 @@ std::vector<std::string> InProcessServer::log_lines() {
   return log_;
 }
 
-XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> extra) {
+XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> extra, std::vector<std::string> wrapper) {
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
-  std::vector<std::string> args{XDFSD_PATH, "--root", root, "--listen", "127.0.0.1:0"};
+  std::vector<std::string> args = wrapper;
+  args.insert(args.end(), {XDFSD_PATH, "--root", root, "--listen", "127.0.0.1:0"});
   args.insert(args.end(), extra.begin(), extra.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -160,7 +162,7 @@ XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> ext
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, pipefd[1], STDERR_FILENO);
   posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  if (posix_spawn(&pid_, XDFSD_PATH, &fa, nullptr, argv.data(), environ) != 0)
+  if (posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0)
     throw std::runtime_error("cannot start xdfsd");
   posix_spawn_file_actions_destroy(&fa);
   ::close(pipefd[1]);
@@ -199,14 +201,33 @@ bool XdfsdProcess::alive() {
   return true;
 }
 
-int XdfsdProcess::stop(int sig) {
+namespace {
+// Waits for pid within timeout_ms; kills it then. The exit status, 128+signal, or -2 if killed.
+int wait_bounded(pid_t pid, int timeout_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  int status = 0;
+  while (true) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (r < 0) return -1;
+    if (std::chrono::steady_clock::now() >= until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -2;
+    }
+    // Polling the child's exit: no event to wait on without a signal handler in the test.
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+}  // namespace
+
+int XdfsdProcess::stop(int sig, int timeout_ms) {
   if (exit_status_ >= 0) return exit_status_;
   ::kill(pid_, sig);
-  int status = 0;
-  ::waitpid(pid_, &status, 0);
-  exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  exit_status_ = wait_bounded(pid_, sig == SIGKILL ? 30000 : timeout_ms);
+  if (exit_status_ == -2) exit_status_ = 128 + SIGKILL, killed_ = true;
   if (reader_.joinable()) reader_.join();
-  return exit_status_;
+  return killed_ ? -2 : exit_status_;
 }
 
 std::string XdfsdProcess::log() {
@@ -221,7 +242,7 @@ bool XdfsdProcess::wait_for_log(const std::string& text, int timeout_ms) {
                         [&] { return log_.find(text) != std::string::npos; });
 }
 
-RunResult run(const std::string& program, const std::vector<std::string>& args) {
+RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms) {
   int out[2], err[2];
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
   std::vector<std::string> all{program};
@@ -244,8 +265,15 @@ RunResult run(const std::string& program, const std::vector<std::string>& args) 
   pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
   int open = 2;
   char buf[65536];
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  bool killed = false;
   while (open > 0) {
-    ::poll(fds, 2, -1);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    if (left.count() <= 0 && !killed) {
+      ::kill(pid, SIGKILL);  // over its time: its pipes close as it dies
+      killed = true;
+    }
+    ::poll(fds, 2, killed ? 1000 : static_cast<int>(std::max<long>(1, left.count())));
     for (int i = 0; i < 2; ++i) {
       if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
@@ -264,10 +292,16 @@ RunResult run(const std::string& program, const std::vector<std::string>& args) 
   return r;
 }
 
-RunResult xduc(const std::vector<std::string>& args) { return run(XDUC_PATH, args); }
+RunResult xduc(const std::vector<std::string>& args, int timeout_ms) { return run(XDUC_PATH, args, timeout_ms); }
 
-RawChannel::RawChannel(std::uint16_t port) {
-  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+RawChannel::RawChannel(std::uint16_t port, const std::string& source_ip)
+    : RawPeer(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+  if (!source_ip.empty()) {
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source_ip.c_str(), &from.sin_addr);
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0) throw std::runtime_error("bind " + source_ip);
+  }
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
@@ -277,11 +311,11 @@ RawChannel::RawChannel(std::uint16_t port) {
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-RawChannel::~RawChannel() {
+RawPeer::~RawPeer() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void RawChannel::send_bytes(const void* data, std::size_t n) {
+void RawPeer::send_bytes(const void* data, std::size_t n) {
   auto p = static_cast<const char*>(data);
   while (n > 0) {
     ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
@@ -296,7 +330,7 @@ void RawChannel::send_preamble(std::uint16_t version) {
   send_bytes(p.data(), p.size());
 }
 
-void RawChannel::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload) {
+void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload) {
   auto hb = xdfs::wire::encode(h);
   std::vector<std::uint8_t> body = payload;
   std::uint8_t tag[16];
@@ -313,7 +347,7 @@ void RawChannel::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<
   send_bytes(frame);
 }
 
-void RawChannel::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data) {
+void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data) {
   std::vector<std::uint8_t> body = data;
   if (blocks_) {
     body.resize(data.size() + blocks_->tag_size());
@@ -339,15 +373,14 @@ void RawChannel::send_opening(const xdfs::wire::Opening& o) {
   send_bytes(opening_);
 }
 
-void RawChannel::protect_with(const Hello& h, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
-                              const xdfs::xsec::Key32& secret) {
-  const auto mode = static_cast<xdfs::xsec::Protect>(h.opening.protect);
-  const auto cipher = static_cast<xdfs::xsec::Cipher>(h.opening.cipher);
+void RawPeer::protect_with(const xdfs::wire::Opening& o, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
+                           const xdfs::xsec::Key32& secret, bool blocks_client_to_server) {
+  const auto mode = static_cast<xdfs::xsec::Protect>(o.protect);
+  const auto cipher = static_cast<xdfs::xsec::Cipher>(o.cipher);
   guard_ = std::make_unique<xdfs::xsec::FrameProtector>(mode, cipher, send, recv);
-  if (mode != xdfs::xsec::Protect::clear) {
-    const bool up = h.nego.mode == xdfs::Mode::upload;
-    blocks_ = std::make_unique<xdfs::xsec::BlockCrypto>(mode, cipher, xdfs::xsec::data_key(secret, up));
-  }
+  if (mode != xdfs::xsec::Protect::clear)
+    blocks_ = std::make_unique<xdfs::xsec::BlockCrypto>(mode, cipher,
+                                                        xdfs::xsec::data_key(secret, blocks_client_to_server));
 }
 
 bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id) {
@@ -367,7 +400,7 @@ bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id) {
   send_frame(h, m3);
   auto keys = noise.split();
   secret_ = keys.session_secret;
-  protect_with(hello, keys.send, keys.recv, secret_);
+  protect_with(hello.opening, keys.send, keys.recv, secret_, true);
   // The server's confirmation; a refusal is kept for whoever reads next.
   auto confirm = read_frame();
   if (confirm && confirm->first.event != xdfs::wire::Event::handshake) held_ = std::move(confirm);
@@ -393,8 +426,47 @@ bool RawChannel::join(const Hello& hello, std::uint32_t index, const xdfs::xsec:
   h.length = 32;
   send_frame(h, std::vector<std::uint8_t>(proof.begin(), proof.end()));
   secret_ = secret;
-  protect_with(hello, keys.client_to_server, keys.server_to_client, secret);
+  protect_with(hello.opening, keys.client_to_server, keys.server_to_client, secret, true);
   return true;
+}
+
+void check_serving(std::uint16_t port, const std::string& root, const std::string& local) {
+  write_random_file(local + "/probe", 300000, 99);
+  const std::string url = "xdfs://127.0.0.1:" + std::to_string(port) + "/probe";
+  auto up = xduc({"-q", "-p", "3", local + "/probe", url}, 60000);
+  CHECK_MESSAGE(up.status == 0, up.err);
+  CHECK(files_equal(local + "/probe", root + "/probe"));
+  ::unlink((local + "/probe.back").c_str());
+  auto down = xduc({"-q", "-p", "2", url, local + "/probe.back"}, 60000);
+  CHECK_MESSAGE(down.status == 0, down.err);
+  CHECK(files_equal(local + "/probe", local + "/probe.back"));
+}
+
+namespace {
+std::uint64_t status_kib(pid_t pid, const char* field) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  const std::size_t len = std::strlen(field);
+  while (std::getline(f, line))
+    if (line.compare(0, len, field) == 0) return std::stoull(line.substr(len));
+  return 0;
+}
+}  // namespace
+
+std::uint64_t rss_kib(pid_t pid) { return status_kib(pid, "VmRSS:"); }
+std::uint64_t peak_rss_kib(pid_t pid) { return status_kib(pid, "VmHWM:"); }
+
+double cpu_seconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto close = all.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream in(all.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; in >> field; ++i)
+    if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 void check_no_partials(const std::string& dir) {
@@ -419,9 +491,9 @@ xdfs::xsec::KeyPair test_identity() {
   return xdfs::xsec::load_key(xdfs::xsec::default_config_dir() + "/id_x25519");
 }
 
-void RawChannel::shutdown_write() { ::shutdown(fd_, SHUT_WR); }
+void RawPeer::shutdown_write() { ::shutdown(fd_, SHUT_WR); }
 
-bool RawChannel::read_exact(void* dst, std::size_t n, int timeout_ms) {
+bool RawPeer::read_exact(void* dst, std::size_t n, int timeout_ms) {
   auto p = static_cast<char*>(dst);
   while (n > 0) {
     pollfd pfd{fd_, POLLIN, 0};
@@ -434,7 +506,7 @@ bool RawChannel::read_exact(void* dst, std::size_t n, int timeout_ms) {
   return true;
 }
 
-std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> RawChannel::read_frame(int timeout_ms) {
+std::optional<Frame> RawPeer::read_frame(int timeout_ms) {
   if (held_) return std::exchange(held_, std::nullopt);
   xdfs::wire::HeaderBytes hb{};
   if (!read_exact(hb.data(), hb.size(), timeout_ms)) return std::nullopt;
@@ -451,14 +523,14 @@ std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> Raw
   return std::make_pair(*h, std::move(payload));
 }
 
-std::optional<xdfs::wire::ExceptionHeader> RawChannel::read_exception(int timeout_ms) {
+std::optional<xdfs::wire::ExceptionHeader> RawPeer::read_exception(int timeout_ms) {
   while (auto f = read_frame(timeout_ms)) {
     if (f->first.event == xdfs::wire::Event::exception) return xdfs::wire::decode_exception(f->second);
   }
   return std::nullopt;
 }
 
-bool RawChannel::wait_closed(int timeout_ms) {
+bool RawPeer::wait_closed(int timeout_ms) {
   char buf[65536];
   while (true) {
     pollfd pfd{fd_, POLLIN, 0};
@@ -466,6 +538,74 @@ bool RawChannel::wait_closed(int timeout_ms) {
     ssize_t r = ::recv(fd_, buf, sizeof buf, 0);
     if (r <= 0) return true;
   }
+}
+
+RawServer::RawServer() : key_(xdfs::xsec::KeyPair::generate()) {
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(listen_fd_, 16) != 0)
+    throw std::runtime_error("RawServer: cannot listen");
+  socklen_t len = sizeof a;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+  port_ = ntohs(a.sin_port);
+}
+
+RawServer::~RawServer() { ::close(listen_fd_); }
+
+void RawServer::Conn::key(const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv) {
+  // A server seals the blocks of a download: the server-to-client block key.
+  protect_with(hello.opening, send, recv, secret, false);
+}
+
+void RawServer::Conn::send_reply(const xdfs::wire::NegotiationReply& r) {
+  auto payload = xdfs::wire::encode(r);
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::Event::nego_reply;
+  h.length = static_cast<std::uint32_t>(payload.size());
+  send_frame(h, payload);
+}
+
+std::unique_ptr<RawServer::Conn> RawServer::accept(int timeout_ms) {
+  pollfd pfd{listen_fd_, POLLIN, 0};
+  if (::poll(&pfd, 1, timeout_ms) <= 0) return nullptr;
+  const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return nullptr;
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  auto c = std::make_unique<Conn>(fd, Hello{});
+  // The opening: preamble, NEGO frame header, payload.
+  std::vector<std::uint8_t> opening(xdfs::wire::preamble_size + xdfs::wire::frame_header_size);
+  auto read = [&](void* dst, std::size_t n) { return c->read_exact(dst, n, timeout_ms); };
+  if (!read(opening.data(), opening.size())) return nullptr;
+  auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(opening.data() + 8, 24));
+  if (!h || h->event != xdfs::wire::Event::nego || h->length > xdfs::wire::max_opening_payload) return nullptr;
+  opening.resize(32 + h->length);
+  if (!read(opening.data() + 32, h->length)) return nullptr;
+  auto o = xdfs::wire::decode_opening(std::span<const std::uint8_t>(opening.data() + 32, h->length));
+  if (!o || o->join) return nullptr;
+  c->hello.opening = *o;
+  xdfs::xsec::NoiseXX noise(false, key_, opening);
+  auto m1 = c->read_frame(timeout_ms);
+  if (!m1 || !noise.read_message_1(m1->second)) return nullptr;
+  auto m2 = noise.write_message_2();
+  xdfs::wire::FrameHeader hh;
+  hh.event = xdfs::wire::Event::handshake;
+  hh.length = static_cast<std::uint32_t>(m2.size());
+  c->send_frame(hh, m2);
+  auto m3 = c->read_frame(timeout_ms);
+  std::vector<std::uint8_t> payload;
+  if (!m3 || !noise.read_message_3(m3->second, &payload)) return nullptr;
+  auto nego = xdfs::wire::decode_negotiation(payload);
+  if (!nego) return nullptr;
+  c->hello.nego = *nego;
+  auto keys = noise.split();
+  c->secret = keys.session_secret;
+  c->key(keys.send, keys.recv);
+  hh.length = 0;
+  c->send_frame(hh);  // the confirmation: the session exists
+  return c;
 }
 
 Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size) {
@@ -542,7 +682,8 @@ Relay::Relay(std::uint16_t target, xdfs::xsec::Protect mode) : target_(target), 
       if (c < 0) return;
       std::lock_guard<std::mutex> g(mu_);
       fds_.push_back(c);
-      workers_.emplace_back([this, c] { serve(c); });
+      const std::size_t conn = workers_.size();
+      workers_.emplace_back([this, c, conn] { serve(c, conn); });
     }
   });
 }
@@ -560,49 +701,40 @@ Relay::~Relay() {
   for (int fd : fds_) ::close(fd);
 }
 
-void Relay::serve(int client) {
-  int server = connect_loopback(target_);
-  if (server < 0) return;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    fds_.push_back(server);
-  }
-  // Client to server: the opening (preamble + NEGO frame) may be rewritten, the rest is copied.
-  std::thread up([this, client, server] {
-    std::vector<std::uint8_t> opening(8 + 24);
-    if (!read_all(client, opening.data(), opening.size())) return;
-    auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(opening.data() + 8, 24));
-    if (!h) return;
-    opening.resize(32 + h->length);
-    if (!read_all(client, opening.data() + 32, h->length)) return;
-    if (rewrite_opening) rewrite_opening(opening);
-    write_all(server, opening.data(), opening.size());
-    char buf[65536];
-    ssize_t n;
-    while ((n = ::recv(client, buf, sizeof buf, 0)) > 0)
-      if (!write_all(server, buf, static_cast<std::size_t>(n))) break;
-    ::shutdown(server, SHUT_WR);
-  });
-  // Server to client: frame by frame, so that the hook can tamper with protected frames.
+std::vector<std::uint8_t> Relay::bytes(Dir d) {
+  std::lock_guard<std::mutex> g(mu_);
+  return d == Dir::up ? up_ : down_;
+}
+
+void Relay::record(Dir d, const std::uint8_t* p, std::size_t n) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto& v = d == Dir::up ? up_ : down_;
+  v.insert(v.end(), p, p + n);
+}
+
+// Frames one way. Handshake frames travel in the clear until the side's last one: the client's
+// message 3 (or a join's proof), the server's message 2 (or a join's answer); after it every
+// frame carries a tag (except data frames in clear mode).
+void Relay::pump(Dir dir, std::size_t conn, int from, int to, bool join) {
   std::size_t data_index = 0;
+  std::size_t clear_handshakes = dir == Dir::down ? 1 : (join ? 1 : 2);
   std::vector<std::uint8_t> held;
-  // The server's first handshake frame (Noise message 2, or a join's answer) is the last one in
-  // the clear; every frame after it carries a tag.
-  bool keyed = false;
   while (true) {
     xdfs::wire::HeaderBytes hb{};
-    if (!read_all(server, hb.data(), hb.size())) break;
+    if (!read_all(from, hb.data(), hb.size())) break;
     auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(hb));
     if (!h) break;
     const bool data = h->event == xdfs::wire::Event::xftsmu || h->event == xdfs::wire::Event::xftsmd;
+    const bool keyed = clear_handshakes == 0;
     std::size_t tag = 0;
     if (keyed) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
-    if (h->event == xdfs::wire::Event::handshake) keyed = true;
+    if (!keyed && h->event == xdfs::wire::Event::handshake) --clear_handshakes;
     std::vector<std::uint8_t> frame(hb.begin(), hb.end());
     frame.resize(24 + h->length + tag);
-    if (!read_all(server, frame.data() + 24, h->length + tag)) break;
+    if (!read_all(from, frame.data() + 24, h->length + tag)) break;
+    record(dir, frame.data(), frame.size());
     Verdict v = Verdict::pass;
-    if (hook && h->event != xdfs::wire::Event::handshake) v = hook(*h, data ? data_index : SIZE_MAX);
+    if (hook && keyed) v = hook(Seen{dir, conn, *h, data ? data_index : SIZE_MAX});
     if (data) ++data_index;
     if (v == Verdict::cut) break;
     if (v == Verdict::drop) continue;
@@ -612,16 +744,45 @@ void Relay::serve(int client) {
       held = std::move(frame);
       continue;
     }
-    if (!write_all(client, frame.data(), frame.size())) break;
-    if (v == Verdict::duplicate) write_all(client, frame.data(), frame.size());
+    if (!write_all(to, frame.data(), frame.size())) break;
+    if (v == Verdict::duplicate) write_all(to, frame.data(), frame.size());
     if (!held.empty()) {
-      write_all(client, held.data(), held.size());
+      write_all(to, held.data(), held.size());
       held.clear();
+    }
+  }
+  ::shutdown(to, SHUT_WR);
+  ::shutdown(from, SHUT_RD);
+}
+
+void Relay::serve(int client, std::size_t conn) {
+  int server = connect_loopback(target_);
+  if (server < 0) return;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    fds_.push_back(server);
+  }
+  // The opening (preamble + NEGO frame) may be rewritten; it says whether this channel joins.
+  std::vector<std::uint8_t> opening(8 + 24);
+  bool join = false;
+  if (read_all(client, opening.data(), opening.size())) {
+    auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(opening.data() + 8, 24));
+    if (h && h->length <= xdfs::wire::max_opening_payload) {
+      opening.resize(32 + h->length);
+      if (read_all(client, opening.data() + 32, h->length)) {
+        if (auto o = xdfs::wire::decode_opening(std::span<const std::uint8_t>(opening.data() + 32, h->length)))
+          join = o->join;
+        if (rewrite_opening) rewrite_opening(opening);
+        record(Dir::up, opening.data(), opening.size());
+        write_all(server, opening.data(), opening.size());
+        std::thread up([this, conn, client, server, join] { pump(Dir::up, conn, client, server, join); });
+        pump(Dir::down, conn, server, client, join);
+        up.join();
+      }
     }
   }
   ::shutdown(client, SHUT_RDWR);
   ::shutdown(server, SHUT_RDWR);
-  up.join();
 }
 
 }  // namespace xt

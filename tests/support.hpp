@@ -64,15 +64,18 @@ private:
 };
 
 /// A real xdfsd process on 127.0.0.1:0. Its stderr is collected; the port is read from it.
+/// `wrapper` runs it under another program (prlimit, say): its arguments, before xdfsd's path.
 class XdfsdProcess {
 public:
-  XdfsdProcess(const std::string& root, std::vector<std::string> extra_args = {});
+  XdfsdProcess(const std::string& root, std::vector<std::string> extra_args = {},
+               std::vector<std::string> wrapper = {});
   ~XdfsdProcess();
   std::uint16_t port() const { return port_; }
   pid_t pid() const { return pid_; }
   bool alive();
-  /// Sends sig and waits for exit; returns the exit status (or 128+signal).
-  int stop(int sig);
+  /// Sends sig and waits (at most timeout_ms, then SIGKILL) for exit; returns the exit status
+  /// (or 128+signal; -2 if it had to be killed).
+  int stop(int sig, int timeout_ms = 30000);
   /// Everything xdfsd logged so far.
   std::string log();
   /// Waits (bounded) until the log contains `text`; true if it did.
@@ -87,6 +90,7 @@ private:
   std::string log_;
   std::thread reader_;
   int exit_status_ = -1;
+  bool killed_ = false;
 };
 
 struct RunResult {
@@ -94,9 +98,10 @@ struct RunResult {
   std::string out;
   std::string err;
 };
-/// Runs a program to completion with stdin from /dev/null.
-RunResult run(const std::string& program, const std::vector<std::string>& args);
-RunResult xduc(const std::vector<std::string>& args);
+/// Runs a program to completion with stdin from /dev/null; after timeout_ms it is killed
+/// (status 128+9). No test waits without a bound.
+RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms = 300000);
+RunResult xduc(const std::vector<std::string>& args, int timeout_ms = 300000);
 
 /// What a raw test client says: its opening (in the clear) and its negotiation (inside Noise XX).
 struct Hello {
@@ -104,22 +109,53 @@ struct Hello {
   xdfs::wire::Negotiation nego;
 };
 
-/// A hand-driven channel for bad-input tests: it speaks the wire format by hand, runs the real
-/// handshakes, and then sends whatever frames a test crafts, sealed so that they pass the
-/// server's checks (or not, when a test says so).
-class RawChannel {
+using Frame = std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>;
+
+/// One end of a hand-driven connection: it speaks the wire format by hand and, once keyed,
+/// seals what it sends and checks what it reads, so that a test's crafted frames pass the
+/// peer's checks (or fail them, when the test says so).
+class RawPeer {
 public:
-  explicit RawChannel(std::uint16_t port);
-  ~RawChannel();
+  explicit RawPeer(int fd) : fd_(fd) {}
+  ~RawPeer();
+  RawPeer(const RawPeer&) = delete;
+  RawPeer& operator=(const RawPeer&) = delete;
   int fd() const { return fd_; }
   void send_bytes(const void* data, std::size_t n);
   void send_bytes(const std::vector<std::uint8_t>& v) { send_bytes(v.data(), v.size()); }
-  void send_preamble(std::uint16_t version = xdfs::protocol_version);
-  /// Sends a frame, sealed by the channel's keys once it has them.
+  /// Sends a frame, sealed by the connection's keys once it has them.
   void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {});
   /// Sends a data frame for [offset, offset + data.size()): in integrity and private modes its
-  /// payload is sealed with the session's block key first, as a real client's disk thread does.
+  /// payload is sealed with the session's block key first, as a real disk thread does.
   void send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data);
+  void shutdown_write();
+  /// Reads one frame within timeout; nullopt on EOF/timeout/bad header or a frame that fails
+  /// its check.
+  std::optional<Frame> read_frame(int timeout_ms = 10000);
+  /// Reads frames until an EXCEPTION arrives (skipping others); nullopt if none.
+  std::optional<xdfs::wire::ExceptionHeader> read_exception(int timeout_ms = 10000);
+  /// True if the peer closed (EOF or reset) within the timeout, discarding any data.
+  bool wait_closed(int timeout_ms = 10000);
+  /// Exactly n bytes within the timeout (false on EOF or timeout).
+  bool read_exact(void* dst, std::size_t n, int timeout_ms);
+
+protected:
+  /// From now on frames are sealed and checked with these keys, and the blocks this end sends
+  /// with the session's block key in that direction (clear mode: none).
+  void protect_with(const xdfs::wire::Opening& o, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
+                    const xdfs::xsec::Key32& secret, bool blocks_client_to_server);
+  int fd_ = -1;
+  std::unique_ptr<xdfs::xsec::FrameProtector> guard_;
+  std::unique_ptr<xdfs::xsec::BlockCrypto> blocks_;
+  std::optional<Frame> held_;  // read ahead (a handshake's last word), given out first
+};
+
+/// A hand-driven client channel for bad-input tests: the real handshakes, then crafted frames.
+class RawChannel : public RawPeer {
+public:
+  /// Connects to 127.0.0.1:port, from source_ip (any loopback address) if given.
+  explicit RawChannel(std::uint16_t port, const std::string& source_ip = {});
+  void send_preamble(std::uint16_t version = xdfs::protocol_version);
   /// Sends the preamble and the NEGO frame carrying this opening.
   void send_opening(const xdfs::wire::Opening& o);
   /// Sends the opening and runs Noise XX as the test client (the identity in $XDFS_CONFIG_DIR
@@ -135,27 +171,50 @@ public:
   xdfs::xsec::Key32 session_secret() const { return secret_; }
   /// The bytes establish() or send_opening() sent first (preamble and NEGO frame).
   const std::vector<std::uint8_t>& opening() const { return opening_; }
-  void shutdown_write();
-  /// Reads one frame within timeout; nullopt on EOF/timeout/bad header or a frame that fails
-  /// its check.
-  std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> read_frame(int timeout_ms = 10000);
-  /// Reads frames until an EXCEPTION arrives (skipping others); nullopt if none.
-  std::optional<xdfs::wire::ExceptionHeader> read_exception(int timeout_ms = 10000);
-  /// True if the peer closed (EOF or reset) within the timeout, discarding any data.
-  bool wait_closed(int timeout_ms = 10000);
 
 private:
-  bool read_exact(void* dst, std::size_t n, int timeout_ms);
-  void protect_with(const Hello& h, const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv,
-                    const xdfs::xsec::Key32& secret);
-  int fd_ = -1;
-  std::unique_ptr<xdfs::xsec::FrameProtector> guard_;
-  std::unique_ptr<xdfs::xsec::BlockCrypto> blocks_;
   xdfs::xsec::Key32 server_key_{};
   xdfs::xsec::Key32 secret_{};
   std::vector<std::uint8_t> opening_;
-  std::optional<std::pair<xdfs::wire::FrameHeader, std::vector<std::uint8_t>>> held_;  // read ahead by establish()
 };
+
+/// A hostile server for client tests: it accepts connections on loopback, runs the server side
+/// of Noise XX with its own key (a client pins it on first use), and then sends whatever the
+/// test crafts: replies, blocks, path replies. Channel 0 only (no joins).
+class RawServer {
+public:
+  RawServer();
+  ~RawServer();
+  std::uint16_t port() const { return port_; }
+  const xdfs::xsec::KeyPair& key() const { return key_; }
+
+  /// A client's channel 0 after the handshake: what it asked for, and the keyed connection.
+  class Conn : public RawPeer {
+  public:
+    Conn(int fd, Hello h) : RawPeer(fd), hello(std::move(h)) {}
+    Hello hello;
+    xdfs::xsec::Key32 secret{};
+    void key(const xdfs::xsec::Key32& send, const xdfs::xsec::Key32& recv);
+    void send_reply(const xdfs::wire::NegotiationReply& r);
+  };
+  /// Accepts the next connection and runs the handshake (confirming it); null on failure.
+  std::unique_ptr<Conn> accept(int timeout_ms = 10000);
+
+private:
+  int listen_fd_ = -1;
+  std::uint16_t port_ = 0;
+  xdfs::xsec::KeyPair key_;
+};
+
+/// A real upload and download through xduc (-p 3 and -p 2) against the server at port, whose
+/// root is `root`: the proof that it still serves everyone else.
+void check_serving(std::uint16_t port, const std::string& root, const std::string& local);
+
+/// Resident memory of a process (VmRSS) and its peak (VmHWM), in KiB; 0 if unknown.
+std::uint64_t rss_kib(pid_t pid);
+std::uint64_t peak_rss_kib(pid_t pid);
+/// User and system CPU time a process has used so far, in seconds.
+double cpu_seconds(pid_t pid);
 
 /// Fails the test for every temporary ".part" file left in dir: a failure path forgot to clean up.
 void check_no_partials(const std::string& dir);
@@ -175,22 +234,36 @@ Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std:
 
 namespace xt {
 
-/// A man in the middle on loopback: forwards each connection to the server and lets a test
-/// rewrite the client's opening bytes or tamper with the server's frames.
+/// A man in the middle on loopback: forwards each connection to the server frame by frame, in
+/// both directions, and lets a test rewrite a channel's opening, tamper with any protected
+/// frame, and see every byte that crossed.
 class Relay {
 public:
+  enum class Dir { up, down };  ///< client to server, server to client
   enum class Verdict { pass, drop, duplicate, flip_payload_bit, flip_header_bit, swap_with_next, cut };
-  /// Decides the fate of each server-to-client frame after the handshake (protected frames).
-  using Hook = std::function<Verdict(const xdfs::wire::FrameHeader& h, std::size_t data_index)>;
+  /// A protected frame (one after its connection's handshake): which way it goes, which
+  /// connection (0 for the first accepted), the frame, and its place among that connection's
+  /// data frames in that direction (SIZE_MAX for a control frame).
+  struct Seen {
+    Dir dir;
+    std::size_t conn;
+    const xdfs::wire::FrameHeader& header;
+    std::size_t data_index;
+  };
+  using Hook = std::function<Verdict(const Seen& f)>;
 
   Relay(std::uint16_t target, xdfs::xsec::Protect mode);
   ~Relay();
   std::uint16_t port() const { return port_; }
   std::function<void(std::vector<std::uint8_t>& opening)> rewrite_opening;
   Hook hook;
+  /// Every byte that went one way so far, all connections in arrival order.
+  std::vector<std::uint8_t> bytes(Dir d);
 
 private:
-  void serve(int client);
+  void serve(int client, std::size_t conn);
+  void pump(Dir dir, std::size_t conn, int from, int to, bool join);
+  void record(Dir d, const std::uint8_t* p, std::size_t n);
   int listen_fd_ = -1;
   std::uint16_t port_ = 0;
   std::uint16_t target_;
@@ -199,6 +272,7 @@ private:
   std::mutex mu_;
   std::vector<std::thread> workers_;
   std::vector<int> fds_;
+  std::vector<std::uint8_t> up_, down_;
   std::atomic<bool> stop_{false};
 };
 

@@ -13,19 +13,10 @@ using xdfs::wire::FrameHeader;
 
 namespace {
 
-// A real upload and download through xduc: the proof that the server still serves.
 void check_still_serving(xt::XdfsdProcess& d, const xt::TempDir& root, const xt::TempDir& local) {
   REQUIRE(d.alive());
-  xt::write_random_file(local / "probe", 300000, 99);
-  const std::string url = "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/probe";
-  auto up = xt::xduc({"-q", "-p", "3", local / "probe", url});
-  CHECK_MESSAGE(up.status == 0, up.err);
-  CHECK(xt::files_equal(local / "probe", root / "probe"));
-  auto down = xt::xduc({"-q", "-p", "2", url, local / "probe.back"});
-  CHECK_MESSAGE(down.status == 0, down.err);
-  CHECK(xt::files_equal(local / "probe", local / "probe.back"));
+  xt::check_serving(d.port(), root.path(), local.path());
 }
-
 
 }  // namespace
 

@@ -433,8 +433,9 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
   }
   SUBCASE("clear mode does not claim to protect data: the relay really does change bytes") {
     xt::Relay relay(srv.port(), xs::Protect::clear);
-    relay.hook = [](const w::FrameHeader&, std::size_t data_index) {
-      return data_index == 2 ? xt::Relay::Verdict::flip_payload_bit : xt::Relay::Verdict::pass;
+    relay.hook = [](const xt::Relay::Seen& f) {
+      return f.dir == xt::Relay::Dir::down && f.data_index == 2 ? xt::Relay::Verdict::flip_payload_bit
+                                                                : xt::Relay::Verdict::pass;
     };
     CHECK(download_via(relay, xs::Protect::clear) == errc::ok);
     CHECK_FALSE(xt::files_equal(root / "src", local / "dst"));
@@ -467,8 +468,9 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
         CAPTURE(c.name);
         CAPTURE(xs::to_string(mode));
         xt::Relay relay(srv.port(), mode);
-        relay.hook = [&c](const w::FrameHeader& h, std::size_t data_index) {
-          const bool target = c.on_control ? h.event == w::Event::eofr : data_index == 2;
+        relay.hook = [&c](const xt::Relay::Seen& f) {
+          if (f.dir != xt::Relay::Dir::down) return V::pass;
+          const bool target = c.on_control ? f.header.event == w::Event::eofr : f.data_index == 2;
           return target ? c.verdict : V::pass;
         };
         auto got = download_via(relay, mode);

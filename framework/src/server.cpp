@@ -128,6 +128,9 @@ struct KeyUse {
   unsigned channels = 0;
 };
 
+// The peer closed or reset: nothing it could read is worth sending.
+bool gone(const ErrorCode& ec) { return ec == asio::error::eof || ec == asio::error::connection_reset; }
+
 bool is_exhaustion(const ErrorCode& ec) {
   return ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory ||
          ec == boost::system::errc::too_many_files_open_in_system;
@@ -143,6 +146,15 @@ bool within(const std::string& outer, const std::string& inner) {
 std::string real(const std::string& path) {
   char buf[PATH_MAX];
   return ::realpath(path.c_str(), buf) ? std::string(buf) : std::string();
+}
+
+// Where path is or would be: the resolved nearest existing ancestor with the rest appended.
+std::string real_or_planned(const std::string& path) {
+  if (auto r = real(path); !r.empty()) return r;
+  const auto [parent, last] = files::split_parent(path);
+  if (parent == path || last.empty()) return {};
+  const std::string p = real_or_planned(parent);
+  return p.empty() ? p : (p == "/" ? p + last : p + "/" + last);
 }
 
 }  // namespace
@@ -214,7 +226,8 @@ struct Server::Impl {
   void on_established(const ConnPtr& c, xsec::HandshakeResult r);
   void start_join(const ConnPtr& c);
   void on_joined(const ConnPtr& c, xsec::HandshakeResult r);
-  void refuse(const ConnPtr& c, errc code, const std::string& message);
+  /// Tells the peer why (unless it is gone already), then closes.
+  void refuse(const ConnPtr& c, errc code, const std::string& message, bool peer_gone = false);
   xsec::Defer defer_for(const ConnPtr& c);
   void schedule_dh();
   std::string check(const wire::Negotiation& n, errc& code) const;
@@ -239,20 +252,20 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
     else c.state_dir = std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") + "/.local/state/xdfsd";
   }
   if (c.authorized_keys.empty()) c.authorized_keys = c.state_dir + "/authorized_keys";
-  bool created = false;
-  impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
-  if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
   // The server's secrets must not be reachable through the root: a read-only client could fetch
-  // the private key, a read-write one rewrite who may log in.
+  // the private key, a read-write one rewrite who may log in. Checked before a key is made.
   const std::string root_real = real(c.root);
   for (const auto& [what, path] : {std::pair<const char*, std::string>{"state directory", c.state_dir},
-                                   {"authorized keys file", files::split_parent(c.authorized_keys).first}}) {
-    const std::string r = real(path);
+                                   {"authorized keys file", c.authorized_keys}}) {
+    const std::string r = real_or_planned(path);
     if (!root_real.empty() && !r.empty() && within(root_real, r))
       throw Error(errc::bad_argument, fmt::format("the {} '{}' lies inside the served root '{}': clients could reach it; "
                                                   "keep it outside (--state-dir, --authorized-keys)",
                                                   what, path, c.root));
   }
+  bool created = false;
+  impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
+  if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
   // A malformed authorized-keys file is an error now rather than at the first client.
   if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
   if (c.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
@@ -348,6 +361,13 @@ void Server::Impl::record_instance() {
     if (fd) ::unlink(path.c_str());
     return;
   }
+  // The record names the root: several servers may share a state directory (one identity,
+  // several roots), and a run is swept only by a later run on the same root.
+  const std::string r = real(config.root) + "\n";
+  if (::write(fd.get(), r.data(), r.size()) != static_cast<ssize_t>(r.size())) {
+    ::unlink(path.c_str());
+    return;
+  }
   instance_lock = std::move(fd);
   instance_file = path;
 }
@@ -364,7 +384,16 @@ void Server::Impl::sweep_dead_instances() {
     if (name.size() != 9 || name[0] != 's' || name == instance) continue;
     auto fd = std::make_shared<files::Fd>(::open((dir + "/" + name).c_str(), O_RDWR | O_CLOEXEC));
     // Held while sweeping, so that two servers starting at once do not both sweep it.
-    if (*fd && ::flock(fd->get(), LOCK_EX | LOCK_NB) == 0) dead.emplace_back(name, fd);
+    if (!*fd || ::flock(fd->get(), LOCK_EX | LOCK_NB) != 0) continue;  // a live run holds it
+    char buf[PATH_MAX + 2];
+    const ssize_t n = ::pread(fd->get(), buf, sizeof buf - 1, 0);
+    std::string its_root(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!its_root.empty() && its_root.back() == '\n') its_root.pop_back();
+    if (its_root == real(config.root)) {
+      dead.emplace_back(name, fd);
+    } else if (its_root.empty() || ::access(its_root.c_str(), F_OK) != 0) {
+      ::unlink((dir + "/" + name).c_str());  // a run on a root that is gone: nothing to sweep
+    }
   }
   ::closedir(d);
   if (dead.empty()) return;
@@ -517,7 +546,8 @@ void Server::Impl::read_opening(const ConnPtr& c) {
     if (ec)
       return refuse(c, errc::protocol_error,
                     fmt::format("connection ended after {} of {} bytes of the preamble (truncated header)", n,
-                                wire::preamble_size));
+                                wire::preamble_size),
+                    gone(ec));
     auto version = wire::decode_preamble(c->pre);
     if (!version) return refuse(c, errc::protocol_error, "not an xDFS client (bad magic bytes)");
     if (*version != protocol_version)
@@ -528,7 +558,8 @@ void Server::Impl::read_opening(const ConnPtr& c) {
       if (ec)
         return refuse(c, errc::protocol_error,
                       fmt::format("connection ended after {} of {} bytes of the frame header (truncated header)", n,
-                                  wire::frame_header_size));
+                                  wire::frame_header_size),
+                      gone(ec));
       std::string why;
       auto h = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(c->hdr), &why);
       if (!h) return refuse(c, errc::protocol_error, why);
@@ -545,7 +576,8 @@ void Server::Impl::read_opening(const ConnPtr& c) {
         if (ec)
           return refuse(c, errc::protocol_error,
                         fmt::format("connection ended after {} of {} bytes of the negotiation header (truncated header)",
-                                    n, c->payload.size()));
+                                    n, c->payload.size()),
+                        gone(ec));
         on_opening(c);
       });
     });
@@ -811,7 +843,7 @@ void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
 
 // Tells the peer why (over the protected channel once it has keys), then closes: at once when
 // the peer closes too, after a second at the latest. Until then it stays under the caps.
-void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& message) {
+void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& message, bool peer_gone) {
   if (c->settled) return;
   c->settled = true;
   ++rejected;
@@ -820,7 +852,14 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
     if (auto it = sessions.find(c->opening.session); it != sessions.end()) --it->second.joins_in_progress;
     c->joining = false;
   }
-  if (!c->ch->open()) return release(*c);
+  if (!c->ch->open() || peer_gone) {
+    // Nobody reads an answer: the descriptor goes back at once (a flood of dead connections
+    // must not keep descriptors for a second each).
+    ErrorCode ignored;
+    c->deadline.cancel(ignored);
+    c->ch->close();
+    return release(*c);
+  }
   c->ch->send_control(wire::Event::exception,
                       wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),
                       [c](const ErrorCode&) { c->ch->shutdown_send(); });
@@ -855,7 +894,7 @@ void Server::Impl::run_session(Session& s) {
     }
     if (++crashes == 1 && s.handler) {
       try {
-        s.handler->crash("internal error: " + what);
+        s.handler->crash(what);
         continue;
       } catch (...) {
       }

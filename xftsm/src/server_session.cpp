@@ -1,5 +1,8 @@
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+
+#include <cerrno>
 
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
@@ -59,7 +62,7 @@ public:
       return fail_early(errc::state_violation, machine_.why(), Event::local_error);
     }
     channels_[idx] = std::move(ch);
-    if (++joined_ < nego_.channel_count) return;
+    if (++joined_ < nego_.channel_count) return watch(*channels_[idx]);
     join_timer_.cancel();
     if (machine_.fire(Event::all_joined) == Action::open_and_reply) open_and_reply();
   }
@@ -99,6 +102,24 @@ private:
       block_crypto_ = std::make_unique<xsec::BlockCrypto>(mode, static_cast<xsec::Cipher>(env_.opening.cipher),
                                                           xsec::data_key(env_.session_secret, nego_.mode == Mode::upload));
     return block_crypto_.get();
+  }
+
+  // While the session waits for its other channels, the client sends nothing on those it has:
+  // a channel that closes (or talks) then ends the session at once instead of at the join timeout.
+  void watch(xdsi::Channel& ch) {
+    ch.socket().async_wait(xdsi::tcp::socket::wait_read, [this, &ch](const xdsi::ErrorCode& ec) {
+      if (ec || machine_.state() != State::joining) return;
+      char b;
+      const auto n = ::recv(ch.socket().native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return watch(ch);
+      if (n > 0)
+        return fail_early(errc::protocol_error,
+                          fmt::format("channel {} sent a frame before the session started", ch.index()),
+                          Event::local_error);
+      fail_early(errc::peer_aborted,
+                 fmt::format("channel {} closed while the session waited for its other channels", ch.index()),
+                 Event::channel_lost);
+    });
   }
 
   // A channel this session does not take: it hears why (it is authenticated), then goes.

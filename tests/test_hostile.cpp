@@ -1,0 +1,679 @@
+// Hostile peers against real xdfsd and xduc processes: nothing a client or a server sends may
+// crash, freeze or lock out the other side, make it hold memory in proportion to a number it
+// declared, or reach a log line or a terminal unescaped. One test case per way in.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "support.hpp"
+#include "xdfs/client.hpp"
+#include "xdfs/pathm/messages.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+
+using xdfs::errc;
+using xdfs::Mode;
+using xdfs::wire::Event;
+using xdfs::wire::FrameHeader;
+namespace pm = xdfs::pathm;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string url(std::uint16_t port, const std::string& path) {
+  return "xdfs://127.0.0.1:" + std::to_string(port) + "/" + path;
+}
+
+// The frame the server answers a channel's negotiation with, or its exception.
+void expect_reply(xt::RawChannel& c) {
+  auto reply = c.read_frame();
+  REQUIRE(reply.has_value());
+  REQUIRE_MESSAGE(reply->first.event == Event::nego_reply, "got " << xdfs::wire::to_string(reply->first.event));
+}
+
+// A path request or reply in an xPathM frame.
+template <class Message>
+void send_path(xt::RawPeer& c, const Message& m) {
+  auto enc = pm::encode(m);
+  FrameHeader h;
+  h.event = Event::xpathm;
+  h.length = static_cast<std::uint32_t>(enc.size);
+  auto b = enc.bytes();
+  c.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));
+}
+
+std::optional<pm::Request> read_request(xt::RawPeer& c, Event* ev = nullptr) {
+  auto f = c.read_frame();
+  if (!f) return std::nullopt;
+  if (ev) *ev = f->first.event;
+  if (f->first.event != Event::xpathm) return std::nullopt;
+  // Word-aligned, as the library's buffers are.
+  std::vector<std::uint64_t> words((f->second.size() + 7) / 8);
+  std::memcpy(words.data(), f->second.data(), f->second.size());
+  static thread_local std::vector<std::uint64_t> keep;
+  keep = std::move(words);
+  return pm::decode_request({reinterpret_cast<const std::uint8_t*>(keep.data()), f->second.size()});
+}
+
+bool lines_start_with_timestamps(const std::string& log) {
+  std::size_t at = 0;
+  while (at < log.size()) {
+    const auto end = log.find('\n', at);
+    const std::string line = log.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    // 2026-11-23T20:32:52Z xdfsd: ...
+    if (!line.empty() && (line.size() < 22 || line[4] != '-' || line[10] != 'T' || line.compare(20, 8, " xdfsd: ") != 0))
+      return false;
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_SUITE("hostile") {
+
+TEST_CASE("extreme sizes from a client: refused where decoded, or costing only what arrived; xdfsd keeps serving") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--allow-memory-mode", "--idle-timeout", "3"});
+  SUBCASE("sizes near 2^64 are refused while the negotiation is decoded, naming the field") {
+    for (std::uint64_t size : {~std::uint64_t(0), std::uint64_t(1) << 63, xdfs::wire::max_file_size + 1}) {
+      CAPTURE(size);
+      xt::RawChannel c(d.port());
+      REQUIRE(c.establish(xt::make_hello(Mode::upload, "big", 1, size)));
+      auto ex = c.read_exception();
+      REQUIRE(ex.has_value());
+      CHECK(ex->code == errc::protocol_error);
+      CHECK(ex->message.find("file size") != std::string::npos);
+    }
+  }
+  SUBCASE("2^60 bytes into a file: more than the file system holds, refused before anything is written") {
+    auto h = xt::make_hello(Mode::upload, "big", 1, std::uint64_t(1) << 60);
+    h.nego.block_size = 4096;
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(h));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::disk_full);
+    CHECK(ex->message.find("do not fit") != std::string::npos);
+  }
+  SUBCASE("2^62 bytes in memory mode with 4 KiB blocks: blocks far apart are taken, a repeat is refused") {
+    auto h = xt::make_hello(Mode::upload, "m", 1, xdfs::wire::max_file_size);
+    h.nego.block_size = 4096;
+    h.nego.extended_flags = xdfs::wire::flag_memory;
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(h));
+    expect_reply(c);
+    for (std::uint64_t off : {std::uint64_t(0), std::uint64_t(1) << 40, std::uint64_t(1) << 61,
+                              xdfs::wire::max_file_size - 4096})
+      c.send_block(Event::xftsmu, off, xt::random_bytes(4096, off % 977));
+    c.send_block(Event::xftsmu, std::uint64_t(1) << 40, xt::random_bytes(4096, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+    CHECK(ex->message.find("received twice") != std::string::npos);
+  }
+  SUBCASE("path mode: a chunk of a 2^50-byte file, and one whose size exceeds 2^62") {
+    xdfs::TransferOptions o;
+    o.block_size = 4096;
+    xdfs::RemoteFs rfs({"127.0.0.1", d.port()}, o);
+    pm::Entry e;
+    e.path = "huge";
+    e.size = std::uint64_t(1) << 50;
+    e.file_id = 1;
+    const auto chunk = xt::random_bytes(4096, 3);
+    e.data = chunk;
+    try {
+      rfs->put({e});
+      FAIL("a 2^50-byte file was accepted");
+    } catch (const xdfs::Error& err) {
+      CHECK(err.code() == errc::disk_full);
+      CHECK(std::string(err.what()).find("do not fit") != std::string::npos);
+    }
+    e.size = xdfs::wire::max_file_size + 4096;
+    try {
+      rfs->put({e});
+      FAIL("a size beyond 2^62 was accepted");
+    } catch (const xdfs::Error& err) {
+      CHECK(err.code() == errc::protocol_error);
+      CHECK(std::string(err.what()).find("2^62") != std::string::npos);
+    }
+  }
+  REQUIRE(d.alive());
+  xt::check_serving(d.port(), root.path(), local.path());
+  xt::check_no_partials(root.path());
+}
+
+TEST_CASE("a hostile server's sizes: xduc refuses or survives them, writes nothing it cannot keep") {
+  xt::TempDir local;
+  xt::RawServer srv;
+  const std::string kh = local / "known_hosts";
+  auto serve = [&](std::function<void(xt::RawServer::Conn&)> script) {
+    return std::thread([&srv, script] {
+      auto c = srv.accept();
+      if (c) script(*c);
+    });
+  };
+  SUBCASE("a file size beyond 2^62 in the reply") {
+    auto t = serve([](xt::RawServer::Conn& c) {
+      c.send_reply({~std::uint64_t(0), 0, c.hello.nego.block_size});
+      c.wait_closed();
+    });
+    auto r = xt::xduc({"-q", "--known-hosts", kh, url(srv.port(), "f"), local / "out"}, 60000);
+    t.join();
+    CHECK(r.status == 1);
+    CHECK(r.err.find("file size") != std::string::npos);
+    CHECK_FALSE(xt::exists(local / "out"));
+  }
+  SUBCASE("2^60 bytes announced for a file: refused before a byte is written") {
+    auto t = serve([](xt::RawServer::Conn& c) {
+      c.send_reply({std::uint64_t(1) << 60, 0, c.hello.nego.block_size});
+      c.wait_closed();
+    });
+    auto r = xt::xduc({"-q", "--known-hosts", kh, url(srv.port(), "f"), local / "out"}, 60000);
+    t.join();
+    CHECK(r.status == 1);
+    CHECK(r.err.find("disk full: 'out': ") != std::string::npos);
+    CHECK(r.err.find("do not fit") != std::string::npos);
+    CHECK_FALSE(xt::exists(local / "out"));
+  }
+  SUBCASE("2^62 bytes announced, blocks at scattered offsets, then the server goes") {
+    auto t = serve([](xt::RawServer::Conn& c) {
+      const std::uint32_t bs = c.hello.nego.block_size;
+      c.send_reply({xdfs::wire::max_file_size, 0, bs});
+      for (std::uint64_t off : {std::uint64_t(0), std::uint64_t(1) << 45, std::uint64_t(1) << 61})
+        c.send_block(Event::xftsmd, off, xt::random_bytes(bs, off % 31));
+    });
+    auto r = xt::xduc({"-q", "--known-hosts", kh, url(srv.port(), "f"), "/dev/null"}, 60000);
+    t.join();
+    CHECK(r.status == 1);  // not a crash: the transfer failed and said why
+    CHECK(r.err.find("peer aborted (server)") != std::string::npos);
+  }
+  xt::check_no_partials(local.path());
+}
+
+TEST_CASE("a hostile path server: a listed file of 2^62 bytes, names with escapes; xduc stays whole") {
+  xt::TempDir local;
+  xt::RawServer srv;
+  const std::string kh = local / "known_hosts";
+  // A server whose listing claims an enormous file with a name that would drive a terminal,
+  // and refuses to send it.
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    for (;;) {
+      Event ev{};
+      auto r = read_request(*c, &ev);
+      if (!r) break;
+      pm::Reply rep;
+      rep.id = r->id;
+      if (r->op == pm::Op::stat) {
+        pm::Entry top;
+        top.path = ".";
+        top.type = pm::Type::directory;
+        top.mode = 0755;
+        rep.entries.push_back(top);
+      } else if (r->op == pm::Op::list) {
+        pm::Entry big;
+        big.path = "evil\x1b]0;owned\x07\nname";
+        big.type = pm::Type::file;
+        big.size = xdfs::wire::max_file_size;
+        big.mode = 0644;
+        rep.entries.push_back(big);
+      } else if (r->op == pm::Op::get) {
+        pm::Entry no;
+        no.code = errc::io_error;
+        no.message = "not today\x1b[2J";
+        rep.entries.push_back(no);
+      }
+      send_path(*c, rep);
+    }
+  });
+  auto r = xt::xduc({"-q", "-r", "--known-hosts", kh, url(srv.port(), "t/"), local / "back"}, 60000);
+  t.join();
+  INFO(r.err);
+  CHECK(r.status == 1);
+  CHECK(r.err.find("1 not copied") != std::string::npos);
+  // What the server named is shown escaped: no escape sequence or bell reached the terminal.
+  CHECK(r.err.find('\x1b') == std::string::npos);
+  CHECK(r.err.find('\x07') == std::string::npos);
+  CHECK(r.err.find("evil\\x1b]0;owned\\x07\\nname") != std::string::npos);
+  CHECK(xt::list_dir(local / "back").empty());
+}
+
+TEST_CASE("unauthenticated connections and stalled openings do not lock out a real client") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--handshake-timeout", "30"});
+  std::vector<std::unique_ptr<xt::RawChannel>> held;
+  // Silent connections and well-formed openings that go no further, from several source
+  // addresses: under the old design each opening made a session and 64 of them filled the server.
+  for (int i = 0; i < 300; ++i)
+    held.push_back(std::make_unique<xt::RawChannel>(d.port(), "127.0.1." + std::to_string(1 + i % 50)));
+  for (int i = 0; i < 150; ++i) {
+    auto c = std::make_unique<xt::RawChannel>(d.port(), "127.0.2." + std::to_string(1 + i % 50));
+    c->send_opening(xt::make_hello(Mode::upload, "x", 1, 10).opening);
+    held.push_back(std::move(c));
+  }
+  // A real client, while all of that is held.
+  xt::write_random_file(local / "f", 8 << 20, 5);
+  auto up = xt::xduc({"-q", "-p", "4", local / "f", url(d.port(), "f")}, 60000);
+  CHECK_MESSAGE(up.status == 0, up.err);
+  CHECK(xt::files_equal(local / "f", root / "f"));
+  // The same from the loopback address the first 300 came from shares no cap with them.
+  auto down = xt::xduc({"-q", "-p", "2", url(d.port(), "f"), local / "back"}, 60000);
+  CHECK_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "f", local / "back"));
+  held.clear();
+  CHECK(d.alive());
+}
+
+TEST_CASE("a pending cap that is full drops the oldest of the busiest address, not a newcomer") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--handshake-timeout", "30", "--max-pending", "40", "--max-pending-per-address", "10"});
+  std::vector<std::unique_ptr<xt::RawChannel>> flood;
+  for (int i = 0; i < 30; ++i) flood.push_back(std::make_unique<xt::RawChannel>(d.port(), "127.0.3.1"));
+  // The first 20 from that address were dropped as the later ones came.
+  CHECK(flood.front()->wait_closed(10000));
+  CHECK(d.wait_for_log("connections from 127.0.3.1 are pending, its limit"));
+  for (int i = 0; i < 40; ++i)
+    flood.push_back(std::make_unique<xt::RawChannel>(d.port(), "127.0.4." + std::to_string(1 + i)));
+  CHECK(d.wait_for_log("connections are pending, the server's limit"));
+  // A newcomer from an address holding nothing gets in: the busiest address pays.
+  xt::write_random_file(local / "g", 1 << 20, 6);
+  auto ok = xt::xduc({"-q", local / "g", url(d.port(), "g")}, 60000);
+  CHECK_MESSAGE(ok.status == 0, ok.err);
+}
+
+TEST_CASE("a session torn down in the middle of a long checksum does not stop the server accepting") {
+  xt::TempDir root, local;
+  {
+    // A sparse terabyte: hashing it takes minutes; only cancelling it ends sooner.
+    int fd = ::open((root / "huge").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    REQUIRE(fd >= 0);
+    REQUIRE(::ftruncate(fd, static_cast<off_t>(std::uint64_t(1) << 40)) == 0);
+    ::close(fd);
+  }
+  xt::XdfsdProcess d(root.path());
+  {
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(xt::make_hello(Mode::path, ".", 1)));
+    expect_reply(c);
+    pm::Request r;
+    r.id = 1;
+    r.op = pm::Op::checksum;
+    r.path = "huge";
+    send_path(c, r);
+    REQUIRE(d.wait_for_log("mode=path"));
+  }  // the client goes while its checksum runs
+  CHECK(d.wait_for_log("status=error: peer aborted"));
+  xt::write_file(root / "small", "hello");
+  auto st = xt::xduc({"stat", url(d.port(), "small")}, 60000);
+  CHECK_MESSAGE(st.status == 0, st.err);
+  xt::check_serving(d.port(), root.path(), local.path());
+  // And the server stops at once: nothing is left hashing.
+  CHECK(d.stop(SIGTERM, 30000) == 0);
+}
+
+TEST_CASE("requests a path session never finishes sending are parked at the header, within the memory limit") {
+  xt::TempDir root;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.memory_limit = 64u << 20;
+  xt::InProcessServer srv(cfg);
+  auto h = xt::make_hello(Mode::path, ".", 8);
+  h.nego.block_size = 16u << 20;  // each request may be 20 MiB
+  std::vector<std::unique_ptr<xt::RawChannel>> ch;
+  ch.push_back(std::make_unique<xt::RawChannel>(srv.port()));
+  REQUIRE(ch[0]->establish(h));
+  for (std::uint32_t i = 1; i < 8; ++i) {
+    ch.push_back(std::make_unique<xt::RawChannel>(srv.port()));
+    REQUIRE(ch[i]->join(h, i, ch[0]->session_secret()));
+  }
+  for (auto& c : ch) {
+    auto reply = c->read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == Event::nego_reply);
+  }
+  // Every channel announces a 20 MiB request and sends 1 MiB of it.
+  const std::uint32_t claim = (16u << 20) + (4u << 20);
+  for (auto& c : ch) {
+    FrameHeader fh;
+    fh.event = Event::xpathm;
+    fh.length = claim;
+    auto hb = xdfs::wire::encode(fh);
+    c->send_bytes(hb.data(), hb.size());
+    c->send_bytes(xt::random_bytes(1 << 20, 4));
+  }
+  // The server took what fits its limit and no more: a few requests' buffers, not eight.
+  const auto& mem = srv.server().memory();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (mem.used() < 2ull * claim && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(mem.used() >= 2ull * claim);
+  CHECK(mem.used() <= cfg.memory_limit);
+  CHECK(mem.peak() <= cfg.memory_limit);
+  // Another client is served meanwhile: its small requests fit what is left.
+  xt::write_file(root / "f", "x");
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  CHECK(rfs->stat("f").size == 1);
+  rfs.close();
+  ch.clear();  // the stalled session goes; what it held comes back
+  const auto back = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (mem.used() != 0 && std::chrono::steady_clock::now() < back)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(mem.used() == 0);
+}
+
+TEST_CASE("a newline in a path cannot forge a log line; names from a server reach xduc's terminal escaped") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  const std::string forged = "2026-01-01T00:00:00Z xdfsd: session 00000000 end peer=1.2.3.4:5 status=ok";
+  {
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(xt::make_hello(Mode::upload, "x\n" + forged, 1, 10)));
+    expect_reply(c);
+  }  // gone mid-file: the session's end line names the path too
+  {
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(xt::make_hello(Mode::download, "/etc\r\n" + forged, 1)));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::path_escape);
+  }
+  REQUIRE(d.wait_for_log("path=x\\n2026-01-01"));
+  REQUIRE(d.wait_for_log("absolute path '/etc\\r\\n2026-01-01"));
+  CHECK(lines_start_with_timestamps(d.log()));
+  CHECK(d.log().find("\n" + forged) == std::string::npos);
+
+  xt::write_file(root / "evil\x1b[31m\x07\nname", "x");
+  ::symlink("\x1b]2;title\x07", (root / "link").c_str());
+  auto ls = xt::xduc({"ls", url(d.port(), "")}, 60000);
+  REQUIRE(ls.status == 0);
+  CHECK(ls.out.find('\x1b') == std::string::npos);
+  CHECK(ls.out.find('\x07') == std::string::npos);
+  CHECK(ls.out.find("evil\\x1b[31m\\x07\\nname") != std::string::npos);
+  CHECK(ls.out.find("link -> \\x1b]2;title\\x07") != std::string::npos);
+  CHECK(std::count(ls.out.begin(), ls.out.end(), '\n') == 2);  // one line per entry
+  auto json = xt::xduc({"ls", "--json", url(d.port(), "")}, 60000);
+  CHECK(json.out.find('\x1b') == std::string::npos);
+  CHECK(json.out.find("evil\\\\x1b[31m\\\\x07\\\\nname") != std::string::npos);
+}
+
+TEST_CASE("one key cannot hold the whole server: sessions and channels per key") {
+  xt::TempDir root, local, state;
+  const auto me = xt::test_identity();
+  const std::string other_id = local / "other";
+  const auto other = xdfs::xsec::load_or_create_key(other_id);
+  xt::write_file(state / "authorized_keys", xdfs::xsec::format_public(me.public_key) + " rw sessions=2 channels=6\n" +
+                                                xdfs::xsec::format_public(other.public_key) + " rw\n");
+  xt::XdfsdProcess d(root.path(), {"--authorized-keys", state / "authorized_keys", "--join-timeout", "20"});
+  // Two sessions of this key, each waiting for its second channel.
+  auto a = std::make_unique<xt::RawChannel>(d.port());
+  REQUIRE(a->establish(xt::make_hello(Mode::upload, "a", 2, 10)));
+  xt::RawChannel b(d.port());
+  REQUIRE(b.establish(xt::make_hello(Mode::upload, "b", 2, 10)));
+  xt::RawChannel third(d.port());
+  REQUIRE(third.establish(xt::make_hello(Mode::upload, "c", 1, 10)));
+  auto ex = third.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::limit_exceeded);
+  CHECK(ex->message.find("has 2 sessions running, its limit") != std::string::npos);
+  a.reset();  // one goes: a session may start again, but not with more channels than are left
+  REQUIRE(d.wait_for_log("path=a channels=2"));
+  xt::RawChannel wide(d.port());
+  REQUIRE(wide.establish(xt::make_hello(Mode::upload, "w", 5, 10)));
+  ex = wide.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::limit_exceeded);
+  CHECK(ex->message.find("has 2 channels open and asks for 5 more, its limit is 6") != std::string::npos);
+  // Another key is not held up by this one.
+  xt::write_random_file(local / "f", 100000, 2);
+  auto up = xt::xduc({"-q", "--identity", other_id, "-p", "8", local / "f", url(d.port(), "f")}, 60000);
+  CHECK_MESSAGE(up.status == 0, up.err);
+}
+
+TEST_CASE("a tree download into an existing directory leaves that directory's mode alone") {
+  xt::TempDir root, local;
+  fs::create_directories(root / "d/sub");
+  xt::write_file(root / "d/f", "x");
+  ::chmod((root / "d").c_str(), 0777);
+  ::chmod((root / "d/sub").c_str(), 0750);
+  xt::XdfsdProcess d(root.path());
+  const std::string mine = local / "home";
+  ::mkdir(mine.c_str(), 0700);
+  auto r = xt::xduc({"-q", "-r", url(d.port(), "d/"), mine}, 60000);
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  struct stat st {};
+  REQUIRE(::stat(mine.c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == 0700);  // not the server's 0777
+  REQUIRE(::stat((mine + "/sub").c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == 0750);  // what the copy made gets the remote mode
+  // A directory the copy makes as its destination gets the remote mode (less the umask).
+  auto fresh = xt::xduc({"-q", "-r", url(d.port(), "d"), local / "new"}, 60000);
+  REQUIRE_MESSAGE(fresh.status == 0, fresh.err);
+  REQUIRE(::stat((local / "new/d").c_str(), &st) == 0);
+  const mode_t mask = xdfs::files::process_umask();
+  CHECK((st.st_mode & 07777) == (0777 & ~mask));
+}
+
+TEST_CASE("xdfsd refuses a state directory inside its root, and honours its umask") {
+  xt::TempDir root, local;
+  ::mkdir((root / "state").c_str(), 0700);
+  auto r = xt::run(XDFSD_PATH, {"--root", root.path(), "--state-dir", root / "state", "--listen", "127.0.0.1:0"}, 30000);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("lies inside the served root") != std::string::npos);
+  CHECK_FALSE(xt::exists(root / "state/server_x25519"));  // refused before a key was made there
+  // umask 077 for the server: what it creates is its owner's alone, whatever the client sent.
+  const mode_t old = ::umask(077);
+  xt::XdfsdProcess d(root.path());
+  ::umask(old);
+  fs::create_directories(local / "t/sub");
+  xt::write_file(local / "t/sub/f", "x");
+  ::chmod((local / "t/sub/f").c_str(), 0664);
+  ::chmod((local / "t/sub").c_str(), 0775);
+  auto up = xt::xduc({"-q", "-r", local / "t", url(d.port(), "")}, 60000);
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  xt::write_file(local / "single", "y");
+  ::chmod((local / "single").c_str(), 0666);
+  REQUIRE(xt::xduc({"-q", local / "single", url(d.port(), "single")}, 60000).status == 0);
+  struct stat st {};
+  REQUIRE(::stat((root / "t/sub/f").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  REQUIRE(::stat((root / "t/sub").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0700);
+  REQUIRE(::stat((root / "single").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+}
+
+TEST_CASE("partial files of a killed server are removed when it starts again") {
+  xt::TempDir root, local, state;
+  xt::write_file(state / "authorized_keys", xdfs::xsec::format_public(xt::test_identity().public_key) + " rw\n");
+  const std::vector<std::string> args{"--state-dir", state.path()};
+  std::string part;
+  {
+    xt::XdfsdProcess d(root.path(), args);
+    xt::RawChannel c(d.port());
+    REQUIRE(c.establish(xt::make_hello(Mode::upload, "cut", 1, 4 << 16)));
+    expect_reply(c);
+    c.send_block(Event::xftsmu, 0, xt::random_bytes(1 << 16, 1));
+    REQUIRE(d.wait_for_log("start peer="));
+    for (auto& n : xt::list_dir(root.path()))
+      if (n.find(".part") != std::string::npos) part = n;
+    REQUIRE_MESSAGE(!part.empty(), "no temporary file while the upload runs");
+    d.stop(SIGKILL);
+  }
+  REQUIRE(xt::exists(root / part));  // a killed server cannot clean up
+  xt::XdfsdProcess again(root.path(), args);
+  CHECK(again.wait_for_log("removed 1 partial file left by an earlier run"));
+  CHECK_FALSE(xt::exists(root / part));
+  // A live server's files are not touched by another one starting on the same root.
+  xt::RawChannel c(again.port());
+  REQUIRE(c.establish(xt::make_hello(Mode::upload, "live", 1, 4 << 16)));
+  expect_reply(c);
+  c.send_block(Event::xftsmu, 0, xt::random_bytes(1 << 16, 1));
+  std::string live;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (live.empty() && std::chrono::steady_clock::now() < until) {
+    for (auto& n : xt::list_dir(root.path()))
+      if (n.find(".part") != std::string::npos) live = n;
+    if (live.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(!live.empty());
+  xt::XdfsdProcess third(root.path(), args);
+  xt::check_serving(third.port(), root.path(), local.path());
+  CHECK(xt::exists(root / live));
+}
+
+TEST_CASE("--min-protect refuses weaker sessions before any handshake work") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--min-protect", "integrity"});
+  xt::write_random_file(local / "f", 1000, 1);
+  auto weak = xt::xduc({"-q", "--protect", "clear", local / "f", url(d.port(), "f")}, 60000);
+  CHECK(weak.status == 1);
+  CHECK(weak.err.find("requires protection 'integrity' or stronger") != std::string::npos);
+  CHECK_FALSE(xt::exists(root / "f"));
+  for (const char* ok : {"integrity", "private"}) {
+    auto r = xt::xduc({"-q", "--protect", ok, local / "f", url(d.port(), std::string("f-") + ok)}, 60000);
+    CHECK_MESSAGE(r.status == 0, r.err);
+  }
+}
+
+TEST_CASE("what a session moves never crosses the wire in the clear, and a seen session id squats nothing") {
+  xt::TempDir root, local;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  const std::string name = "quarterly-results-7f3a9c.csv";
+  const std::uint64_t size = 1234567;
+  xt::write_random_file(local / "f", size, 8);
+  for (auto mode : {xdfs::xsec::Protect::clear, xdfs::xsec::Protect::private_}) {
+    CAPTURE(xdfs::xsec::to_string(mode));
+    xt::Relay relay(srv.port(), mode);
+    xdfs::TransferOptions o;
+    o.protect = mode;
+    o.channels = 3;
+    o.known_hosts_file = local / "kh";
+    xdfs::upload(local / "f", {"127.0.0.1", relay.port()}, name, o);
+    REQUIRE(xt::files_equal(local / "f", root / name));
+    const auto up = relay.bytes(xt::Relay::Dir::up);
+    CHECK(std::search(up.begin(), up.end(), name.begin(), name.end()) == up.end());
+    ::unlink((root / name).c_str());
+  }
+  // Someone who saw a session's id on the wire opens its channels first: without the secret
+  // they prove nothing and claim no index; the real channels join.
+  auto h = xt::make_hello(Mode::upload, "v", 3, 2 << 16);
+  xt::RawChannel victim(srv.port());
+  REQUIRE(victim.establish(h));
+  std::vector<std::unique_ptr<xt::RawChannel>> squatters;
+  for (std::uint32_t i = 1; i < 3; ++i) {
+    auto o = h.opening;
+    o.channel_index = i;
+    o.join = true;
+    o.join_nonce = xt::random_bytes(32, 50 + i);
+    squatters.push_back(std::make_unique<xt::RawChannel>(srv.port()));
+    squatters.back()->send_opening(o);
+    REQUIRE(squatters.back()->read_frame().has_value());  // the server's answer; no proof follows
+  }
+  xt::RawChannel one(srv.port()), two(srv.port());
+  REQUIRE(one.join(h, 1, victim.session_secret()));
+  REQUIRE(two.join(h, 2, victim.session_secret()));
+  expect_reply(victim);
+  expect_reply(one);
+  expect_reply(two);
+  victim.send_block(Event::xftsmu, 0, xt::random_bytes(1 << 16, 1));
+  one.send_block(Event::xftsmu, 1 << 16, xt::random_bytes(1 << 16, 2));
+  for (auto* c : {&victim, &one, &two}) {
+    FrameHeader e;
+    e.event = Event::eofr;
+    c->send_frame(e);
+  }
+  auto done = victim.read_frame();
+  REQUIRE(done.has_value());
+  while (done && done->first.event == Event::ack) done = victim.read_frame();
+  REQUIRE(done.has_value());
+  CHECK(done->first.event == Event::eoft);
+  CHECK(fs::file_size(root / "v") == (2u << 16));
+}
+
+TEST_CASE("a handler that throws fails its own session only") {
+  xt::TempDir root, local;
+  // The real xFTSM mode, with one fault injected: its handler throws when a channel of a session
+  // for "boom" arrives (as a failed allocation would).
+  struct Faulty final : xdfs::runtime::SessionHandler {
+    std::unique_ptr<xdfs::runtime::SessionHandler> real;
+    bool boom;
+    void add_channel(std::unique_ptr<xdfs::xdsi::Channel> ch) override {
+      real->add_channel(std::move(ch));
+      if (boom) throw std::runtime_error("injected fault");
+    }
+    void shutdown() override { real->shutdown(); }
+    void crash(const std::string& what) override { real->crash(what); }
+  };
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  std::vector<std::string> lines;
+  std::mutex mu;
+  cfg.log = [&](const std::string& l) {
+    std::lock_guard g(mu);
+    lines.push_back(l);
+  };
+  auto real = xdfs::xftsm::server_factory();
+  cfg.listen = "127.0.0.1:0";
+  xdfs::Server server(cfg, [real](xdfs::runtime::SessionEnv& env) -> std::unique_ptr<xdfs::runtime::SessionHandler> {
+    auto f = std::make_unique<Faulty>();
+    f->real = real(env);
+    f->boom = env.nego.remote_path == "boom";
+    return f;
+  });
+  std::thread t([&] { server.run(); });
+  xt::write_random_file(local / "f", 300000, 4);
+  bool remote = false;
+  std::string what;
+  CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", server.port()}, "boom", {}); }, &remote, &what) ==
+        errc::internal);
+  CHECK(remote);
+  CHECK(what.find("injected fault") != std::string::npos);
+  CHECK_FALSE(xt::exists(root / "boom"));
+  // The process, the listener and every other session go on.
+  xdfs::upload(local / "f", {"127.0.0.1", server.port()}, "fine", {});
+  CHECK(xt::files_equal(local / "f", root / "fine"));
+  server.stop();
+  t.join();
+  std::lock_guard g(mu);
+  CHECK(std::any_of(lines.begin(), lines.end(), [](const std::string& l) {
+    return l.find("path=boom") != std::string::npos && l.find("status=error: internal error") != std::string::npos;
+  }));
+}
+
+TEST_CASE("out of descriptors: xdfsd backs off, sheds with its reserve, says so a few times, and recovers") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {}, {"prlimit", "--nofile=48:48", "--"});
+  CHECK(d.log().find("descriptor limit is 48") != std::string::npos);
+  std::vector<std::unique_ptr<xt::RawChannel>> held;
+  for (int i = 0; i < 120; ++i) held.push_back(std::make_unique<xt::RawChannel>(d.port()));
+  CHECK(d.wait_for_log("shedding a connection"));
+  // While the flood is held, an accept loop that re-armed at once would spin on a core; one that
+  // backs off sleeps. Measured over a second of the server's own CPU time.
+  const double before = xt::cpu_seconds(d.pid());
+  const auto t0 = std::chrono::steady_clock::now();
+  d.wait_for_log("a line that never comes", 1000);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double used = xt::cpu_seconds(d.pid()) - before;
+  INFO("xdfsd used " << used << " s of CPU in " << wall << " s");
+  CHECK(used < 0.5 * wall);
+  const std::string log = d.log();
+  std::size_t accept_lines = 0;
+  for (std::size_t at = 0; (at = log.find("accept: ", at)) != std::string::npos; ++at) ++accept_lines;
+  CHECK(accept_lines < 100);  // rationed, not a line per attempt
+  held.clear();
+  xt::check_serving(d.port(), root.path(), local.path());
+}
+
+}  // TEST_SUITE
