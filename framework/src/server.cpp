@@ -116,6 +116,7 @@ struct Session {
 // What the listener knows of a running session: enough to let its other channels join.
 struct Record {
   std::unique_ptr<Session> session;
+  Reservation overhead;  // what the session itself takes (thread stacks, channels, keys)
   xsec::Key32 secret{};
   wire::Opening opening;
   std::uint32_t channels = 0;
@@ -128,8 +129,17 @@ struct KeyUse {
   unsigned channels = 0;
 };
 
-// The peer closed or reset: nothing it could read is worth sending.
+// The peer closed its side (or reset): it sends nothing more.
 bool gone(const ErrorCode& ec) { return ec == asio::error::eof || ec == asio::error::connection_reset; }
+
+// Memory a session takes before any buffer for its peer: two threads' stacks in use, its
+// channels with their keys and queues. Reserved at admission, so that the whole process, not
+// just the rings, stays within --memory-limit.
+std::size_t session_overhead(std::uint32_t channels) { return (std::size_t(256) << 10) + std::size_t(channels) * (16u << 10); }
+
+// What the server itself holds whatever its sessions do (code, the listener, pending
+// connections): kept out of the sessions' share of --memory-limit.
+std::size_t process_base(std::size_t limit) { return std::min<std::size_t>(limit / 8, std::size_t(32) << 20); }
 
 bool is_exhaustion(const ErrorCode& ec) {
   return ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory ||
@@ -232,7 +242,7 @@ struct Server::Impl {
   void schedule_dh();
   std::string check(const wire::Negotiation& n, errc& code) const;
   void create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r, const xsec::Permission& perm,
-                      files::Fd confined);
+                      files::Fd confined, Reservation overhead);
   void run_session(Session& s);
   void reap(const SessionId& id);
   void begin_stop();
@@ -269,7 +279,8 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   // A malformed authorized-keys file is an error now rather than at the first client.
   if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
   if (c.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
-  impl_->budget = std::make_unique<MemoryBudget>(c.memory_limit ? c.memory_limit : default_memory_limit());
+  if (!c.memory_limit) c.memory_limit = default_memory_limit();
+  impl_->budget = std::make_unique<MemoryBudget>(c.memory_limit - process_base(c.memory_limit));
   impl_->record_instance();
   impl_->reserve = files::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   std::string host;
@@ -320,9 +331,9 @@ void Server::run(bool handle_signals) {
       d.begin_stop();
     });
   }
-  d.log(fmt::format("listening on {}:{} root={} key={} memory-limit={}", d.acceptor.local_endpoint().address().to_string(),
-                    d.acceptor.local_endpoint().port(), d.config.root, xsec::fingerprint(d.key.public_key),
-                    d.budget->limit()));
+  d.log(fmt::format("listening on {}:{} root={} key={} memory-limit={} ({} for sessions)",
+                    d.acceptor.local_endpoint().address().to_string(), d.acceptor.local_endpoint().port(), d.config.root,
+                    xsec::fingerprint(d.key.public_key), d.config.memory_limit, d.budget->limit()));
   if (::access(d.config.authorized_keys.c_str(), F_OK) != 0)
     d.log("no authorized keys at " + d.config.authorized_keys + ": every client will be refused until one is added");
   d.check_descriptors();
@@ -723,13 +734,19 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
     return refuse(c, errc::limit_exceeded,
                   fmt::format("{} has {} channels open and asks for {} more, its limit is {}", who, use.channels,
                               nego->channel_count, max_c));
-  create_session(c, std::move(*nego), r, *perm, std::move(confined));
+  auto overhead = Reservation::take(budget.get(), session_overhead(nego->channel_count));
+  if (!overhead)
+    return refuse(c, errc::limit_exceeded,
+                  fmt::format("the server's memory for sessions ({} MiB) is in use; try again later",
+                              budget->limit() >> 20));
+  create_session(c, std::move(*nego), r, *perm, std::move(confined), std::move(*overhead));
 }
 
 void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r,
-                                  const xsec::Permission& perm, files::Fd confined) {
+                                  const xsec::Permission& perm, files::Fd confined, Reservation overhead) {
   const SessionId id = c->opening.session;
   Record rec;
+  rec.overhead = std::move(overhead);
   rec.session = std::make_unique<Session>();
   Session* sp = rec.session.get();
   sp->root = std::move(confined);
@@ -852,13 +869,20 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
     if (auto it = sessions.find(c->opening.session); it != sessions.end()) --it->second.joins_in_progress;
     c->joining = false;
   }
-  if (!c->ch->open() || peer_gone) {
-    // Nobody reads an answer: the descriptor goes back at once (a flood of dead connections
-    // must not keep descriptors for a second each).
-    ErrorCode ignored;
-    c->deadline.cancel(ignored);
-    c->ch->close();
-    return release(*c);
+  if (!c->ch->open()) return release(*c);
+  if (peer_gone) {
+    // The peer sends no more (it may still read: a half-close): the answer goes out and the
+    // descriptor comes back as soon as it has left, with nothing unread to turn the close into
+    // a reset. A flood of dead connections must not keep descriptors for a second each.
+    c->ch->send_control(wire::Event::exception,
+                        wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),
+                        [this, c](const ErrorCode&) {
+                          ErrorCode ignored;
+                          c->deadline.cancel(ignored);
+                          c->ch->close();
+                          release(*c);
+                        });
+    return;
   }
   c->ch->send_control(wire::Event::exception,
                       wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),

@@ -95,7 +95,8 @@ void aead_seal(Botan::AEAD_Mode& enc, const Nonce& n, std::span<const std::uint8
   if (bulk) enc.process(data, bulk);
   Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
   enc.finish(last);
-  std::memcpy(data + bulk, last.data(), len - bulk);
+  // (An empty payload may come with a null pointer: no copy then, not even of zero bytes.)
+  if (len > bulk) std::memcpy(data + bulk, last.data(), len - bulk);
   std::memcpy(tag, last.data() + (len - bulk), 16);
 }
 
@@ -110,7 +111,7 @@ bool aead_open(Botan::AEAD_Mode& dec, const Nonce& n, std::span<const std::uint8
     Botan::secure_vector<std::uint8_t> last(data + bulk, data + len);
     last.insert(last.end(), tag, tag + 16);
     dec.finish(last);
-    std::memcpy(data + bulk, last.data(), len - bulk);
+    if (len > bulk) std::memcpy(data + bulk, last.data(), len - bulk);
     return true;
   } catch (const std::exception&) {
     return false;  // Botan reports a wrong tag by throwing

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <span>
 
+#include "xdfs/text.hpp"
 #include "xdfs/wire.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -33,13 +34,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       break;
     case 2:
-      (void)w::decode_reply(rest, &why);
+      if (auto r = w::decode_reply(rest, &why)) {
+        if (r->file_size > w::max_file_size || r->window > w::max_file_size) __builtin_trap();
+        auto again = w::decode_reply(w::encode(*r), &why);
+        if (!again || !(*again == *r)) __builtin_trap();
+      }
       break;
     case 3:
       if (auto e = w::decode_exception(rest, &why)) {
-        if (e->code == xdfs::errc::ok || e->message.size() > 512) __builtin_trap();
-        for (char c : e->message)
-          if (static_cast<unsigned char>(c) < 0x20) __builtin_trap();
+        // A failure, shown as one printable line of bounded length.
+        if (e->code == xdfs::errc::ok || e->message.size() > 4 * 512 || !xdfs::text::is_clean(e->message))
+          __builtin_trap();
       }
       break;
     case 5:

@@ -1,41 +1,73 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses (wire, handshake, path messages) with clang (ASan + UBSan) and runs each for SECONDS.
-#   tests/fuzz/run.sh BUILD_DIR [SECONDS]       (the test suite runs 20 s each; try 600+ by hand)
-# BUILD_DIR is a configured build tree (for the generated Cap'n Proto code). Corpora and
-# crash files go to $XDFS_FUZZ_DIR (default: a temporary directory, removed afterwards).
-set -euo pipefail
+# Builds the libFuzzer harnesses with clang (ASan + UBSan) and runs each for SECONDS, seeded from
+# the committed corpus (tests/fuzz/corpus/NAME) with a fixed seed:
+#   tests/fuzz/run.sh BUILD_DIR [SECONDS] [HARNESS...]
+# HARNESS: fuzz_wire fuzz_handshake fuzz_pathm fuzz_session (default: all). BUILD_DIR is a
+# configured build tree (for the generated Cap'n Proto code). Corpora and failing inputs go to
+# $XDFS_FUZZ_DIR (default: a temporary directory, removed afterwards); XDFS_FUZZ_SEED sets the
+# seed (default 1), XDFS_FUZZ_RUNS a number of executions instead of a time (-runs).
+# It fails when a fuzzer exits non-zero, leaves any failing input (crash, leak, timeout, oom,
+# slow unit) or does not start, and prints the fuzzer's report and the input in hex.
+set -uo pipefail
 build="$(cd "$1" && pwd)"
 seconds="${2:-20}"
+shift 2 2>/dev/null || shift $#
+harnesses=("$@")
+((${#harnesses[@]})) || harnesses=(fuzz_wire fuzz_handshake fuzz_pathm fuzz_session)
 src="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${XDFS_FUZZ_DIR:-$(mktemp -d)}"
 [ -n "${XDFS_FUZZ_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
 mkdir -p "$work"
 cxx="$(command -v clang++-14 || command -v clang++)"
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-       -I"$src/framework/include" -I"$src/pathm/include" -I"$build/framework/schema" -I"$build/pathm/schema"
-       -I"$build/pathm" -I/usr/include/botan-2)
-libsrc=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp"
-        "$src/framework/src/text.cpp" "$src/framework/src/budget.cpp" "$src/framework/src/ranges.cpp"
-        "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
-        "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")
-libs=(-lcapnp -lkj -lbotan-2 -lpthread)
-for name in fuzz_wire fuzz_handshake fuzz_pathm; do
-  "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${libsrc[@]}" "${libs[@]}" -o "$work/$name"
-  mkdir -p "$work/corpus-$name"
-  echo "== $name: ${seconds}s"
-  (cd "$work" && "./$name" -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 "corpus-$name" \
-     >"$work/$name.log" 2>&1) || true
-  grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" "$work/$name.log" || true
-  # libFuzzer exits non-zero and leaves crash-* files when it finds something.
-  # (Any one kind is enough: test each pattern on its own.)
-  found=$(compgen -G "$work/crash-*"; compgen -G "$work/leak-*"; compgen -G "$work/timeout-*") || true
-  if [ -n "$found" ]; then
-    # Everything needed to reproduce it, even when the work directory goes away (CI): the
-    # fuzzer's report and the input in hex (xxd -r -p turns it back into the file).
-    echo "fuzzer $name found a failing input:"
-    tail -n 40 "$work/$name.log"
-    for f in $found; do echo "$f:"; od -An -v -tx1 "$f" | tr -d ' \n' | fold -w 64; echo; done
+       -Wno-\#pragma-messages
+       -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include"
+       -I"$build/framework/schema" -I"$build/pathm/schema" -I"$build/pathm" -I/usr/include/botan-2)
+parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp"
+         "$src/framework/src/text.cpp" "$src/framework/src/budget.cpp" "$src/framework/src/ranges.cpp"
+         "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
+         "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")
+# A whole session also needs the disk side and both modes.
+session=("$src/framework/src/piod.cpp" "$src/framework/src/files.cpp" "$src/xftsm/src/cfsm.cpp"
+         "$src/xftsm/src/transfer.cpp" "$src/xftsm/src/server_session.cpp" "$src/pathm/src/fsops.cpp"
+         "$src/pathm/src/pool.cpp" "$src/pathm/src/server.cpp")
+libs=(-lcapnp -lkj -lbotan-2 -lfmt -lpthread)
+status=0
+for name in "${harnesses[@]}"; do
+  sources=("${parsers[@]}")
+  max_len=4096
+  case "$name" in
+    fuzz_session) sources+=("${session[@]}"); max_len=16384 ;;
+    fuzz_pathm) max_len=65536 ;;
+  esac
+  if ! "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${sources[@]}" "${libs[@]}" -o "$work/$name" \
+       >"$work/$name.build.log" 2>&1; then
+    echo "fuzzer $name did not build:"
+    tail -n 40 "$work/$name.build.log"
     exit 1
   fi
+  corpus="$work/corpus-$name"
+  mkdir -p "$corpus"
+  if [ -d "$src/tests/fuzz/corpus/$name" ]; then cp -n "$src/tests/fuzz/corpus/$name/"* "$corpus/" 2>/dev/null; fi
+  budget=(-max_total_time="$seconds")
+  [ -n "${XDFS_FUZZ_RUNS:-}" ] && budget=(-runs="$XDFS_FUZZ_RUNS")
+  echo "== $name: ${XDFS_FUZZ_RUNS:+${XDFS_FUZZ_RUNS} runs}${XDFS_FUZZ_RUNS:-${seconds}s}, seed ${XDFS_FUZZ_SEED:-1}, $(ls "$corpus" | wc -l) inputs to start from"
+  (cd "$work" && "./$name" "${budget[@]}" -seed="${XDFS_FUZZ_SEED:-1}" -max_len="$max_len" -timeout=30 \
+     -rss_limit_mb=2560 -print_final_stats=1 "$corpus" >"$work/$name.log" 2>&1)
+  rc=$?
+  grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" "$work/$name.log"
+  # Every kind of failing input libFuzzer writes, each pattern on its own.
+  found=$(compgen -G "$work/crash-*"; compgen -G "$work/leak-*"; compgen -G "$work/timeout-*";
+          compgen -G "$work/oom-*"; compgen -G "$work/slow-unit-*")
+  if [ "$rc" -ne 0 ] || [ -n "$found" ] || ! grep -q "stat::number_of_executed_units" "$work/$name.log"; then
+    # Everything needed to reproduce it, even when the work directory goes away (CI): the
+    # fuzzer's report and the input in hex (xxd -r -p turns it back into the file).
+    echo "fuzzer $name failed (exit $rc):"
+    tail -n 60 "$work/$name.log"
+    for f in $found; do echo "$f:"; od -An -v -tx1 "$f" | tr -d ' \n' | fold -w 64; echo; done
+    status=1
+    break
+  fi
 done
-echo "fuzz OK"
+[ "$status" -eq 0 ] && echo "fuzz OK"
+exit "$status"

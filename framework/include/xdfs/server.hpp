@@ -49,8 +49,10 @@ struct ServerConfig {
   std::uint32_t max_block_size = 16u << 20;
   std::uint32_t max_tcp_window = 64u << 20;
   std::size_t ring_bytes = 32u << 20;     ///< per-session pool between network and disk (less if memory is short)
-  /// Memory the server may hold for its peers at once (rings, path-mode requests and replies);
-  /// 0: default_memory_limit() (a quarter of the machine's memory, at most 2 GiB).
+  /// Memory the whole server may use: an eighth of it (at most 32 MiB) is kept for the process
+  /// itself, the rest is shared by the sessions (each one's own overhead, its ring, path-mode
+  /// requests and replies), which wait for it or are refused. 0: default_memory_limit() (a
+  /// quarter of the machine's memory, at most 2 GiB).
   std::size_t memory_limit = 0;
   /// Largest file a client may upload; 0: what the target file system has free.
   std::uint64_t max_file_size = 0;
@@ -150,7 +152,7 @@ public:
   std::size_t pending_connections() const noexcept;
   /// Channels refused at the handshake so far (thread-safe).
   std::size_t rejected_channels() const noexcept;
-  /// The memory budget of the server's peers.
+  /// The sessions' share of the memory limit.
   const MemoryBudget& memory() const noexcept;
   /// The server's public key.
   const xsec::Key32& public_key() const noexcept;
