@@ -274,7 +274,7 @@ TEST_CASE("unauthenticated connections and stalled openings do not lock out a re
   CHECK(d.alive());
 }
 
-TEST_CASE("a pending cap that is full drops the oldest of the busiest address, not a newcomer") {
+TEST_CASE("a pending cap that is full drops the oldest waiting connection, not a newcomer") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path(), {"--handshake-timeout", "30", "--max-pending", "40", "--max-pending-per-address", "10"});
   std::vector<std::unique_ptr<xt::RawChannel>> flood;
@@ -285,10 +285,12 @@ TEST_CASE("a pending cap that is full drops the oldest of the busiest address, n
   for (int i = 0; i < 40; ++i)
     flood.push_back(std::make_unique<xt::RawChannel>(d.port(), "127.0.4." + std::to_string(1 + i)));
   CHECK(d.wait_for_log("connections are pending, the server's limit"));
-  // A newcomer from an address holding nothing gets in: the busiest address pays.
+  CHECK(flood[10]->wait_closed(10000));  // the oldest survivors of the first address went first
+  // A newcomer gets in, and so do its channels: each joins while the oldest waiting ones go.
   xt::write_random_file(local / "g", 1 << 20, 6);
-  auto ok = xt::xduc({"-q", local / "g", url(d.port(), "g")}, 60000);
+  auto ok = xt::xduc({"-q", "-p", "8", local / "g", url(d.port(), "g")}, 60000);
   CHECK_MESSAGE(ok.status == 0, ok.err);
+  CHECK(xt::files_equal(local / "g", root / "g"));
 }
 
 TEST_CASE("a session torn down in the middle of a long checksum does not stop the server accepting") {
@@ -369,6 +371,36 @@ TEST_CASE("requests a path session never finishes sending are parked at the head
   while (mem.used() != 0 && std::chrono::steady_clock::now() < back)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   CHECK(mem.used() == 0);
+}
+
+TEST_CASE("when memory is short, sessions get smaller rings or wait for it, and all of them finish") {
+  xt::TempDir root, local;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.memory_limit = 48u << 20;  // 42 MiB for sessions: not enough for twelve 8 MiB rings at once
+  xt::InProcessServer srv(cfg);
+  const int n = 12;
+  for (int i = 0; i < n; ++i) xt::write_random_file(local / ("f" + std::to_string(i)), 8 << 20, 100 + i);
+  std::vector<std::thread> t;
+  std::vector<xdfs::errc> got(n, errc::internal);
+  for (int i = 0; i < n; ++i)
+    t.emplace_back([&, i] {
+      xdfs::TransferOptions o;
+      o.channels = 4;
+      o.protect = xdfs::xsec::Protect::clear;
+      got[i] = xt::error_of([&] { xdfs::upload(local / ("f" + std::to_string(i)), {"127.0.0.1", srv.port()},
+                                               "f" + std::to_string(i), o); });
+    });
+  for (auto& th : t) th.join();
+  for (int i = 0; i < n; ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == errc::ok);
+    CHECK(xt::files_equal(local / ("f" + std::to_string(i)), root / ("f" + std::to_string(i))));
+  }
+  const auto& mem = srv.server().memory();
+  CHECK(mem.limit() <= cfg.memory_limit);
+  CHECK(mem.peak() <= mem.limit());
+  CHECK(mem.peak() > mem.limit() / 2);  // the sessions did press on the limit
 }
 
 TEST_CASE("a newline in a path cannot forge a log line; names from a server reach xduc's terminal escaped") {

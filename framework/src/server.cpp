@@ -137,6 +137,10 @@ bool gone(const ErrorCode& ec) { return ec == asio::error::eof || ec == asio::er
 // just the rings, stays within --memory-limit.
 std::size_t session_overhead(std::uint32_t channels) { return (std::size_t(256) << 10) + std::size_t(channels) * (16u << 10); }
 
+// How long an authenticated session waits for memory before it is refused (a client waits 15 s
+// for the server's confirmation by default).
+constexpr std::chrono::milliseconds memory_wait{10000};
+
 // What the server itself holds whatever its sessions do (code, the listener, pending
 // connections): kept out of the sessions' share of --memory-limit.
 std::size_t process_base(std::size_t limit) { return std::min<std::size_t>(limit / 8, std::size_t(32) << 20); }
@@ -241,6 +245,21 @@ struct Server::Impl {
   xsec::Defer defer_for(const ConnPtr& c);
   void schedule_dh();
   std::string check(const wire::Negotiation& n, errc& code) const;
+  // An authenticated first channel on its way to becoming a session.
+  struct Admission {
+    ConnPtr c;
+    wire::Negotiation nego;
+    xsec::HandshakeResult r;
+    xsec::Permission perm;
+    files::Fd confined;
+    Clock::time_point since;
+  };
+  bool try_admit(Admission& a);
+  void admit_waiting();
+  void arm_waiting();
+  std::deque<Admission> waiting;  // admissions waiting for memory, in order of arrival
+  asio::steady_timer waiting_timer{io};
+  bool waiting_armed = false;
   void create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r, const xsec::Permission& perm,
                       files::Fd confined, Reservation overhead);
   void run_session(Session& s);
@@ -497,26 +516,22 @@ void Server::Impl::on_accept(tcp::socket s) {
 }
 
 // Room for one more pending connection from addr: the caps never refuse a newcomer, they drop
-// the oldest of whoever holds the most, so a flood from some addresses cannot lock out others.
+// the oldest waiting connection (of that address, or of all when the server-wide cap is full).
+// A real client completes its handshake in a few round trips; only connections that stall get
+// old, so a flood cannot push out a client that is making progress unless it outpaces it.
 void Server::Impl::make_room(const std::string& addr) {
-  auto oldest_of = [this](const std::string& a) -> ConnPtr {
-    for (auto& c : pending)
-      if (c->counted && !c->settled && c->addr == a) return c;
-    for (auto& c : pending)  // refused ones that are still saying why
-      if (c->counted && c->addr == a) return c;
+  auto oldest = [this](const std::string* a) -> ConnPtr {
+    for (int refused = 1; refused >= 0; --refused)  // those already refused and saying why, first
+      for (auto& c : pending)
+        if (c->counted && c->settled == static_cast<bool>(refused) && (!a || c->addr == *a)) return c;
     return nullptr;
   };
   if (auto it = per_address.find(addr); it != per_address.end() && it->second >= config.max_pending_per_address) {
-    if (auto v = oldest_of(addr))
+    if (auto v = oldest(&addr))
       evict(v, fmt::format("{} connections from {} are pending, its limit", it->second, addr));
   }
-  if (counted >= config.max_pending) {
-    auto busiest = std::max_element(per_address.begin(), per_address.end(),
-                                    [](const auto& a, const auto& b) { return a.second < b.second; });
-    if (busiest != per_address.end())
-      if (auto v = oldest_of(busiest->first))
-        evict(v, fmt::format("{} connections are pending, the server's limit", counted));
-  }
+  if (counted >= config.max_pending)
+    if (auto v = oldest(nullptr)) evict(v, fmt::format("{} connections are pending, the server's limit", counted));
 }
 
 void Server::Impl::evict(const ConnPtr& c, const std::string& why) {
@@ -719,27 +734,67 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
   if (!perm->subdir.empty())
     if (auto st = files::open_beneath(root.get(), perm->subdir, O_PATH | O_DIRECTORY, 0, confined); !st)
       return refuse(c, st.code, who + " is confined to " + st.message);
-  // Admission: the server's and the key's limits.
-  if (stopping) return refuse(c, errc::shutting_down, "server is stopping");
+  Admission a{c, std::move(*nego), std::move(r), *perm, std::move(confined), Clock::now()};
+  // Authenticated: no longer one of the unauthenticated many (its deadline and caps are done).
+  ErrorCode ignored;
+  c->deadline.cancel(ignored);
+  uncount(*c);
+  if (waiting.empty() && try_admit(a)) return;
+  // First come, first admitted: behind those already waiting for memory.
+  if (waiting.size() >= config.max_sessions)
+    return refuse(c, errc::limit_exceeded, fmt::format("{} sessions are waiting for memory, the limit", waiting.size()));
+  waiting.push_back(std::move(a));
+  arm_waiting();
+}
+
+// Admission: the server's and the key's limits, then memory for the session itself. True once
+// it is settled (a session, or refused); false while it must wait for memory (sessions that end
+// give some back), which it does for memory_wait at most.
+bool Server::Impl::try_admit(Admission& a) {
+  const auto& c = a.c;
+  if (c->settled) return true;
+  const std::string who = "client key " + xsec::fingerprint(a.r.remote_static);
+  auto no = [&](errc code, const std::string& why) {
+    refuse(c, code, why);
+    return true;
+  };
+  if (stopping) return no(errc::shutting_down, "server is stopping");
   if (sessions.size() >= config.max_sessions)
-    return refuse(c, errc::limit_exceeded, fmt::format("{} sessions are running, the limit", config.max_sessions));
+    return no(errc::limit_exceeded, fmt::format("{} sessions are running, the limit", config.max_sessions));
   if (sessions.count(c->opening.session))
-    return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " already exists");
-  const KeyUse use = key_use.count(r.remote_static) ? key_use[r.remote_static] : KeyUse{};
-  const unsigned max_s = perm->sessions ? perm->sessions : config.max_sessions_per_key;
-  const unsigned max_c = perm->channels ? perm->channels : config.max_channels_per_key;
+    return no(errc::bad_channel, "session " + c->opening.session.short_hex() + " already exists");
+  const KeyUse use = key_use.count(a.r.remote_static) ? key_use[a.r.remote_static] : KeyUse{};
+  const unsigned max_s = a.perm.sessions ? a.perm.sessions : config.max_sessions_per_key;
+  const unsigned max_c = a.perm.channels ? a.perm.channels : config.max_channels_per_key;
   if (use.sessions >= max_s)
-    return refuse(c, errc::limit_exceeded, fmt::format("{} has {} sessions running, its limit", who, use.sessions));
-  if (use.channels + nego->channel_count > max_c)
-    return refuse(c, errc::limit_exceeded,
-                  fmt::format("{} has {} channels open and asks for {} more, its limit is {}", who, use.channels,
-                              nego->channel_count, max_c));
-  auto overhead = Reservation::take(budget.get(), session_overhead(nego->channel_count));
-  if (!overhead)
-    return refuse(c, errc::limit_exceeded,
-                  fmt::format("the server's memory for sessions ({} MiB) is in use; try again later",
-                              budget->limit() >> 20));
-  create_session(c, std::move(*nego), r, *perm, std::move(confined), std::move(*overhead));
+    return no(errc::limit_exceeded, fmt::format("{} has {} sessions running, its limit", who, use.sessions));
+  if (use.channels + a.nego.channel_count > max_c)
+    return no(errc::limit_exceeded, fmt::format("{} has {} channels open and asks for {} more, its limit is {}", who,
+                                                use.channels, a.nego.channel_count, max_c));
+  auto overhead = Reservation::take(budget.get(), session_overhead(a.nego.channel_count));
+  if (!overhead) {
+    if (Clock::now() - a.since <= memory_wait) return false;
+    return no(errc::limit_exceeded,
+              fmt::format("the server's memory for sessions ({} MiB) stayed in use for {} s; try again later",
+                          budget->limit() >> 20, memory_wait.count() / 1000));
+  }
+  create_session(c, std::move(a.nego), a.r, a.perm, std::move(a.confined), std::move(*overhead));
+  return true;
+}
+
+void Server::Impl::admit_waiting() {
+  while (!waiting.empty() && try_admit(waiting.front())) waiting.pop_front();
+  arm_waiting();
+}
+
+void Server::Impl::arm_waiting() {
+  if (waiting.empty() || waiting_armed) return;
+  waiting_armed = true;
+  waiting_timer.expires_after(std::chrono::milliseconds(50));
+  waiting_timer.async_wait([this](const ErrorCode& ec) {
+    waiting_armed = false;
+    if (!ec) admit_waiting();
+  });
 }
 
 void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec::HandshakeResult& r,
@@ -954,6 +1009,7 @@ void Server::Impl::reap(const SessionId& id) {
   sessions.erase(it);
   active = sessions.size();
   if (stopping && sessions.empty()) io.stop();
+  if (!waiting.empty()) admit_waiting();
 }
 
 void Server::Impl::begin_stop() {
@@ -963,6 +1019,9 @@ void Server::Impl::begin_stop() {
   acceptor.close(ignored);
   signals.cancel(ignored);
   backoff.cancel(ignored);
+  waiting_timer.cancel(ignored);
+  for (auto& a : waiting) refuse(a.c, errc::shutting_down, "server is stopping");
+  waiting.clear();
   for (auto it = pending.begin(); it != pending.end();) {
     auto c = *it++;
     c->settled = true;

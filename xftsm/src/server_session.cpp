@@ -22,6 +22,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long a session waits for memory for its ring before it gives up (a client waits 15 s for
+// the server's answer by default).
+constexpr std::chrono::milliseconds memory_wait{10000};
+
 class ServerSession final : public runtime::SessionHandler, public TransferHost {
 public:
   explicit ServerSession(runtime::SessionEnv& env)
@@ -32,6 +36,7 @@ public:
                                                : Role::server_download),
         join_timer_(env.io),
         linger_(env.io),
+        ring_wait_(env.io),
         start_(Clock::now()) {}
 
   void add_channel(std::unique_ptr<xdsi::Channel> ch) override {
@@ -132,11 +137,17 @@ private:
                     [c](const xdsi::ErrorCode&) { c->linger_close({}); });
   }
 
-  // The ring this session gets: what it asks for, less when the server's memory is short (never
-  // below two slots, which still overlap disk and network); false when not even that fits.
+  // The ring this session gets: what it asks for while memory is plentiful; when it is getting
+  // short, a quarter of what is left (the sessions that come next get some too), never below two
+  // slots, which still overlap disk and network. False when not even that fits.
   bool reserve_ring(TransferParams& p) {
     const std::size_t per_slot = std::size_t(p.block_size) + piod::slot_tag_room;
-    for (std::uint32_t slots = pool_slots(p);; slots = std::max<std::uint32_t>(2, slots / 2)) {
+    const std::size_t used = env_.budget.used(), limit = env_.budget.limit();
+    const std::size_t free = used < limit ? limit - used : 0;
+    std::uint32_t want = pool_slots(p);
+    if (std::size_t(want) * per_slot * 4 > free)
+      want = static_cast<std::uint32_t>(std::max<std::size_t>(2, std::min<std::size_t>(want, free / 4 / per_slot)));
+    for (std::uint32_t slots = want;; slots = std::max<std::uint32_t>(2, slots / 2)) {
       if (auto r = Reservation::take(&env_.budget, slots * per_slot)) {
         ring_ = std::move(*r);
         p.slots = slots;
@@ -146,11 +157,39 @@ private:
     }
   }
 
-  void out_of_memory() {
-    fail_early(errc::limit_exceeded,
-               fmt::format("the server's memory for transfers ({} MiB) is in use by other sessions; try again later",
-                           env_.budget.limit() >> 20),
-               Event::local_error);
+  // Starts the engine once its ring is reserved: a receiver into sink, or a sender from source.
+  // When memory for even the smallest ring is taken, the session waits for other sessions to
+  // give some back (they end every second or so under load), then gives up with a clear error.
+  void start_engine(TransferParams p, std::optional<piod::Sink> sink, std::optional<piod::Source> source) {
+    if (machine_.finished()) return;
+    if (!reserve_ring(p)) {
+      const auto now = Clock::now();
+      if (waiting_since_ == Clock::time_point{}) waiting_since_ = now;
+      if (now - waiting_since_ > memory_wait)
+        return fail_early(errc::limit_exceeded,
+                          fmt::format("the server's memory for transfers ({} MiB) stayed in use by other sessions "
+                                      "for {} s; try again later",
+                                      env_.budget.limit() >> 20, memory_wait.count() / 1000),
+                          Event::local_error);
+      ring_wait_.expires_after(std::chrono::milliseconds(50));
+      ring_wait_.async_wait([this, p, sink, source](const xdsi::ErrorCode& ec) {
+        if (!ec) start_engine(p, sink, source);
+      });
+      return;
+    }
+    wire::NegotiationReply reply;
+    reply.block_size = nego_.block_size;
+    if (sink) {
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, *sink);
+      reply.window = receiver_->window();
+      send_reply(reply);
+      receiver_->start();
+    } else {
+      reply.file_size = p.file_size;
+      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p, *source);
+      send_reply(reply);
+      sender_->start();
+    }
   }
 
   void open_and_reply() {
@@ -187,11 +226,7 @@ private:
     } else if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;
       p.data_event = wire::Event::xftsmu;
-      if (!reserve_ring(p)) return out_of_memory();
-      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{-1, true, true, crypto()});
-      reply.window = receiver_->window();
-      send_reply(reply);
-      receiver_->start();
+      start_engine(p, piod::Sink{-1, true, true, crypto()}, std::nullopt);
     } else if (nego_.mode == Mode::download && memory) {
       if (nego_.window < nego_.block_size)
         return fail_early(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window),
@@ -199,11 +234,7 @@ private:
       p.file_size = nego_.file_size;
       p.window = nego_.window;
       p.data_event = wire::Event::xftsmd;
-      reply.file_size = p.file_size;
-      if (!reserve_ring(p)) return out_of_memory();
-      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p, piod::Source{-1, p.file_size, true, crypto()});
-      send_reply(reply);
-      sender_->start();
+      start_engine(p, std::nullopt, piod::Source{-1, p.file_size, true, crypto()});
     } else if (nego_.mode == Mode::upload) {
       auto [dir, name] = files::split_parent(nego_.remote_path);
       files::Fd dirfd;
@@ -218,11 +249,7 @@ private:
           return fail_early(st.code, st.message, Event::local_error);
       p.file_size = nego_.file_size;
       p.data_event = wire::Event::xftsmu;
-      if (!reserve_ring(p)) return out_of_memory();
-      receiver_ = std::make_unique<Receiver>(env_.io, machine_, channels_, *this, p, piod::Sink{pending_.fd(), true, false, crypto()});
-      reply.window = receiver_->window();
-      send_reply(reply);
-      receiver_->start();
+      start_engine(p, piod::Sink{pending_.fd(), true, false, crypto()}, std::nullopt);
     } else {
       if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK, 0, source_); !st)
         return fail_early(st.code, st.message, Event::local_error);
@@ -238,12 +265,7 @@ private:
       p.file_size = static_cast<std::uint64_t>(sb.st_size);
       p.window = nego_.window;
       p.data_event = wire::Event::xftsmd;
-      reply.file_size = p.file_size;
-      if (!reserve_ring(p)) return out_of_memory();
-      sender_ = std::make_unique<Sender>(env_.io, machine_, channels_, *this, p,
-                                         piod::Source{source_.get(), p.file_size, false, crypto()});
-      send_reply(reply);
-      sender_->start();
+      start_engine(p, std::nullopt, piod::Source{source_.get(), p.file_size, false, crypto()});
     }
   }
 
@@ -257,6 +279,7 @@ private:
     if (machine_.finished()) return;
     if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
     join_timer_.cancel();
+    ring_wait_.cancel();
     pending_.discard();
     tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::milliseconds(2000));
     report(code, message);
@@ -286,6 +309,8 @@ private:
   unsigned joined_ = 0;
   boost::asio::steady_timer join_timer_;
   boost::asio::steady_timer linger_;
+  boost::asio::steady_timer ring_wait_;   // memory for the ring was short: look again
+  Clock::time_point waiting_since_{};
   Clock::time_point start_;
   files::PendingFile pending_;
   files::Fd source_;
