@@ -7,12 +7,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -169,9 +171,152 @@ void drain_fd(int fd, std::vector<std::uint8_t>& out, int& err) {
   }
 }
 
+/// A disk whose system calls misbehave on purpose, deterministically: each call moves at most
+/// half of the first buffer it is given (at least one byte), every even-numbered call is
+/// interrupted (EINTR), and call number fail_at (1-based; 0: none) fails with fail_errno.
+class FaultyIo final : public DiskIo {
+public:
+  int fail_at = 0;
+  int fail_errno = ENOSPC;
+  std::atomic<int> calls{0};
+  std::atomic<int> shortened{0};
+
+  ssize_t pwritev(int fd, const iovec* iov, int n, off_t off) override {
+    if (auto r = fault(); r) return *r;
+    iovec one = half(iov, n);
+    return ::pwritev(fd, &one, 1, off);
+  }
+  ssize_t writev(int fd, const iovec* iov, int n) override {
+    if (auto r = fault(); r) return *r;
+    iovec one = half(iov, n);
+    return ::writev(fd, &one, 1);
+  }
+  ssize_t preadv(int fd, const iovec* iov, int n, off_t off) override {
+    if (auto r = fault(); r) return *r;
+    iovec one = half(iov, n);
+    return ::preadv(fd, &one, 1, off);
+  }
+
+private:
+  std::optional<ssize_t> fault() {
+    const int k = ++calls;
+    if (k == fail_at) {
+      errno = fail_errno;
+      return -1;
+    }
+    if (k % 2 == 0) {
+      errno = EINTR;
+      return -1;
+    }
+    return std::nullopt;
+  }
+  iovec half(const iovec* iov, int n) {
+    iovec one = iov[0];
+    if (n > 1 || one.iov_len > 1) ++shortened;
+    one.iov_len = std::max<std::size_t>(1, one.iov_len / 2);
+    return one;
+  }
+};
+
 }  // namespace
 
 TEST_SUITE("piod") {
+
+TEST_CASE("DiskWriter retries short and interrupted writes; the bytes land exactly") {
+  constexpr std::uint32_t bs = 4096;
+  constexpr std::uint64_t blocks = 32;
+  const std::uint64_t size = (blocks - 1) * bs + 777;
+  SUBCASE("a seekable file (pwritev)") {
+    TempFile f;
+    FaultyIo io;
+    {
+      BlockPipe pipe(bs, 8);
+      DiskWriter writer(pipe, Sink{f.fd, true, false, nullptr, &io});
+      feed_blocks(pipe, size, scrambled_order(blocks, 4));
+      CHECK_FALSE(pipe.failed());
+    }
+    CHECK(io.shortened > static_cast<int>(blocks));  // the faults happened, and often
+    CHECK(f.contents() == expected_bytes(size));
+  }
+  SUBCASE("a pipe (writev, in order)") {
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+    std::vector<std::uint8_t> seen;
+    int read_err = 0;
+    std::thread reader([&] { drain_fd(fds[0], seen, read_err); });
+    FaultyIo io;
+    {
+      BlockPipe pipe(bs, 8);
+      DiskWriter writer(pipe, Sink{fds[1], false, false, nullptr, &io});
+      feed_blocks(pipe, size, scrambled_order(blocks, 4));
+      CHECK_FALSE(pipe.failed());
+    }
+    ::close(fds[1]);
+    reader.join();
+    ::close(fds[0]);
+    CHECK(io.shortened > static_cast<int>(blocks));
+    CHECK(seen == expected_bytes(size));
+  }
+}
+
+TEST_CASE("DiskWriter reports a disk that fills up at the Nth write: disk full, with the offset") {
+  TempFile f;
+  FaultyIo io;
+  io.fail_at = 7;
+  BlockPipe pipe(4096, 8);
+  DiskWriter writer(pipe, Sink{f.fd, true, false, nullptr, &io});
+  for (std::uint32_t s = 0; s < 8; ++s) {
+    std::memset(pipe.slot_data(s), 'a' + static_cast<int>(s), 4096);
+    pipe.to_disk(Block{s, 4096, std::uint64_t(s) * 4096});
+  }
+  while (!pipe.failed()) wait_wake(pipe);
+  CHECK(pipe.error_code() == errc::disk_full);
+  CHECK(pipe.error_text().find("No space left on device") != std::string::npos);
+  CHECK(pipe.error_text().find("write at offset ") != std::string::npos);
+  CHECK(io.calls == 7);  // it stopped at the failure: no write after it
+}
+
+TEST_CASE("DiskReader retries short and interrupted reads; a read error is reported") {
+  constexpr std::uint32_t bs = 65536;
+  constexpr std::uint64_t size = 1'000'003;
+  TempFile f;
+  const auto data = expected_bytes(size);
+  f.write_all(data);
+  SUBCASE("short and interrupted") {
+    FaultyIo io;
+    BlockPipe pipe(bs, 8);
+    DiskReader reader(pipe, Source{f.fd, size, false, nullptr, &io});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    std::uint64_t next = 0;
+    std::size_t bad = 0;
+    while (next < size) {
+      Block b;
+      bool any = false;
+      while (pipe.from_disk(b)) {
+        any = true;
+        if (b.offset != next || std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset, b.length) != 0) ++bad;
+        next += b.length;
+        pipe.to_disk(Block{b.slot, 0, 0});
+      }
+      if (pipe.failed()) FAIL("disk thread failed: " << pipe.error_text());
+      if (!any && next < size) wait_wake(pipe);
+    }
+    CHECK(bad == 0);
+    CHECK(io.shortened > 16);
+  }
+  SUBCASE("an I/O error at the third read") {
+    FaultyIo io;
+    io.fail_at = 3;
+    io.fail_errno = EIO;
+    BlockPipe pipe(bs, 8);
+    DiskReader reader(pipe, Source{f.fd, size, false, nullptr, &io});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    while (!pipe.failed()) wait_wake(pipe);
+    CHECK(pipe.error_code() == errc::io_error);
+    // The first read moved half a block, the second was interrupted: the third fails where it was.
+    CHECK(pipe.error_text().find("read at offset 32768: Input/output error") != std::string::npos);
+  }
+}
 
 TEST_CASE("SpscRing capacity rounds up to a power of two") {
   CHECK(SpscRing<int>(0).capacity() == 1);
@@ -512,8 +657,23 @@ TEST_CASE("disk threads stop and join when idle") {
     pipe.stop();
     writer.join();
     writer.join();  // idempotent
+    CHECK(pipe.stopping());
+    // A block handed over after the stop is not taken: the thread is gone.
+    pipe.to_disk(Block{0, 4096, 0});
+    Block b;
+    CHECK_FALSE(pipe.from_disk(b));
+    CHECK_FALSE(pipe.failed());
   }
-  CHECK(true);
+  {
+    // A reader with no free slot waits; stopping it produces nothing.
+    BlockPipe pipe(4096, 4);
+    {
+      DiskReader reader(pipe, Source{-1, 1 << 20, true});
+      pipe.stop();
+    }
+    Block b;
+    CHECK_FALSE(pipe.from_disk(b));
+  }
 }
 
 }  // TEST_SUITE("piod")

@@ -37,6 +37,15 @@ bool EventFd::drain() noexcept {
 
 void PoolDeleter::operator()(std::uint8_t* p) const noexcept { ::munmap(p, bytes); }
 
+ssize_t DiskIo::pwritev(int fd, const iovec* iov, int count, off_t offset) { return ::pwritev(fd, iov, count, offset); }
+ssize_t DiskIo::writev(int fd, const iovec* iov, int count) { return ::writev(fd, iov, count); }
+ssize_t DiskIo::preadv(int fd, const iovec* iov, int count, off_t offset) { return ::preadv(fd, iov, count, offset); }
+
+DiskIo& DiskIo::system() noexcept {
+  static DiskIo real;
+  return real;
+}
+
 BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
     : block_size_(block_size), slots_(slots), memory_(nullptr, PoolDeleter{0}), forth_(slots), back_(slots) {
   const std::size_t bytes = static_cast<std::size_t>(block_size + slot_tag_room) * slots;
@@ -108,9 +117,9 @@ void advance(iovec*& iov, int& cnt, std::size_t n) noexcept {
 
 // Writes every byte of iov at offset (or at the current position when offset < 0), retrying on
 // short writes and EINTR. Returns 0 or an errno.
-int write_all(int fd, iovec* iov, int cnt, std::int64_t offset) {
+int write_all(DiskIo& io, int fd, iovec* iov, int cnt, std::int64_t offset) {
   while (cnt > 0) {
-    ssize_t n = offset >= 0 ? ::pwritev(fd, iov, cnt, offset) : ::writev(fd, iov, cnt);
+    ssize_t n = offset >= 0 ? io.pwritev(fd, iov, cnt, offset) : io.writev(fd, iov, cnt);
     if (n < 0) {
       if (errno == EINTR) continue;
       return errno;
@@ -165,7 +174,8 @@ void DiskWriter::write_blocks() {
       }
       if (!sink_.discard) {
         const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset) : -1;
-        if (int err = write_all(sink_.fd, iov, static_cast<int>(n), off); err != 0) {
+        if (int err = write_all(sink_.io ? *sink_.io : DiskIo::system(), sink_.fd, iov, static_cast<int>(n), off);
+            err != 0) {
           fail(err, blocks[i].offset);
           return false;
         }
@@ -288,7 +298,7 @@ void DiskReader::read_blocks() {
       iovec* cur = iov;
       int left = static_cast<int>(n);
       while (left > 0) {
-        ssize_t r = ::preadv(source_.fd, cur, left, static_cast<off_t>(pos));
+        ssize_t r = (source_.io ? *source_.io : DiskIo::system()).preadv(source_.fd, cur, left, static_cast<off_t>(pos));
         if (r < 0) {
           if (errno == EINTR) continue;
           pipe_.set_error(errc_from_errno(errno), "read at offset " + std::to_string(pos) + ": " + std::strerror(errno));

@@ -9,6 +9,9 @@
 //  send:     net --free----> to_disk --> DiskReader (preadv ahead) --> from_disk --filled--> net
 #pragma once
 
+#include <sys/types.h>
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -114,12 +117,26 @@ public:
 /// Slack after every slot for a block's tag.
 inline constexpr std::uint32_t slot_tag_room = 64;
 
+/// The system calls a disk thread makes. The default makes the real ones; a test puts a faulty
+/// one in their place (short transfers, EINTR, ENOSPC at the Nth call) to drive the retry and
+/// failure paths deterministically.
+class DiskIo {
+public:
+  virtual ~DiskIo() = default;
+  virtual ssize_t pwritev(int fd, const iovec* iov, int count, off_t offset);
+  virtual ssize_t writev(int fd, const iovec* iov, int count);
+  virtual ssize_t preadv(int fd, const iovec* iov, int count, off_t offset);
+  /// The real system calls.
+  static DiskIo& system() noexcept;
+};
+
 /// Where received bytes go.
 struct Sink {
   int fd = -1;             ///< not owned
   bool seekable = true;    ///< regular file: pwritev at offsets; else in order with write(v)
   bool discard = false;    ///< memory sink: count the bytes, write nothing
   BlockSealer* opener = nullptr;  ///< if set, every block is checked (and decrypted) before it is written
+  DiskIo* io = nullptr;    ///< the system calls to make (null: the real ones)
 };
 
 /// Where sent bytes come from.
@@ -128,6 +145,7 @@ struct Source {
   std::uint64_t size = 0;  ///< bytes to send
   bool zero = false;       ///< memory source: zero-filled blocks, no reads
   BlockSealer* sealer = nullptr;  ///< if set, every block is sealed after it is read
+  DiskIo* io = nullptr;    ///< the system calls to make (null: the real ones)
 };
 
 /// Unmaps a block pool.
