@@ -586,3 +586,60 @@ TEST_CASE("a failed or done machine refuses every further event") {
 }
 
 }  // TEST_SUITE("cfsm")
+
+// The engines ask their tables: an event a table does not allow fails the session with the
+// table's own words, end to end, on a real server and a real client.
+#include <thread>
+
+#include "support.hpp"
+
+TEST_SUITE("cfsm") {
+
+TEST_CASE("a real server's engine refuses an event its table does not allow (EOFT while it still sends)") {
+  xt::TempDir root, local;
+  xt::write_random_file(root / "f", 8 * 65536, 3);
+  xt::XdfsdProcess d(root.path());
+  auto h = xt::make_hello(xdfs::Mode::download, "f", 1);
+  h.nego.window = 2 * 65536;  // the server sends two blocks, then waits for an acknowledgement
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  auto reply = c.read_frame();
+  REQUIRE(reply.has_value());
+  REQUIRE(reply->first.event == xdfs::wire::Event::nego_reply);
+  // The right size, at the wrong time: only a receiver that has everything may say EOFT.
+  xdfs::wire::FrameHeader eoft;
+  eoft.event = xdfs::wire::Event::eoft;
+  eoft.offset = 8 * 65536;
+  c.send_frame(eoft);
+  auto ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == xdfs::errc::state_violation);
+  CHECK(ex->message.find("server-download: event committed is not allowed in state transferring") !=
+        std::string::npos);
+  CHECK(d.wait_for_log("status=error: state machine violation"));
+}
+
+TEST_CASE("a real client's engine refuses an event its table does not allow (a server's early EOFT)") {
+  xt::TempDir local;
+  xt::RawServer srv;
+  xt::write_random_file(local / "f", 4 << 20, 4);
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 1 << 20, c->hello.nego.block_size});
+    xdfs::wire::FrameHeader eoft;
+    eoft.event = xdfs::wire::Event::eoft;
+    eoft.offset = c->hello.nego.file_size;
+    c->send_frame(eoft);
+    c->wait_closed();
+  });
+  auto r = xt::xduc({"-q", "--known-hosts", local / "kh", local / "f",
+                     "xdfs://127.0.0.1:" + std::to_string(srv.port()) + "/f"},
+                    60000);
+  t.join();
+  CHECK(r.status == 1);
+  CHECK(r.err.find("state machine violation: client-upload: event committed is not allowed in state transferring") !=
+        std::string::npos);
+}
+
+}  // TEST_SUITE("cfsm")
