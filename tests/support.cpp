@@ -317,6 +317,7 @@ RawPeer::~RawPeer() {
 
 void RawPeer::send_bytes(const void* data, std::size_t n) {
   auto p = static_cast<const char*>(data);
+  sent_.insert(sent_.end(), reinterpret_cast<const std::uint8_t*>(p), reinterpret_cast<const std::uint8_t*>(p) + n);
   while (n > 0) {
     ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
     if (w <= 0) return;  // the server may already have closed on us; the test reads the reason
@@ -330,7 +331,7 @@ void RawChannel::send_preamble(std::uint16_t version) {
   send_bytes(p.data(), p.size());
 }
 
-void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload) {
+void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload, bool corrupt_tag) {
   auto hb = xdfs::wire::encode(h);
   std::vector<std::uint8_t> body = payload;
   std::uint8_t tag[16];
@@ -338,6 +339,7 @@ void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std
   if (guard_) {
     tag_len = guard_->tag_bytes(h.event);
     guard_->seal(hb, body, tag);
+    if (corrupt_tag && tag_len) tag[5] ^= 0x20;
   }
   // One send per frame, as a real client's gathered write: a frame split over several small
   // sends would wait for acknowledgements and arrive later than its neighbours.
@@ -347,7 +349,8 @@ void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std
   send_bytes(frame);
 }
 
-void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data) {
+void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
+                         bool corrupt_tag) {
   std::vector<std::uint8_t> body = data;
   if (blocks_) {
     body.resize(data.size() + blocks_->tag_size());
@@ -357,7 +360,7 @@ void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const st
   h.event = event;
   h.offset = offset;
   h.length = static_cast<std::uint32_t>(body.size());
-  send_frame(h, body);
+  send_frame(h, body, corrupt_tag);
 }
 
 void RawChannel::send_opening(const xdfs::wire::Opening& o) {
@@ -728,10 +731,13 @@ void Relay::pump(Dir dir, std::size_t conn, int from, int to, bool join) {
     const bool keyed = clear_handshakes == 0;
     std::size_t tag = 0;
     if (keyed) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
-    if (!keyed && h->event == xdfs::wire::Event::handshake) --clear_handshakes;
+    const bool clear_handshake = !keyed && h->event == xdfs::wire::Event::handshake;
+    if (clear_handshake) --clear_handshakes;
     std::vector<std::uint8_t> frame(hb.begin(), hb.end());
     frame.resize(24 + h->length + tag);
     if (!read_all(from, frame.data() + 24, h->length + tag)) break;
+    if (clear_handshake && dir == Dir::up && rewrite_client_handshake)
+      rewrite_client_handshake((join ? 1 : 2) - clear_handshakes - 1, frame);
     record(dir, frame.data(), frame.size());
     Verdict v = Verdict::pass;
     if (hook && keyed) v = hook(Seen{dir, conn, *h, data ? data_index : SIZE_MAX});

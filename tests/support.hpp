@@ -123,11 +123,14 @@ public:
   int fd() const { return fd_; }
   void send_bytes(const void* data, std::size_t n);
   void send_bytes(const std::vector<std::uint8_t>& v) { send_bytes(v.data(), v.size()); }
-  /// Sends a frame, sealed by the connection's keys once it has them.
-  void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {});
+  /// Sends a frame, sealed by the connection's keys once it has them (with one bit of its tag
+  /// flipped if corrupt_tag: what a forger without the keys would send).
+  void send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std::uint8_t>& payload = {},
+                  bool corrupt_tag = false);
   /// Sends a data frame for [offset, offset + data.size()): in integrity and private modes its
   /// payload is sealed with the session's block key first, as a real disk thread does.
-  void send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data);
+  void send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
+                  bool corrupt_tag = false);
   void shutdown_write();
   /// Reads one frame within timeout; nullopt on EOF/timeout/bad header or a frame that fails
   /// its check.
@@ -138,6 +141,8 @@ public:
   bool wait_closed(int timeout_ms = 10000);
   /// Exactly n bytes within the timeout (false on EOF or timeout).
   bool read_exact(void* dst, std::size_t n, int timeout_ms);
+  /// Every byte this end has sent (a recording an attacker could replay).
+  const std::vector<std::uint8_t>& sent() const { return sent_; }
 
 protected:
   /// From now on frames are sealed and checked with these keys, and the blocks this end sends
@@ -148,6 +153,7 @@ protected:
   std::unique_ptr<xdfs::xsec::FrameProtector> guard_;
   std::unique_ptr<xdfs::xsec::BlockCrypto> blocks_;
   std::optional<Frame> held_;  // read ahead (a handshake's last word), given out first
+  std::vector<std::uint8_t> sent_;
 };
 
 /// A hand-driven client channel for bad-input tests: the real handshakes, then crafted frames.
@@ -256,6 +262,9 @@ public:
   ~Relay();
   std::uint16_t port() const { return port_; }
   std::function<void(std::vector<std::uint8_t>& opening)> rewrite_opening;
+  /// Rewrites the client's clear handshake frames (nth: 0 for Noise message 1 or a join's
+  /// proof, 1 for message 3), header and payload.
+  std::function<void(std::size_t nth, std::vector<std::uint8_t>& frame)> rewrite_client_handshake;
   Hook hook;
   /// Every byte that went one way so far, all connections in arrival order.
   std::vector<std::uint8_t> bytes(Dir d);

@@ -51,7 +51,9 @@ for name in "${harnesses[@]}"; do
   if [ -d "$src/tests/fuzz/corpus/$name" ]; then cp -n "$src/tests/fuzz/corpus/$name/"* "$corpus/" 2>/dev/null; fi
   budget=(-max_total_time="$seconds")
   [ -n "${XDFS_FUZZ_RUNS:-}" ] && budget=(-runs="$XDFS_FUZZ_RUNS")
-  echo "== $name: ${XDFS_FUZZ_RUNS:+${XDFS_FUZZ_RUNS} runs}${XDFS_FUZZ_RUNS:-${seconds}s}, seed ${XDFS_FUZZ_SEED:-1}, $(ls "$corpus" | wc -l) inputs to start from"
+  amount="${seconds}s"
+  [ -n "${XDFS_FUZZ_RUNS:-}" ] && amount="$XDFS_FUZZ_RUNS runs"
+  echo "== $name: $amount, seed ${XDFS_FUZZ_SEED:-1}, $(ls "$corpus" | wc -l) inputs to start from"
   (cd "$work" && "./$name" "${budget[@]}" -seed="${XDFS_FUZZ_SEED:-1}" -max_len="$max_len" -timeout=30 \
      -rss_limit_mb=2560 -print_final_stats=1 "$corpus" >"$work/$name.log" 2>&1)
   rc=$?

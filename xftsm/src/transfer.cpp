@@ -345,19 +345,15 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   if (h.event != params_.data_event)
     return fail(errc::protocol_error,
                 std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(idx), false, true);
-  // Untrusted block header: it must name one whole, aligned, not yet received block.
-  const std::uint64_t bs = params_.block_size;
-  const std::uint64_t size = params_.file_size;
-  const bool aligned = h.offset % bs == 0 && h.offset < size;
-  const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
+  // The header is not authenticated until its frame's tag, after the payload, has been checked:
+  // only its length is used before that, as a bound on what to read into a slot. What it says
+  // (which block, whether it came before) is judged once the frame is known to be the peer's.
   const std::uint64_t tag = sink_.opener ? sink_.opener->tag_size() : 0;
-  if (eofr_[idx] || !aligned || h.length != expect + tag)
+  if (eofr_[idx] || h.length <= tag || h.length > params_.block_size + tag)
     return fail(errc::protocol_error,
                 "bad block on channel " + std::to_string(idx) + ": offset " + std::to_string(h.offset) + " length " +
-                    std::to_string(h.length) + " in a file of " + std::to_string(size) + " bytes",
+                    std::to_string(h.length) + " in a file of " + std::to_string(params_.file_size) + " bytes",
                 false, true);
-  if (!seen_.insert(h.offset, h.offset + expect))
-    return fail(errc::protocol_error, "block at offset " + std::to_string(h.offset) + " received twice", false, true);
   if (free_slots_.empty()) {
     parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
     return;
@@ -373,9 +369,23 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           if (machine_.finished()) return;
                           if (ec) return channel_error(ch, ec);
                           touch();
+                          // Authenticated now: it must name one whole, aligned, new block.
+                          const std::uint64_t bs = params_.block_size;
+                          const std::uint64_t size = params_.file_size;
+                          const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
+                          const bool aligned = h.offset % bs == 0 && h.offset < size;
+                          const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
+                          if (!aligned || h.length != expect + tag)
+                            return fail(errc::protocol_error,
+                                        "bad block on channel " + std::to_string(ch.index()) + ": offset " +
+                                            std::to_string(h.offset) + " length " + std::to_string(h.length) +
+                                            " in a file of " + std::to_string(size) + " bytes",
+                                        false, true);
+                          if (!seen_.insert(h.offset, h.offset + expect))
+                            return fail(errc::protocol_error,
+                                        "block at offset " + std::to_string(h.offset) + " received twice", false, true);
                           if (!fire(Event::block_received)) return;
                           // The disk thread checks the block's own tag before writing it.
-                          const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
                           received_ += h.length - tag;
                           pipe_.to_disk(piod::Block{slot, h.length - tag, h.offset});
                           read_loop(ch);
