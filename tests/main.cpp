@@ -19,6 +19,9 @@ int main(int argc, char** argv) {
   ::setenv("XDFS_STATE_DIR", state.c_str(), 1);
   auto client = xdfs::xsec::load_or_create_key(config + "/id_x25519");
   std::filesystem::create_directories(state);
+  // One server identity for every test server, made now: a test that runs a server with a state
+  // directory of its own copies it, so that no client pins two keys for one loopback port.
+  (void)xdfs::xsec::load_or_create_key(state + "/server_x25519");
   std::ofstream(state + "/authorized_keys") << xdfs::xsec::format_public(client.public_key) << " rw  # the tests\n";
 
   doctest::Context ctx(argc, argv);

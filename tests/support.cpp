@@ -318,6 +318,11 @@ RawPeer::~RawPeer() {
 void RawPeer::send_bytes(const void* data, std::size_t n) {
   auto p = static_cast<const char*>(data);
   sent_.insert(sent_.end(), reinterpret_cast<const std::uint8_t*>(p), reinterpret_cast<const std::uint8_t*>(p) + n);
+  if (trickle) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (::send(fd_, p + i, 1, MSG_NOSIGNAL) != 1) return;
+    return;
+  }
   while (n > 0) {
     ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
     if (w <= 0) return;  // the server may already have closed on us; the test reads the reason

@@ -143,6 +143,9 @@ public:
   bool read_exact(void* dst, std::size_t n, int timeout_ms);
   /// Every byte this end has sent (a recording an attacker could replay).
   const std::vector<std::uint8_t>& sent() const { return sent_; }
+  /// Sends every byte on its own (with TCP_NODELAY: its own segment), so that the peer reads
+  /// each frame a byte at a time.
+  bool trickle = false;
 
 protected:
   /// From now on frames are sealed and checked with these keys, and the blocks this end sends

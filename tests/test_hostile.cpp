@@ -26,6 +26,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr const char* outside_name = "xdfs-hostile-outside-target";
+
 std::string url(std::uint16_t port, const std::string& path) {
   return "xdfs://127.0.0.1:" + std::to_string(port) + "/" + path;
 }
@@ -246,6 +248,72 @@ TEST_CASE("a hostile path server: a listed file of 2^62 bytes, names with escape
   CHECK(r.err.find('\x07') == std::string::npos);
   CHECK(r.err.find("evil\\x1b]0;owned\\x07\\nname") != std::string::npos);
   CHECK(xt::list_dir(local / "back").empty());
+}
+
+TEST_CASE("a hostile path server naming paths that escape: the listing is refused, a reply's own path is ignored") {
+  xt::TempDir local, outside;
+  xt::RawServer srv;
+  const std::string kh = local / "known_hosts";
+  // Serves a tree listing `names`; answers every get with the file's bytes under a path of its
+  // own choosing (which the client must not follow).
+  auto serve = [&](std::vector<std::string> names) {
+    return std::thread([&srv, names] {
+      auto c = srv.accept();
+      if (!c) return;
+      c->send_reply({0, 0, c->hello.nego.block_size});
+      static const std::uint8_t bytes[] = {'o', 'k'};
+      for (;;) {
+        auto r = read_request(*c);
+        if (!r) break;
+        pm::Reply rep;
+        rep.id = r->id;
+        if (r->op == pm::Op::stat) {
+          pm::Entry top;
+          top.path = ".";
+          top.type = pm::Type::directory;
+          top.mode = 0755;
+          rep.entries.push_back(top);
+        } else if (r->op == pm::Op::list) {
+          for (const auto& n : names) {
+            pm::Entry e;
+            e.path = n;
+            e.type = pm::Type::file;
+            e.size = 2;
+            e.mode = 0644;
+            rep.entries.push_back(e);
+          }
+        } else if (r->op == pm::Op::get) {
+          for (std::size_t i = 0; i < r->entries.size(); ++i) {
+            pm::Entry e;
+            e.path = "../../../../" + std::string(outside_name);
+            e.size = 2;
+            e.mode = 0644;
+            e.data = bytes;
+            rep.entries.push_back(e);
+          }
+        }
+        send_path(*c, rep);
+      }
+    });
+  };
+  for (const char* bad : {"../up", "/abs/x", "a/../../x", "a/./../../x"}) {
+    CAPTURE(bad);
+    auto t = serve({"fine", bad});
+    auto r = xt::xduc({"-q", "-r", "--known-hosts", kh, url(srv.port(), "t/"), local / "back"}, 60000);
+    t.join();
+    CHECK(r.status == 1);
+    CHECK(r.err.find("server listed a bad name") != std::string::npos);
+  }
+  // Good names, but get replies that name a path outside: the bytes land under the client's own
+  // name for what it asked.
+  auto t = serve({"fine", "sub/also"});
+  auto r = xt::xduc({"-q", "-r", "--known-hosts", kh, url(srv.port(), "t/"), local / "back2"}, 60000);
+  t.join();
+  CHECK_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::read_file(local / "back2/fine") == "ok");
+  CHECK(xt::read_file(local / "back2/sub/also") == "ok");
+  CHECK(xt::list_dir(outside.path()).empty());
+  CHECK_FALSE(xt::exists(local / "up"));
 }
 
 TEST_CASE("unauthenticated connections and stalled openings do not lock out a real client") {
@@ -527,6 +595,9 @@ TEST_CASE("xdfsd refuses a state directory inside its root, and honours its umas
 TEST_CASE("partial files of a killed server are removed when it starts again") {
   xt::TempDir root, local, state;
   xt::write_file(state / "authorized_keys", xdfs::xsec::format_public(xt::test_identity().public_key) + " rw\n");
+  // The test servers' one identity, so that no client pins another key for a loopback port a
+  // later test's server may get.
+  fs::copy_file(std::string(std::getenv("XDFS_STATE_DIR")) + "/server_x25519", state / "server_x25519");
   const std::vector<std::string> args{"--state-dir", state.path()};
   std::string part;
   {

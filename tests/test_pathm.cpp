@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <dirent.h>
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -16,6 +17,7 @@
 
 #include "support.hpp"
 #include "xdfs/client.hpp"
+#include "xdfs/files.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
 
@@ -434,19 +436,34 @@ TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, 
   const std::size_t total = 20 * 200 + 1;
   xt::XdfsdProcess d(root.path());
 
-  // Start a copy as a real process and kill it once files are arriving.
+  // Start a copy as a real process; once files are arriving, stop it where it is (SIGSTOP), then
+  // kill it. Stopped, it sends nothing more: what reaches the server is at most the requests it
+  // had in flight (its window, 32 MiB), far less than the 208 MB of the tree, so the copy is
+  // always cut, however fast the machine.
   const pid_t pid = spawn_xduc({"-q", "-p", "2", "--workers", "1", "-r", src + "/", url(d.port(), "copy")});
   REQUIRE(pid >= 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (count_files(root / "copy") < 50 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // polling a directory: no event to wait on
+  ::kill(pid, SIGSTOP);
   ::kill(pid, SIGKILL);
   int status = 0;
   ::waitpid(pid, &status, 0);
+  CHECK(d.wait_for_log("peer aborted"));
   const std::size_t got = count_files(root / "copy");
   INFO("files there after the cut: " << got);
-  REQUIRE_MESSAGE(got < total, "the copy finished before it could be cut");
-  CHECK(d.wait_for_log("peer aborted"));
+  CHECK(got < total);
+  // What is there under a real name is whole: a file arrives complete or not at all.
+  std::size_t whole = 0;
+  for (auto& e : fs::recursive_directory_iterator(root / "copy")) {
+    if (!e.is_regular_file()) continue;
+    const auto name = e.path().filename().string();
+    if (name.find(".xdfs-") != std::string::npos) continue;  // a temporary file, swept by the server
+    const auto rel = fs::relative(e.path(), root / "copy").string();
+    CHECK_MESSAGE(xt::files_equal(src + "/" + rel, e.path().string()), rel);
+    ++whole;
+  }
+  CHECK(whole >= 50);
 
   auto again = xt::xduc({"-p", "2", "--sync", "-r", "--json", src + "/", url(d.port(), "copy")});
   REQUIRE_MESSAGE(again.status == 0, again.err);
@@ -663,8 +680,178 @@ TEST_CASE("xduc path commands: output, one-line errors, exit codes; a read-only 
   CHECK(one_line_error(xt::xduc({"--identity", id, "mkdir", url(ro.port(), "new")}), "read-only"));
   CHECK(one_line_error(xt::xduc({"--identity", id, "rm", url(ro.port(), "pub/a")}), "read-only"));
   CHECK(one_line_error(xt::xduc({"--identity", id, "-q", "-r", local / "pubcopy", url(ro.port(), "pub2")}), "read-only"));
+  CHECK(one_line_error(xt::xduc({"--identity", id, "mv", url(ro.port(), "pub/a"), "pub/b"}), "read-only"));
+  {
+    xdfs::TransferOptions o;
+    o.identity_file = id;
+    xdfs::RemoteFs rfs({"127.0.0.1", ro.port()}, o);
+    pm::Entry e;
+    e.path = "pub/put";
+    e.size = 1;
+    static const std::uint8_t one = 'x';
+    e.data = {&one, 1};
+    CHECK(code_of([&] { rfs->put({e}); }) == errc::permission_denied);
+    rfs.close();
+  }
   CHECK(xt::exists(root / "pub/a"));
+  CHECK_FALSE(xt::exists(root / "pub/b"));
+  CHECK_FALSE(xt::exists(root / "pub/put"));
   CHECK_FALSE(xt::exists(root / "new"));
+}
+
+TEST_CASE("a tree copy cancelled through RemoteFs stops, says so on both sides, and leaves no temporary file") {
+  xt::TempDir root, local;
+  fs::create_directories(local / "t");
+  for (int i = 0; i < 8; ++i) xt::write_random_file(local / ("t/big" + std::to_string(i)), 8 << 20, 40 + i);
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  std::atomic<bool> cancel{false};
+  xdfs::TransferOptions o;
+  o.cancel = &cancel;
+  o.channels = 2;
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, o);
+  pm::TreeOptions t;
+  t.progress = [&](std::uint64_t, std::uint64_t bytes) {
+    if (bytes > 0) cancel = true;
+  };
+  CHECK(code_of([&] { rfs->upload_tree(local / "t", "t", t); }) == errc::cancelled);
+  CHECK(srv.wait_for_log("status=error: cancelled: cancelled by the user"));
+  CHECK(srv.wait_for_log("mode=path"));
+  check_no_temp_files(root.path());
+  // Not all of it went.
+  CHECK(count_files(root / "t") < 8);
+}
+
+TEST_CASE("a destination directory swapped for a symlink out of the tree during a download: nothing lands outside") {
+  xt::TempDir root, local, outside;
+  fs::create_directories(root / "t/sub");
+  for (int i = 0; i < 200; ++i) xt::write_random_file(root / ("t/sub/f" + std::to_string(i)), 20000, i);
+  xt::write_random_file(root / "t/big", 16 << 20, 7);  // first in the plan: the swap happens while it moves
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  pm::TreeOptions t;
+  t.batch_bytes = 64 << 10;  // many small batches for sub/, after the swap
+  bool swapped = false;
+  t.progress = [&](std::uint64_t, std::uint64_t bytes) {
+    if (swapped || bytes == 0) return;
+    swapped = true;
+    // sub/ exists by now (directories are made first): it becomes a symlink to `outside`.
+    fs::rename(local / "back/sub", local / "back/sub.real");
+    fs::create_directory_symlink(outside.path(), local / "back/sub");
+  };
+  try {
+    rfs->download_tree("t", local / "back", t);
+  } catch (const xdfs::Error&) {
+    // Whether the files under sub/ failed or went elsewhere is the test; both end a copy.
+  }
+  rfs.close();
+  REQUIRE(swapped);
+  CHECK(xt::list_dir(outside.path()).empty());
+  CHECK(fs::is_symlink(local / "back/sub"));
+}
+
+TEST_CASE("set-user-ID and set-group-ID bits never travel, either way") {
+  xt::TempDir root, local;
+  fs::create_directories(local / "t");
+  xt::write_file(local / "t/suid", "#!/bin/sh\n");
+  xt::write_file(local / "t/sgid", "#!/bin/sh\n");
+  REQUIRE(::chmod((local / "t/suid").c_str(), 04755) == 0);
+  REQUIRE(::chmod((local / "t/sgid").c_str(), 02755) == 0);
+  xt::XdfsdProcess d(root.path());
+  REQUIRE(xt::xduc({"-q", "-r", local / "t", url(d.port(), "")}).status == 0);
+  struct stat st {};
+  const mode_t mask = xdfs::files::process_umask();
+  REQUIRE(::stat((root / "t/suid").c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == (0755 & ~mask));
+  REQUIRE(::stat((root / "t/sgid").c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == (0755 & ~mask));
+  // And back: the server's own set-user-ID file comes down without the bit.
+  REQUIRE(::chmod((root / "t/suid").c_str(), 04755) == 0);
+  REQUIRE(xt::xduc({"-q", "-r", url(d.port(), "t"), local / "back"}).status == 0);
+  REQUIRE(::stat((local / "back/t/suid").c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == (0755 & ~mask));
+}
+
+TEST_CASE("a key confined with subdir= sees only its directory in path mode too") {
+  xt::TempDir root, local, state;
+  fs::create_directories(root / "pub/in");
+  xt::write_file(root / "pub/in/a", "A");
+  xt::write_file(root / "secret", "not for this key");
+  REQUIRE(::symlink("../secret", (root / "pub/leak").c_str()) == 0);
+  xt::write_file(state / "authorized_keys",
+                 xdfs::xsec::format_public(xt::test_identity().public_key) + " rw subdir=pub\n");
+  xt::XdfsdProcess d(root.path(), {"--authorized-keys", state / "authorized_keys"});
+  auto ls = xt::xduc({"ls", url(d.port(), "")});
+  REQUIRE(ls.status == 0);
+  CHECK(ls.out.find(" in") != std::string::npos);
+  CHECK(ls.out.find(" secret\n") == std::string::npos);  // only the link that points at it is there
+  CHECK(ls.out.find("leak -> ../secret") != std::string::npos);
+  CHECK(xt::xduc({"stat", url(d.port(), "../secret")}).err.find("path escape") != std::string::npos);
+  CHECK(xt::xduc({"sum", url(d.port(), "leak")}).err.find("path escape") != std::string::npos);
+  CHECK(xt::xduc({"-q", url(d.port(), "leak"), local / "x"}).err.find("path escape") != std::string::npos);
+  fs::create_directories(local / "t");
+  xt::write_file(local / "t/up", "U");
+  REQUIRE(xt::xduc({"-q", "-r", local / "t", url(d.port(), "")}).status == 0);
+  CHECK(xt::read_file(root / "pub/t/up") == "U");  // its "" is the root's pub
+  CHECK_FALSE(xt::exists(root / "t"));
+  CHECK(xt::read_file(root / "secret") == "not for this key");
+}
+
+TEST_CASE("a directory swapped for a symlink out of the root while requests race through it: nothing outside "
+          "is read or written") {
+  xt::TempDir root, outside;
+  fs::create_directories(root / "d");
+  xt::write_file(root / "d/f", "inside");
+  xt::write_file(outside / "f", "OUTSIDE");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  const auto sha = [](const std::string& p) { return xt::run("/usr/bin/sha256sum", {p}).out.substr(0, 64); };
+  const std::string in_sum = sha(root / "d/f"), out_sum = sha(outside / "f");
+  std::atomic<bool> stop{false};
+  std::atomic<int> swaps{0};
+  // d flips between the real directory and a symlink to `outside`, as fast as it can.
+  std::thread swapper([&] {
+    const std::string d = root / "d", real = root / "d.real", link = root / "d.link";
+    ::symlink(outside.path().c_str(), link.c_str());
+    while (!stop) {
+      ::rename(d.c_str(), real.c_str());
+      ::rename(link.c_str(), d.c_str());  // d is the symlink now
+      ::rename(d.c_str(), link.c_str());
+      ::rename(real.c_str(), d.c_str());  // and the directory again
+      ++swaps;
+    }
+  });
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  int inside = 0, refused = 0, other = 0;
+  for (int i = 0; i < 300; ++i) {
+    try {
+      const auto sum = rfs->checksum("d/f");
+      CHECK(sum != out_sum);
+      if (sum == in_sum) ++inside;
+      pm::Entry e;
+      e.path = "d/new" + std::to_string(i);
+      e.size = 1;
+      static const std::uint8_t one = 'n';
+      e.data = {&one, 1};
+      rfs->put({e});
+    } catch (const xdfs::Error& e) {
+      if (e.code() == errc::path_escape || e.code() == errc::no_such_file) ++refused;
+      else ++other;
+    }
+  }
+  stop = true;
+  swapper.join();
+  rfs.close();
+  MESSAGE("checksums inside: " << inside << ", refused: " << refused << ", swaps: " << swaps.load());
+  CHECK(other == 0);
+  CHECK(swaps > 0);
+  // Nothing was written outside, and what was read was never the outside file.
+  CHECK(xt::list_dir(outside.path()) == std::vector<std::string>{"f"});
+  CHECK(xt::read_file(outside / "f") == "OUTSIDE");
 }
 
 TEST_CASE("bad path frames end that session with a reason; other sessions go on") {
@@ -720,10 +907,9 @@ TEST_CASE("an idle RemoteFs keeps its session with keep-alives; without them the
   xdfs::RemoteFs idle({"127.0.0.1", srv.port()}, o);
   CHECK(kept->stat("f").size == 10);
   CHECK(idle->stat("f").size == 10);
-  // Both sit idle for three times the server's idle timeout; only the one without keep-alives
-  // is ended, and its next call says why.
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
-  CHECK(srv.wait_for_log("timed out: no progress", 5000));
+  // Both sit idle; the server ends the one without keep-alives after its idle timeout (a second)
+  // and says so in its log. By then the other has been idle as long: it is still there.
+  REQUIRE(srv.wait_for_log("timed out: no progress", 10000));
   CHECK(kept->stat("f").size == 10);
   std::string why;
   try {

@@ -10,10 +10,14 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "support.hpp"
 #include "xdfs/client.hpp"
+#include "xdfs/pathm/messages.hpp"
 
 namespace {
 
@@ -76,26 +80,44 @@ TEST_CASE("64 MiB of random bytes with n = 1, 4, 16, both directions") {
   }
 }
 
-TEST_CASE("two sessions at once each get their own file") {
+TEST_CASE("two sessions at once each get their own file, and really do overlap") {
   xt::TempDir root, local;
   xt::InProcessServer srv(config_for(root));
   xt::write_random_file(local / "a", 24ull << 20, 1);
   xt::write_random_file(local / "b", 24ull << 20, 2);
-  xdfs::TransferOptions opt;
-  opt.channels = 4;
-  opt.block_size = 256 * 1024;
-  std::atomic<int> ok{0};
-  std::thread ta([&] {
-    xdfs::upload(local / "a", {"127.0.0.1", srv.port()}, "a", opt);
-    ++ok;
-  });
-  std::thread tb([&] {
-    xdfs::upload(local / "b", {"127.0.0.1", srv.port()}, "b", opt);
-    ++ok;
-  });
+  // Each session, once it has moved some bytes and not all, waits (bounded) until the other one
+  // has too: both are then in the middle of their transfers at the same time.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool mid[2] = {false, false};
+  bool overlapped[2] = {false, false};
+  auto run = [&](int me, const std::string& name, std::string& error) {
+    xdfs::TransferOptions opt;
+    opt.channels = 4;
+    opt.block_size = 256 * 1024;
+    opt.progress_interval = std::chrono::milliseconds(1);
+    opt.progress = [&, me](const xdfs::Progress& p) {
+      if (p.bytes == 0 || p.bytes >= p.total || mid[me]) return;
+      std::unique_lock lk(mu);
+      mid[me] = true;
+      cv.notify_all();
+      overlapped[me] = cv.wait_for(lk, std::chrono::seconds(20), [&] { return mid[1 - me]; });
+    };
+    try {
+      xdfs::upload(local / name, {"127.0.0.1", srv.port()}, name, opt);
+    } catch (const std::exception& e) {
+      error = e.what();  // never out of a thread: a throw there would end the whole test run
+    }
+  };
+  std::string ea, eb;
+  std::thread ta([&] { run(0, "a", ea); });
+  std::thread tb([&] { run(1, "b", eb); });
   ta.join();
   tb.join();
-  CHECK(ok == 2);
+  CHECK_MESSAGE(ea.empty(), ea);
+  CHECK_MESSAGE(eb.empty(), eb);
+  CHECK(overlapped[0]);
+  CHECK(overlapped[1]);
   CHECK(xt::files_equal(local / "a", root / "a"));
   CHECK(xt::files_equal(local / "b", root / "b"));
 }
@@ -204,17 +226,18 @@ TEST_CASE("errors reach the client with their cause") {
     CHECK(xt::error_of([&] { xdfs::download(ep, "f", local / "no/such/dir/x", {}); }) == xdfs::errc::no_such_file);
   }
   SUBCASE("connection refused") {
-    // A port that was just free: bind, read it, close.
-    int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    // A port held bound and never listening: nobody else can take it while the test runs, and
+    // a connection to it is refused.
+    int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
     socklen_t len = sizeof a;
     ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-    ::close(s);
     CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", ntohs(a.sin_port)}, "f", {}); }) ==
           xdfs::errc::connection_refused);
+    ::close(s);
   }
   xt::check_no_partials(root.path());
   // After every refusal the server still serves.
@@ -240,67 +263,92 @@ TEST_CASE("cancelling a transfer removes the partial file on both sides") {
   CHECK(srv.wait_for_log("status=error: cancelled"));
   CHECK_FALSE(xt::exists(root / "big"));
   xt::check_no_partials(root.path());
+
+  // A download, likewise: the client's partial file goes, an existing destination stays.
+  xt::write_random_file(root / "down", 64ull << 20, 10);
+  xt::write_file(local / "down", "the old one");
+  cancel = false;
+  CHECK(xt::error_of([&] { xdfs::download({"127.0.0.1", srv.port()}, "down", local / "down", opt); }) ==
+        xdfs::errc::cancelled);
+  CHECK(xt::read_file(local / "down") == "the old one");
+  xt::check_no_partials(local.path());
+  CHECK(srv.wait_for_log("mode=download path=down"));
 }
 
-}  // TEST_SUITE
-
-namespace {
-
-// A small tmpfs mounted for the test (root only); unmounted at scope exit.
-class SmallFs {
-public:
-  SmallFs(const std::string& where, const char* options) : where_(where) {
-    ::mkdir(where.c_str(), 0755);
-    mounted_ = ::mount("tmpfs", where.c_str(), "tmpfs", 0, options) == 0;
-  }
-  ~SmallFs() {
-    if (mounted_) ::umount2(where_.c_str(), MNT_DETACH);
-  }
-  bool mounted() const { return mounted_; }
-  void remount_readonly() { ::mount(nullptr, where_.c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr); }
-
-private:
-  std::string where_;
-  bool mounted_ = false;
-};
-
-}  // namespace
-
-TEST_SUITE("transfer") {
-
-TEST_CASE("disk full and read-only file systems: named errors, nothing partial left, old file kept") {
+TEST_CASE("a source file that shrinks while it is sent: the upload fails, naming it, and no file appears") {
   xt::TempDir root, local;
-  SmallFs small(root / "small", "size=1m");
-  SmallFs ro(root / "ro", "size=1m");
-  SmallFs mine(local / "small", "size=1m");
-  if (!small.mounted() || !ro.mounted() || !mine.mounted()) {
-    MESSAGE("skipped: mounting a tmpfs needs root");
-    return;
-  }
-  ro.remount_readonly();
   xt::InProcessServer srv(config_for(root));
-  const xdfs::Endpoint ep{"127.0.0.1", srv.port()};
-  xt::write_random_file(local / "f", 4 << 20, 21);
+  xt::write_random_file(local / "f", 32ull << 20, 11);
   xdfs::TransferOptions opt;
-  opt.channels = 4;
   opt.block_size = 64 * 1024;
-  bool remote = false;
+  opt.ring_bytes = 256 * 1024;  // the reader stays close behind the network
+  opt.progress_interval = std::chrono::milliseconds(1);
+  bool cut = false;
+  opt.progress = [&](const xdfs::Progress& p) {
+    if (!cut && p.bytes > 0) {
+      cut = true;
+      REQUIRE(::truncate((local / "f").c_str(), 1 << 20) == 0);
+    }
+  };
+  std::string what;
+  CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt); }, nullptr, &what) ==
+        xdfs::errc::size_mismatch);
+  CHECK(what.find("source file shrank to") != std::string::npos);
+  CHECK_FALSE(xt::exists(root / "f"));
+  xt::check_no_partials(root.path());
+}
 
-  CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "small/f", opt); }, &remote) == xdfs::errc::disk_full);
-  CHECK(remote);
-  CHECK(xt::list_dir(root / "small").empty());
+TEST_CASE("frames that arrive a byte at a time are put together: an upload and a path request") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path());
+  const std::uint32_t bs = 64 * 1024;
+  const auto data = xt::random_bytes(2 * bs + 77, 12);
+  auto h = xt::make_hello(xdfs::Mode::upload, "slow", 1, data.size());
+  h.opening.protect = 2;  // private: every frame tagged and encrypted, the blocks too
+  xt::RawChannel c(d.port());
+  c.trickle = true;  // every byte its own send (and, with TCP_NODELAY, its own segment)
+  REQUIRE(c.establish(h));
+  auto reply = c.read_frame();
+  REQUIRE(reply.has_value());
+  REQUIRE(reply->first.event == xdfs::wire::Event::nego_reply);
+  for (std::uint64_t off = 0; off < data.size(); off += bs)
+    c.send_block(xdfs::wire::Event::xftsmu, off,
+                 std::vector<std::uint8_t>(data.begin() + static_cast<long>(off),
+                                           data.begin() + static_cast<long>(std::min<std::uint64_t>(off + bs, data.size()))));
+  xdfs::wire::FrameHeader eofr;
+  eofr.event = xdfs::wire::Event::eofr;
+  c.send_frame(eofr);
+  auto done = c.read_frame();
+  while (done && done->first.event == xdfs::wire::Event::ack) done = c.read_frame();
+  REQUIRE(done.has_value());
+  CHECK(done->first.event == xdfs::wire::Event::eoft);
+  CHECK(xt::read_file(root / "slow") == std::string(data.begin(), data.end()));
 
-  CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "ro/f", opt); }, &remote) == xdfs::errc::permission_denied);
-  CHECK(remote);
-
-  xt::write_random_file(root / "big", 4 << 20, 22);
-  xt::write_file(local / "small/big", "old");
-  CHECK(xt::error_of([&] { xdfs::download(ep, "big", local / "small/big", opt); }, &remote) == xdfs::errc::disk_full);
-  CHECK_FALSE(remote);
-  CHECK(xt::read_file(local / "small/big") == "old");
-  CHECK(xt::list_dir(local / "small") == std::vector<std::string>{"big"});
-  // The server saw the client's exception and ended the session.
-  CHECK(srv.wait_for_log("status=error: disk full"));
+  xt::RawChannel p(d.port());
+  p.trickle = true;
+  auto ph = xt::make_hello(xdfs::Mode::path, ".", 1);
+  REQUIRE(p.establish(ph));
+  REQUIRE(p.read_frame().has_value());
+  xdfs::pathm::Request r;
+  r.id = 5;
+  r.op = xdfs::pathm::Op::stat;
+  r.path = "slow";
+  auto enc = xdfs::pathm::encode(r);
+  xdfs::wire::FrameHeader fh;
+  fh.event = xdfs::wire::Event::xpathm;
+  fh.length = static_cast<std::uint32_t>(enc.size);
+  auto b = enc.bytes();
+  p.send_frame(fh, std::vector<std::uint8_t>(b.begin(), b.end()));
+  auto answer = p.read_frame();
+  REQUIRE(answer.has_value());
+  REQUIRE(answer->first.event == xdfs::wire::Event::xpathm);
+  std::vector<std::uint64_t> words((answer->second.size() + 7) / 8);
+  std::memcpy(words.data(), answer->second.data(), answer->second.size());
+  auto rep = xdfs::pathm::decode_reply({reinterpret_cast<const std::uint8_t*>(words.data()), answer->second.size()});
+  REQUIRE(rep.has_value());
+  CHECK(rep->id == 5);
+  REQUIRE(rep->entries.size() == 1);
+  CHECK(rep->entries[0].size == data.size());
 }
 
 }  // TEST_SUITE

@@ -151,7 +151,9 @@ void Client::fail(errc code, const std::string& message, bool remote) {
       continue;
     }
     auto* ch = c.get();
-    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->close(); });
+    // Closed only once the server has closed too (or the Client goes): closing with its replies
+    // unread would reset the connection and could destroy the exception before it is read.
+    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->linger_close({}); });
   }
 }
 
@@ -632,10 +634,15 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
     top.path = "";
     p.dirs.push_back(top);
   }
-  if (auto st = list_dir(src.get(), ".", true, o.follow, 4096, [&](std::vector<Entry>& chunk) {
-        for (auto& e : chunk) p.add(std::move(e));
-        return true;
-      });
+  if (auto st = list_dir(
+          src.get(), ".", true, o.follow, 4096,
+          [&](std::vector<Entry>& chunk) {
+            for (auto& e : chunk) p.add(std::move(e));
+            return true;
+          },
+          nullptr,
+          // A directory that cannot be read is named and left out, as rsync does; the rest goes.
+          [&](const std::string& rel, const Status& why) { p.failure(rel, why.code, why.message, false); });
       !st)
     throw Error(st.code, "reading '" + local + "': " + st.message);
   mkdir(remote, true);

@@ -152,7 +152,8 @@ Status stat_entry(int root, const std::string& raw, Entry& out) {
 }
 
 Status list_dir(int root, const std::string& raw, bool recursive, bool follow, std::size_t chunk,
-                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop) {
+                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop,
+                const std::function<void(const std::string&, const Status&)>& unreadable) {
   const std::string path = normal(raw);
   if (auto s = check_path(path); !s) return s;
   std::vector<std::string> todo{""};  // directories still to read, relative to path
@@ -166,6 +167,10 @@ Status list_dir(int root, const std::string& raw, bool recursive, bool follow, s
     Fd fd;
     const std::string where = rel.empty() ? base : join(base, rel);
     if (auto s = files::open_beneath(root, where, O_RDONLY | O_DIRECTORY, 0, fd); !s) {
+      if (!rel.empty() && unreadable) {  // below the top: the rest of the tree goes on without it
+        unreadable(rel, s);
+        continue;
+      }
       if (s.code == errc::io_error || s.message.find("Not a directory") != std::string::npos)
         return {errc::not_regular_file, quoted(where) + " is not a directory"};
       return s;

@@ -41,9 +41,12 @@ using Stop = const std::atomic<bool>*;
 
 /// Lists the directory at path (the whole tree below it if recursive, parents before children),
 /// handing out chunks of at most `chunk` entries; emit returns false to stop. Entry paths are
-/// relative to path. With `follow`, symlinks are listed as what they point to.
+/// relative to path. With `follow`, symlinks are listed as what they point to. A subdirectory
+/// that cannot be read fails the listing, unless `unreadable` is given: it is told (the
+/// directory's path relative to path, and why) and the listing goes on without its contents.
 Status list_dir(int root, const std::string& path, bool recursive, bool follow, std::size_t chunk,
-                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop = nullptr);
+                const std::function<bool(std::vector<Entry>&)>& emit, Stop stop = nullptr,
+                const std::function<void(const std::string&, const Status&)>& unreadable = {});
 
 Status make_dir(int root, const std::string& path, bool parents, std::uint32_t mode);
 /// Removes a file or symlink; a directory only when recursive (with all it holds).
