@@ -758,7 +758,7 @@ TEST_CASE("a handler that throws fails its own session only") {
 TEST_CASE("out of descriptors: xdfsd backs off, sheds with its reserve, says so a few times, and recovers") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path(), {}, {"prlimit", "--nofile=48:48", "--"});
-  CHECK(d.log().find("descriptor limit is 48") != std::string::npos);
+  CHECK(d.wait_for_log("descriptor limit is 48"));
   std::vector<std::unique_ptr<xt::RawChannel>> held;
   for (int i = 0; i < 120; ++i) held.push_back(std::make_unique<xt::RawChannel>(d.port()));
   CHECK(d.wait_for_log("shedding a connection"));
