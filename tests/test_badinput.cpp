@@ -105,6 +105,16 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     c.send_bytes(hb.data(), hb.size());  // the header alone: the server must not wait for 4 KiB
     expect(c, errc::protocol_error, "exceeds the limit");
   }
+  SUBCASE("a handshake message larger than its step's message can be") {
+    xt::RawChannel c(d.port());
+    c.send_opening(xt::make_hello(Mode::upload, "x", 1, 10).opening);
+    FrameHeader h;
+    h.event = Event::handshake;
+    h.length = 4096;  // within the control limit; Noise XX's first message is 32 bytes
+    auto hb = xdfs::wire::encode(h);
+    c.send_bytes(hb.data(), hb.size());  // the header alone: the server must not wait for 4 KiB
+    expect(c, errc::protocol_error, "a handshake message of 4096 bytes (at most 32)");
+  }
   SUBCASE("a malformed negotiation message") {
     xt::RawChannel c(d.port());
     c.send_preamble();

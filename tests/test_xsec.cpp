@@ -334,6 +334,16 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     CHECK(xt::error_of([&] { xdfs::download(ep, "../secret", local / "s", o); }) == errc::path_escape);
     CHECK(xt::error_of([&] { xdfs::download(ep, "secret", local / "s", o); }) == errc::no_such_file);
     CHECK_FALSE(xt::exists(local / "s"));
+    // Edits to authorized_keys apply to the next session, without a restart: the key loses its
+    // place (a line of the same length: only the file's time stamps tell), then gets it back.
+    const std::string line = xs::format_public(made.public_key) + " ro subdir=pub\n";
+    xt::write_file(state / "authorized_keys", "#" + line.substr(1));
+    CHECK(xt::error_of([&] { xdfs::download(ep, "readme", local / "r2", o); }, &remote, &what) == errc::auth_failed);
+    CHECK(what.find("not in the server's authorized keys") != std::string::npos);
+    CHECK_FALSE(xt::exists(local / "r2"));
+    xt::write_file(state / "authorized_keys", line);
+    xdfs::download(ep, "readme", local / "r2", o);
+    CHECK(xt::read_file(local / "r2") == "public words");
   }
   SUBCASE("a client key file others can read is refused before connecting") {
     xdfs::TransferOptions o;

@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <limits.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
@@ -224,6 +225,15 @@ struct Server::Impl {
     log(dropped ? fmt::format("{} ({} similar lines left out)", line, dropped) : line);
   }
 
+  // authorized_keys, parsed again only when the file changed (edits apply at the next session
+  // without a restart; a flood of handshakes does not re-read it each time).
+  struct {
+    struct stat st {};
+    std::time_t loaded_at = 0;
+    std::optional<xsec::AuthorizedKeys> keys;
+  } keys_cache;
+  const xsec::AuthorizedKeys& authorized_keys();
+
   void check_descriptors();
   void record_instance();
   void sweep_dead_instances();
@@ -377,6 +387,26 @@ void Server::run(bool handle_signals) {
   // Every session removed its partial files: nothing of this run is left to sweep.
   if (!d.instance_file.empty()) ::unlink(d.instance_file.c_str());
   d.log("stopped");
+}
+
+const xsec::AuthorizedKeys& Server::Impl::authorized_keys() {
+  struct stat st {};
+  if (::stat(config.authorized_keys.c_str(), &st) != 0)
+    throw Error(errc::no_such_file, "authorized keys '" + config.authorized_keys + "': " + std::strerror(errno));
+  auto& c = keys_cache;
+  // A file changed within a second of when it was read may change again with the same size and
+  // time stamps (their clock is coarse): it is trusted only once it was older than that.
+  const bool settled = st.st_ctim.tv_sec + 1 < c.loaded_at && st.st_mtim.tv_sec + 1 < c.loaded_at;
+  const bool same = c.keys && settled && st.st_dev == c.st.st_dev && st.st_ino == c.st.st_ino &&
+                    st.st_size == c.st.st_size && st.st_mtim.tv_sec == c.st.st_mtim.tv_sec &&
+                    st.st_mtim.tv_nsec == c.st.st_mtim.tv_nsec && st.st_ctim.tv_sec == c.st.st_ctim.tv_sec &&
+                    st.st_ctim.tv_nsec == c.st.st_ctim.tv_nsec;
+  if (!same) {
+    c.loaded_at = std::time(nullptr);
+    c.keys = xsec::AuthorizedKeys::load(config.authorized_keys);
+    c.st = st;
+  }
+  return *c.keys;
 }
 
 void Server::Impl::record_instance() {
@@ -721,13 +751,13 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
   if (auto bad = check(*nego, code); !bad.empty()) return refuse(c, code, bad);
   // Who it is and what it may do.
   const std::string who = "client key " + xsec::fingerprint(r.remote_static);
-  xsec::AuthorizedKeys keys;
+  const xsec::AuthorizedKeys* keys = nullptr;
   try {
-    keys = xsec::AuthorizedKeys::load(config.authorized_keys);
+    keys = &authorized_keys();
   } catch (const Error& e) {
     return refuse(c, errc::auth_failed, std::string("the server cannot check client keys: ") + e.what());
   }
-  const xsec::Permission* perm = keys.find(r.remote_static);
+  const xsec::Permission* perm = keys->find(r.remote_static);
   if (!perm) return refuse(c, errc::auth_failed, who + " is not in the server's authorized keys");
   if (!perm->write && nego->mode == Mode::upload) return refuse(c, errc::permission_denied, who + " may only download (read-only)");
   files::Fd confined;

@@ -672,15 +672,31 @@ void send_handshake(xdsi::Channel& ch, std::vector<std::uint8_t> bytes) {
   ch.send_control(wire::Event::handshake, std::move(bytes));
 }
 
-// Reads one HANDSHAKE frame; an EXCEPTION from the peer ends the handshake with its cause.
-void read_handshake(xdsi::Channel& ch, std::function<void(HandshakeResult, std::vector<std::uint8_t>)> next) {
-  ch.async_read_header([&ch, next = std::move(next)](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+// An exception a client sends during a handshake: a reason, a line long. A server, which names
+// paths in its reasons, may send up to a control frame's limit.
+constexpr std::uint32_t max_client_exception = 4096;
+constexpr std::uint32_t max_server_exception = wire::max_control_payload;
+// The exact sizes of the fixed handshake messages: XX's e; e, ee, s, es (with an empty payload);
+// a join's server nonce and proof; a join's client proof.
+constexpr std::uint32_t msg1_size = 32, msg2_size = 32 + 32 + 2 * tag_size, join_answer_size = 64, proof_size = 32;
+
+// Reads one HANDSHAKE frame of at most `max` bytes (what that step's message can be: a peer's
+// header cannot make us set aside more); an EXCEPTION from the peer (of at most max_exception
+// bytes) ends the handshake with its cause.
+void read_handshake(xdsi::Channel& ch, std::uint32_t max, std::uint32_t max_exception,
+                    std::function<void(HandshakeResult, std::vector<std::uint8_t>)> next) {
+  ch.async_read_header([&ch, max, max_exception, next = std::move(next)](const xdsi::ErrorCode& ec,
+                                                                         const wire::FrameHeader& h) {
     if (ec == xdsi::integrity_failure) return next(failure(errc::integrity_error, ch.last_error_text()), {});
     if (ec == boost::system::errc::protocol_error) return next(failure(errc::protocol_error, ch.last_error_text()), {});
     if (ec) return next(failure(errc::peer_aborted, "channel closed during the handshake (" + ec.message() + ")", true), {});
     const bool ex = h.event == wire::Event::exception;
-    if ((!ex && h.event != wire::Event::handshake) || h.length > (ex ? wire::max_control_payload : max_handshake_payload))
+    if (!ex && h.event != wire::Event::handshake)
       return next(failure(errc::protocol_error, std::string("expected a handshake message, got ") + wire::to_string(h.event)), {});
+    if (h.length > (ex ? max_exception : max))
+      return next(failure(errc::protocol_error, "a handshake message of " + std::to_string(h.length) + " bytes (at most " +
+                                                    std::to_string(ex ? max_exception : max) + ")"),
+                  {});
     auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
     ch.async_read_payload(*buf, [buf, ex, &ch, next](const xdsi::ErrorCode& ec2) {
       if (ec2 == xdsi::integrity_failure) return next(failure(errc::integrity_error, ch.last_error_text()), {});
@@ -706,8 +722,9 @@ void client_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, cons
                       Cipher cipher, std::vector<std::uint8_t> payload, ServerKeyCheck check, HandshakeHandler h) {
   auto noise = std::make_shared<NoiseXX>(true, self, opening);
   send_handshake(ch, noise->write_message_1());
-  read_handshake(ch, [&ch, noise, mode, cipher, payload = std::move(payload), check = std::move(check),
-                      h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> msg2) {
+  read_handshake(ch, msg2_size, max_server_exception,
+                 [&ch, noise, mode, cipher, payload = std::move(payload), check = std::move(check),
+                  h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> msg2) {
     if (r.code != errc::ok) return h(r);
     if (!noise->read_message_2(msg2))
       return h(failure(errc::auth_failed,
@@ -721,7 +738,8 @@ void client_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, cons
     install(ch, mode, cipher, keys.send, keys.recv);
     // The server confirms (an empty, protected HANDSHAKE frame) once it has accepted the key and
     // the negotiation and the session exists; only then may the other channels join it.
-    read_handshake(ch, [noise, keys, h = std::move(h)](HandshakeResult r4, std::vector<std::uint8_t> confirm) {
+    read_handshake(ch, 0, max_server_exception,
+                   [noise, keys, h = std::move(h)](HandshakeResult r4, std::vector<std::uint8_t> confirm) {
       if (r4.code != errc::ok) return h(r4);
       if (!confirm.empty()) return h(failure(errc::protocol_error, "the server's confirmation carries a payload"));
       HandshakeResult ok;
@@ -736,17 +754,19 @@ void server_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, cons
                       Cipher cipher, Defer defer, HandshakeHandler h) {
   auto noise = std::make_shared<NoiseXX>(false, self, opening);
   if (!defer) defer = [](std::function<void()> work) { work(); };
-  read_handshake(ch, [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r,
-                                                                          std::vector<std::uint8_t> msg1) mutable {
+  read_handshake(ch, msg1_size, max_client_exception,
+                 [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r,
+                                                                     std::vector<std::uint8_t> msg1) mutable {
     if (r.code != errc::ok) return h(r);
-    if (msg1.size() != 32) return h(failure(errc::protocol_error, "malformed first handshake message"));
+    if (msg1.size() != msg1_size) return h(failure(errc::protocol_error, "malformed first handshake message"));
     defer([&ch, noise, mode, cipher, defer, h = std::move(h), msg1 = std::move(msg1)]() mutable {
       if (!noise->read_message_1(msg1)) return h(failure(errc::protocol_error, "malformed first handshake message"));
       auto msg2 = noise->write_message_2();
       if (msg2.empty()) return h(failure(errc::auth_failed, "the client's ephemeral key is a low-order point"));
       send_handshake(ch, std::move(msg2));
-      read_handshake(ch, [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r2,
-                                                                             std::vector<std::uint8_t> msg3) mutable {
+      read_handshake(ch, max_handshake_payload, max_client_exception,
+                     [&ch, noise, mode, cipher, defer, h = std::move(h)](HandshakeResult r2,
+                                                                         std::vector<std::uint8_t> msg3) mutable {
         if (r2.code != errc::ok) return h(r2);
         defer([&ch, noise, mode, cipher, h = std::move(h), msg3 = std::move(msg3)] {
           HandshakeResult ok;
@@ -766,10 +786,11 @@ void server_establish(xdsi::Channel& ch, std::vector<std::uint8_t> opening, cons
 
 void client_join(xdsi::Channel& ch, std::vector<std::uint8_t> opening, std::vector<std::uint8_t> client_nonce,
                  const Key32& session_secret, Protect mode, Cipher cipher, HandshakeHandler h) {
-  read_handshake(ch, [&ch, opening = std::move(opening), client_nonce = std::move(client_nonce), session_secret, mode,
-                      cipher, h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> msg) {
+  read_handshake(ch, join_answer_size, max_server_exception,
+                 [&ch, opening = std::move(opening), client_nonce = std::move(client_nonce), session_secret, mode,
+                  cipher, h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> msg) {
     if (r.code != errc::ok) return h(r);
-    if (msg.size() != 64) return h(failure(errc::protocol_error, "join answer of " + std::to_string(msg.size()) + " bytes"));
+    if (msg.size() != join_answer_size) return h(failure(errc::protocol_error, "join answer of " + std::to_string(msg.size()) + " bytes"));
     std::span<const std::uint8_t> server_nonce(msg.data(), 32);
     auto keys = derive_join_keys(session_secret, client_nonce, server_nonce, opening);
     auto expect = join_proof(keys, "server", client_nonce, server_nonce);
@@ -791,8 +812,9 @@ void server_join(xdsi::Channel& ch, std::vector<std::uint8_t> opening, std::vect
   std::vector<std::uint8_t> msg(server_nonce);
   msg.insert(msg.end(), proof.begin(), proof.end());
   send_handshake(ch, std::move(msg));
-  read_handshake(ch, [&ch, keys, client_nonce = std::move(client_nonce), server_nonce, mode, cipher,
-                      h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> answer) {
+  read_handshake(ch, proof_size, max_client_exception,
+                 [&ch, keys, client_nonce = std::move(client_nonce), server_nonce, mode, cipher,
+                  h = std::move(h)](HandshakeResult r, std::vector<std::uint8_t> answer) {
     if (r.code != errc::ok) return h(r);
     auto expect = join_proof(keys, "client", client_nonce, server_nonce);
     if (!equal_constant_time(expect, answer))
