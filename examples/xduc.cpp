@@ -409,10 +409,7 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const xdfs::TransferError& e) {
     line.end();
-    const char* side = e.remote() ? " (server)" : "";
-    fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), side, shown(e.context()));
-    if (e.code() == xdfs::errc::cancelled) return 130;
-    return e.code() == xdfs::errc::bad_argument ? 2 : 1;
+    return report_error(e, e.remote());
   } catch (const std::exception& e) {
     line.end();
     fmt::print(stderr, "xduc: {}\n", shown(e.what()));
