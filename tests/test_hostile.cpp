@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -50,17 +51,27 @@ void send_path(xt::RawPeer& c, const Message& m) {
   c.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));
 }
 
+// A frame's payload, word-aligned as the library's buffers are (kept until the next call).
+std::span<const std::uint8_t> aligned(const std::vector<std::uint8_t>& payload) {
+  static thread_local std::vector<std::uint64_t> keep;
+  keep.assign((payload.size() + 7) / 8, 0);
+  std::memcpy(keep.data(), payload.data(), payload.size());
+  return {reinterpret_cast<const std::uint8_t*>(keep.data()), payload.size()};
+}
+
 std::optional<pm::Request> read_request(xt::RawPeer& c, Event* ev = nullptr) {
   auto f = c.read_frame();
   if (!f) return std::nullopt;
   if (ev) *ev = f->first.event;
   if (f->first.event != Event::xpathm) return std::nullopt;
-  // Word-aligned, as the library's buffers are.
-  std::vector<std::uint64_t> words((f->second.size() + 7) / 8);
-  std::memcpy(words.data(), f->second.data(), f->second.size());
-  static thread_local std::vector<std::uint64_t> keep;
-  keep = std::move(words);
-  return pm::decode_request({reinterpret_cast<const std::uint8_t*>(keep.data()), f->second.size()});
+  return pm::decode_request(aligned(f->second));
+}
+
+// A path reply (its entries' data point into a buffer kept until the next call).
+std::optional<pm::Reply> read_reply(xt::RawPeer& c) {
+  auto f = c.read_frame();
+  if (!f || f->first.event != Event::xpathm) return std::nullopt;
+  return pm::decode_reply(aligned(f->second));
 }
 
 bool lines_start_with_timestamps(const std::string& log) {
@@ -248,6 +259,46 @@ TEST_CASE("a hostile path server: a listed file of 2^62 bytes, names with escape
   CHECK(r.err.find('\x07') == std::string::npos);
   CHECK(r.err.find("evil\\x1b]0;owned\\x07\\nname") != std::string::npos);
   CHECK(xt::list_dir(local / "back").empty());
+}
+
+TEST_CASE("a hostile path server sending more of a file than it listed: xduc refuses it, keeps nothing of it") {
+  xt::TempDir local;
+  xt::RawServer srv;
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    const auto lots = xt::random_bytes(1 << 20, 3);
+    for (;;) {
+      auto r = read_request(*c);
+      if (!r) break;
+      pm::Reply rep;
+      rep.id = r->id;
+      pm::Entry e;
+      e.type = pm::Type::file;
+      e.mode = 0644;
+      if (r->op == pm::Op::stat) {
+        e.path = ".";
+        e.type = pm::Type::directory;
+        e.mode = 0755;
+      } else if (r->op == pm::Op::list) {
+        e.path = "f";
+        e.size = 2;
+      } else if (r->op == pm::Op::get) {
+        e.path = "f";
+        e.size = lots.size();
+        e.data = lots;  // a megabyte for the two bytes listed
+      }
+      rep.entries.push_back(e);
+      send_path(*c, rep);
+    }
+  });
+  auto r = xt::xduc({"-q", "-r", "--known-hosts", local / "kh", url(srv.port(), "t/"), local / "back"}, 60000);
+  t.join();
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("server sent more of 'f' than the 2 bytes it listed") != std::string::npos, r.err);
+  CHECK_FALSE(xt::exists(local / "back/f"));
+  xt::check_no_partials(local.path());
 }
 
 TEST_CASE("a hostile path server naming paths that escape: the listing is refused, a reply's own path is ignored") {
@@ -439,6 +490,39 @@ TEST_CASE("requests a path session never finishes sending are parked at the head
   while (mem.used() != 0 && std::chrono::steady_clock::now() < back)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   CHECK(mem.used() == 0);
+}
+
+TEST_CASE("a get carries no more than the sizes it asked for: a file larger than asked is refused, not read") {
+  xt::TempDir root;
+  xt::write_random_file(root / "big", 3 << 20, 9);
+  xt::write_file(root / "small", "12345");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  auto h = xt::make_hello(Mode::path, ".", 1);
+  h.nego.block_size = 4u << 20;  // a get may carry up to two blocks: big fits that
+  xt::RawChannel c(srv.port());
+  REQUIRE(c.establish(h));
+  expect_reply(c);
+  // Whole files, declared as 0 and 5 bytes: the reply was reserved for 5 bytes.
+  pm::Request r;
+  r.id = 7;
+  r.op = pm::Op::get;
+  for (const char* name : {"big", "small"}) {
+    pm::Entry e;
+    e.path = name;
+    e.size = std::string(name) == "small" ? 5 : 0;
+    r.entries.push_back(e);
+  }
+  send_path(c, r);
+  auto rep = read_reply(c);
+  REQUIRE(rep.has_value());
+  REQUIRE(rep->entries.size() == 2);
+  CHECK(rep->entries[0].code == errc::size_mismatch);
+  CHECK(rep->entries[0].message.find("larger than the 0 bytes asked for") != std::string::npos);
+  CHECK(rep->entries[0].data.empty());
+  CHECK(rep->entries[1].code == errc::ok);
+  CHECK(rep->entries[1].data.size() == 5);
 }
 
 TEST_CASE("when memory is short, sessions get smaller rings or wait for it, and all of them finish") {
@@ -669,17 +753,17 @@ TEST_CASE("what a session moves never crosses the wire in the clear, and a seen 
     CHECK(std::search(up.begin(), up.end(), name.begin(), name.end()) == up.end());
     ::unlink((root / name).c_str());
   }
-  // Someone who saw a session's id on the wire opens its channels first: without the secret
-  // they prove nothing and claim no index; the real channels join.
+  // Someone who saw a session's id on the wire opens its channels first, as many as the session
+  // has: without the secret they prove nothing and claim no index; the real channels join.
   auto h = xt::make_hello(Mode::upload, "v", 3, 2 << 16);
   xt::RawChannel victim(srv.port());
   REQUIRE(victim.establish(h));
   std::vector<std::unique_ptr<xt::RawChannel>> squatters;
-  for (std::uint32_t i = 1; i < 3; ++i) {
+  for (std::uint32_t k = 0; k < 3; ++k) {
     auto o = h.opening;
-    o.channel_index = i;
+    o.channel_index = 1 + k % 2;
     o.join = true;
-    o.join_nonce = xt::random_bytes(32, 50 + i);
+    o.join_nonce = xt::random_bytes(32, 50 + k);
     squatters.push_back(std::make_unique<xt::RawChannel>(srv.port()));
     squatters.back()->send_opening(o);
     REQUIRE(squatters.back()->read_frame().has_value());  // the server's answer; no proof follows
@@ -690,6 +774,23 @@ TEST_CASE("what a session moves never crosses the wire in the clear, and a seen 
   expect_reply(victim);
   expect_reply(one);
   expect_reply(two);
+  CHECK(squatters[0]->wait_closed());  // the oldest places went to the real channels
+  CHECK(squatters[1]->wait_closed());
+  // Once the session has its channels, a further join (even one with the secret) is refused
+  // before it costs anything more.
+  {
+    xt::RawChannel again(srv.port());
+    auto o = h.opening;
+    o.channel_index = 1;
+    o.join = true;
+    o.join_nonce = xt::random_bytes(32, 60);
+    again.send_opening(o);
+    auto ex = again.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::bad_channel);
+    CHECK(ex->message.find("already has its 3 channels") != std::string::npos);
+    CHECK(again.wait_closed());
+  }
   victim.send_block(Event::xftsmu, 0, xt::random_bytes(1 << 16, 1));
   one.send_block(Event::xftsmu, 1 << 16, xt::random_bytes(1 << 16, 2));
   for (auto* c : {&victim, &one, &two}) {

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -420,6 +421,42 @@ TEST_CASE("many large files split into small chunks over many channels, both way
     REQUIRE_MESSAGE(down.status == 0, down.err);
     CHECK(snapshot(local / ("down" + std::to_string(round))) == snapshot(src));
   }
+  check_no_temp_files(root.path());
+}
+
+TEST_CASE("large files in progress: at most 256 per session; one given up frees its place and is refused after") {
+  xt::TempDir root;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::TransferOptions o;
+  o.block_size = 4096;
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, o);
+  const auto chunk = xt::random_bytes(4096, 12);
+  auto first_chunk = [&](std::uint64_t id) {
+    pm::Entry e;
+    e.path = "f" + std::to_string(id);
+    e.size = 2 * 4096;
+    e.file_id = id;
+    e.data = chunk;
+    return e;
+  };
+  for (std::uint64_t id = 1; id <= 256; ++id) rfs->put({first_chunk(id)});
+  CHECK(code_of([&] { rfs->put({first_chunk(257)}); }) == errc::limit_exceeded);
+  // The client gives one up (it could not read the rest): its place goes to the next file, and
+  // a late chunk of it is refused rather than starting it again.
+  pm::Entry gone = first_chunk(1);
+  gone.code = errc::io_error;
+  gone.data = {};
+  rfs->put({gone});
+  rfs->put({first_chunk(257)});
+  auto late = first_chunk(1);
+  late.offset = 4096;
+  CHECK(code_of([&] { rfs->put({late}); }) == errc::io_error);
+  for (const auto& name : xt::list_dir(root.path()))  // nothing whole yet: temporary files only
+    CHECK_MESSAGE(name.find(".xdfs-") != std::string::npos, name);
+  rfs.close();
+  CHECK(srv.wait_for_log("mode=path"));
   check_no_temp_files(root.path());
 }
 
@@ -962,6 +999,42 @@ TEST_CASE("a client that asks for file bytes and never reads them is not read ei
   // Others are served meanwhile and after.
   xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
   CHECK(rfs->stat("big").size == (2u << 20));
+  rfs.close();
+}
+
+TEST_CASE("a client that asks for a long listing and never reads it is timed out; the listing stops") {
+  xt::TempDir root;
+  // About 2.5 MB of listing, far beyond the socket buffers this session gets.
+  const std::string dir = root / "many";
+  ::mkdir(dir.c_str(), 0755);
+  const std::string pad(80, 'n');
+  for (int i = 0; i < 20000; ++i) xt::write_file(dir + "/" + pad + std::to_string(i), "");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.idle_timeout = std::chrono::milliseconds(1500);
+  xt::InProcessServer srv(cfg);
+  xt::RawChannel raw(srv.port());
+  const int small = 16 << 10;
+  ::setsockopt(raw.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  auto nego = xt::make_hello(xdfs::Mode::path, ".", 1);
+  nego.nego.tcp_window = 64 << 10;  // the server's socket buffers for this session
+  REQUIRE(raw.establish(nego));
+  REQUIRE(raw.read_frame().has_value());  // the negotiation reply; nothing is read after it
+  pm::Request r;
+  r.id = 1;
+  r.op = pm::Op::list;
+  r.path = "many";
+  r.recursive = true;
+  auto enc = pm::encode(r);
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::Event::xpathm;
+  h.length = static_cast<std::uint32_t>(enc.size);
+  auto b = enc.bytes();
+  raw.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));
+  // The listing's worker waits for its chunks to be read; the session does not wait with it.
+  CHECK(srv.wait_for_log("timed out: no progress", 20000));
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  CHECK(rfs->stat("many").type == pm::Type::directory);
   rfs.close();
 }
 

@@ -100,7 +100,7 @@ struct Conn {
   bool counted = true;    // against the pending caps (a join counts against its session instead)
   bool settled = false;   // refused, dropped or handed over: its handlers do nothing more
   bool released = false;  // no longer pending
-  bool joining = false;   // its session counts it among the joins in progress
+  std::shared_ptr<unsigned> join_slot;  // its session's count of joins, while it holds a place there
 };
 using ConnPtr = std::shared_ptr<Conn>;
 
@@ -122,7 +122,11 @@ struct Record {
   wire::Opening opening;
   std::uint32_t channels = 0;
   xsec::Key32 client{};
-  unsigned joins_in_progress = 0;
+  // Joins that have not been handed over yet (proving themselves, or refused and on their way
+  // out): at most n at a time. Shared with each such connection, so that a connection that
+  // outlives its session counts against nothing else.
+  std::shared_ptr<unsigned> joins = std::make_shared<unsigned>(0);
+  std::vector<bool> handed;  // channel indices the session has been given
 };
 
 struct KeyUse {
@@ -477,15 +481,17 @@ void Server::Impl::sweep_dead_instances() {
 void Server::Impl::check_descriptors() {
   rlimit rl{};
   if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-  const rlim_t need = static_cast<rlim_t>(config.max_pending) +
-                      static_cast<rlim_t>(config.max_sessions) * (config.max_channels + 16) + 64;
+  // A session holds its channels, a few files, and in path mode up to max_files_in_progress
+  // large files at two descriptors each.
+  const rlim_t per_session = config.max_channels + 16 + 2 * files::max_files_in_progress;
+  const rlim_t need = static_cast<rlim_t>(config.max_pending) + static_cast<rlim_t>(config.max_sessions) * per_session + 64;
   if (rl.rlim_cur < need && rl.rlim_cur < rl.rlim_max) {
     rl.rlim_cur = std::min(need, rl.rlim_max);
     ::setrlimit(RLIMIT_NOFILE, &rl);
   }
   if (rl.rlim_cur < need)
     log(fmt::format("descriptor limit is {}, the configured maxima may need {} (max-pending + max-sessions x "
-                    "(max-channels + 16)): connections beyond it are refused until descriptors free up",
+                    "(max-channels + 16 + 512)): connections beyond it are refused until descriptors free up",
                     rl.rlim_cur, need));
 }
 
@@ -584,9 +590,9 @@ void Server::Impl::release(Conn& c) {
   if (c.released) return;
   c.released = true;
   uncount(c);
-  if (c.joining) {
-    if (auto it = sessions.find(c.opening.session); it != sessions.end()) --it->second.joins_in_progress;
-    c.joining = false;
+  if (c.join_slot) {
+    --*c.join_slot;
+    c.join_slot.reset();
   }
   auto keep = *c.self;  // erasing the list node must not destroy c under our feet
   pending.erase(c.self);
@@ -852,6 +858,8 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   rec.secret = r.session_secret;
   rec.opening = c->opening;
   rec.channels = nego.channel_count;
+  rec.handed.assign(nego.channel_count, false);
+  rec.handed[0] = true;
   rec.client = r.remote_static;
   try {
     sp->thread = std::thread([this, sp, id] {
@@ -896,15 +904,27 @@ void Server::Impl::start_join(const ConnPtr& c) {
     return refuse(c, errc::bad_channel,
                   fmt::format("channel index {} is not below n = {} of session {}", o.channel_index, rec.channels,
                               o.session.short_hex()));
-  // Joins in progress count against their session, not the pending caps: a session's own n
-  // channels arriving at once must not push each other out. A stranger who saw the session id
-  // can hold at most n of them, and none claims an index before it has proved the secret.
-  if (rec.joins_in_progress >= rec.channels)
-    return refuse(c, errc::limit_exceeded,
-                  fmt::format("session {} has {} channels proving themselves already", o.session.short_hex(),
-                              rec.joins_in_progress));
-  ++rec.joins_in_progress;
-  c->joining = true;
+  if (std::find(rec.handed.begin(), rec.handed.end(), false) == rec.handed.end())
+    return refuse(c, errc::bad_channel,
+                  fmt::format("session {} already has its {} channels", o.session.short_hex(), rec.channels));
+  // Joins count against their session, not the pending caps: a session's own n channels
+  // arriving at once must not push each other out. When n are there already, the oldest goes
+  // (one refused first): a stranger who saw the session id can delay a real channel by
+  // holding places, never keep it out, and none claims an index before it has proved the secret.
+  if (*rec.joins >= rec.channels) {
+    ConnPtr victim;
+    for (int refused = 1; refused >= 0 && !victim; --refused)
+      for (auto& p : pending)
+        if (p->join_slot == rec.joins && p->settled == static_cast<bool>(refused)) {
+          victim = p;
+          break;
+        }
+    if (victim)
+      evict(victim, fmt::format("session {} has {} channels proving themselves, its n", o.session.short_hex(),
+                                *rec.joins));
+  }
+  ++*rec.joins;
+  c->join_slot = rec.joins;
   uncount(*c);
   xsec::server_join(*c->ch, c->opening_bytes, o.join_nonce, rec.secret, static_cast<xsec::Protect>(o.protect),
                     static_cast<xsec::Cipher>(o.cipher),
@@ -914,8 +934,6 @@ void Server::Impl::start_join(const ConnPtr& c) {
 void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
   if (c->settled) return;
   auto it = sessions.find(c->opening.session);
-  if (it != sessions.end() && c->joining) --it->second.joins_in_progress;
-  c->joining = false;
   if (r.code != errc::ok) {
     // A channel that cannot prove the session secret does not join and learns nothing more;
     // the session goes on waiting for the real one (bounded by its join timeout).
@@ -929,7 +947,15 @@ void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
     release(*c);
     return;
   }
-  if (it == sessions.end()) return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " has ended");
+  if (it == sessions.end() || c->join_slot != it->second.joins)
+    return refuse(c, errc::bad_channel, "session " + c->opening.session.short_hex() + " has ended");
+  // Each index is handed over once: whichever proved itself second is refused here, and holds
+  // its place among the joins until it has gone.
+  const auto idx = c->opening.channel_index;
+  if (it->second.handed[idx])
+    return refuse(c, errc::bad_channel,
+                  fmt::format("duplicate channel index {} in session {}", idx, c->opening.session.short_hex()));
+  it->second.handed[idx] = true;
   Session* sp = it->second.session.get();
   c->settled = true;
   ErrorCode ignored;
@@ -950,10 +976,6 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
   c->settled = true;
   ++rejected;
   log_rationed(fmt::format("rejected channel from {}: {}: {}", c->peer, to_string(code), message));
-  if (c->joining) {
-    if (auto it = sessions.find(c->opening.session); it != sessions.end()) --it->second.joins_in_progress;
-    c->joining = false;
-  }
   if (!c->ch->open()) return release(*c);
   if (peer_gone) {
     // The peer sends no more (it may still read: a half-close): the answer goes out and the

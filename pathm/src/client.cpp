@@ -483,7 +483,12 @@ struct TreePlan {
   std::uint64_t ids = 1;
   std::vector<char> file_failed;  // per entry of files, once the copy goes on without it
   std::vector<std::uint64_t> file_done;  // bytes answered, per entry of files
+  std::vector<std::uint64_t> file_taken;  // bytes handed out, per entry of files
   std::uint64_t moved = 0;               // bytes answered, for the progress line
+  // Large files started and not yet answered in full: the writing side holds each open, and
+  // takes at most files::max_files_in_progress; half of that leaves it room for its own lag.
+  std::size_t open_large = 0;
+  static constexpr std::size_t max_open_large = files::max_files_in_progress / 2;
 
   void plan_files(std::uint32_t block, std::size_t batch_bytes, std::size_t name_prefix) {
     units = plan(files, block, batch_bytes, name_prefix);
@@ -491,9 +496,11 @@ struct TreePlan {
     file_ids.assign(files.size(), 0);
     file_failed.assign(files.size(), 0);
     file_done.assign(files.size(), 0);
+    file_taken.assign(files.size(), 0);
   }
   // The next unit to send and its large file's id (0 for a batch): a batch, or the next chunk of
-  // a large file; the rest of a large file that failed is left out. False once every unit has gone.
+  // a large file; the rest of a large file that failed is left out. False once every unit has
+  // gone, or while the next one would start one large file more than may be in progress.
   bool take(Unit& u, std::uint64_t& fid) {
     while (next_unit < units.size()) {
       const Unit& cur = units[next_unit];
@@ -509,9 +516,14 @@ struct TreePlan {
         chunk_at = 0;
         continue;
       }
-      if (file_ids[cur.first] == 0) file_ids[cur.first] = ids++;
+      if (file_ids[cur.first] == 0) {
+        if (open_large >= max_open_large) return false;  // asked again as answers come back
+        file_ids[cur.first] = ids++;
+        ++open_large;
+      }
       u = Unit{cur.first, 1, std::min<std::uint64_t>(chunk, size - chunk_at), true, chunk_at};
       chunk_at += u.bytes;
+      file_taken[cur.first] += u.bytes;
       fid = file_ids[cur.first];
       return true;
     }
@@ -538,6 +550,10 @@ struct TreePlan {
     for (std::size_t k = u.first; k < u.first + u.count; ++k) {
       file_done[k] += u.chunk ? u.bytes : files[k].size;
       moved += u.chunk ? u.bytes : files[k].size;
+      // A large file is no longer in progress once all of it, or all it got of it before it
+      // failed, was answered.
+      if (u.chunk && (file_done[k] == files[k].size || (file_failed[k] && file_done[k] == file_taken[k])))
+        --open_large;
       if (file_done[k] == files[k].size && !file_failed[k]) {
         ++result.files;
         result.bytes += files[k].size;
@@ -820,7 +836,10 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
 
   p.plan_files(block_size_, std::min<std::size_t>(o.batch_bytes, block_size_), remote.size() + 1);
   const std::size_t window = window_of(o, block_size_, channels_.size());
-  std::size_t inflight = 0, writing = 0;
+  // Requests not answered yet: each may bring a reply of up to a message's size, whatever it
+  // asked for, so their number is bounded too (at what keeps n channels busy).
+  const std::size_t max_outstanding = std::max<std::size_t>(32, 8 * channels_.size());
+  std::size_t inflight = 0, writing = 0, outstanding = 0;
   {
     WorkPool pool(o.workers, [this](const std::string& what) {
       asio::post(io_, [this, what] { fail(errc::internal, "tree worker: " + what, false); });
@@ -829,8 +848,10 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
     std::function<void()> pump = [&] {
       Unit u;
       std::uint64_t fid = 0;
-      while (code_ == errc::ok && (inflight < window || inflight == 0) && p.take(u, fid)) {
+      while (code_ == errc::ok && (inflight < window || inflight == 0) && outstanding < max_outstanding &&
+             p.take(u, fid)) {
         inflight += u.bytes + 1;
+        ++outstanding;
         Request r;
         r.op = Op::get;
         r.id = new_id();
@@ -845,19 +866,34 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
         }
         std::weak_ptr<bool> w = alive;
         send(r.id, encode(r), [&, u, fid, w](Reply& rep, std::shared_ptr<Buffer> buf) {
+          // From here until it is written, the reply counts as the bytes that arrived, not the
+          // bytes asked for: a server cannot make more wait for the disk than the window.
+          --outstanding;
+          inflight = inflight - (u.bytes + 1) + buf->size;
           if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
           if (rep.entries.size() != u.count)
             return fail(errc::protocol_error, "get reply with a different number of files", false);
+          for (std::size_t k = 0; k < u.count; ++k) {
+            const auto& got = rep.entries[k];
+            const Entry& f = p.files[u.first + k];
+            if (got.code != errc::ok) continue;
+            if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes))
+              return fail(errc::protocol_error, "server sent another range of '" + f.path + "'", false);
+            if (!u.chunk && got.data.size() > f.size)
+              return fail(errc::protocol_error, "server sent more of '" + f.path + "' than the " +
+                                                    std::to_string(f.size) + " bytes it listed",
+                          false);
+          }
           for (std::size_t k = 0; k < u.count; ++k) {
             if (rep.entries[k].code == errc::ok) continue;
             p.fail_file(u.first + k, rep.entries[k].code, rep.entries[k].message, true);  // the server could not read it
             if (u.chunk) writer.abandon(fid);
           }
           ++writing;
-          pool.submit([&, u, fid, w, buf, rep = std::move(rep)]() mutable {
-            Status st;  // a reply that breaks the rules ends the session
+          const std::size_t arrived = buf->size;
+          pool.submit([&, u, fid, w, buf, arrived, rep = std::move(rep)]() mutable {
             std::vector<std::pair<std::size_t, Status>> unwritable;  // a file that fails here is left out
-            for (std::size_t k = 0; k < u.count && st; ++k) {
+            for (std::size_t k = 0; k < u.count; ++k) {
               auto& got = rep.entries[k];
               if (got.code != errc::ok) continue;
               Entry e;
@@ -869,18 +905,15 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
               e.data = got.data;
               e.file_id = fid;
               e.offset = u.chunk ? u.offset : 0;
-              if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes)) {
-                st = {errc::protocol_error, "server sent another range of '" + e.path + "'"};
-              } else if (auto put = writer.put(e); !put) {
+              if (auto put = writer.put(e); !put) {
                 if (u.chunk) writer.abandon(fid);
                 unwritable.emplace_back(u.first + k, std::move(put));
               }
             }
-            asio::post(io_, [&, u, w, st, unwritable = std::move(unwritable)] {
+            asio::post(io_, [&, u, w, arrived, unwritable = std::move(unwritable)] {
               if (!w.lock()) return;
               --writing;
-              inflight -= u.bytes + 1;
-              if (!st) return fail(st.code, st.message, false);
+              inflight -= arrived;
               for (auto& [i, why] : unwritable) p.fail_file(i, why.code, why.message, false);
               p.done(u, o);
               pump();

@@ -347,6 +347,7 @@ Status checksum(int root, const std::string& path, std::uint64_t offset, std::ui
 // ---- TreeWriter ----
 
 struct TreeWriter::Partial {
+  std::uint64_t id = 0;
   Fd dir;
   Fd fd;
   std::string name, temp, path;
@@ -457,13 +458,19 @@ void TreeWriter::abandon(std::uint64_t file_id) {
   // Chunks of a file not started yet start it; what never completes goes at the end.
   std::lock_guard lk(mu_);
   auto it = partial_.find(file_id);
-  if (it != partial_.end()) give_up(*it->second);
+  if (it != partial_.end()) give_up(std::shared_ptr<Partial>(it->second));
 }
 
-void TreeWriter::give_up(Partial& p) {
-  p.failed = true;
-  if (!p.temp.empty()) ::unlinkat(p.dir.get(), p.temp.c_str(), 0);
-  p.temp.clear();
+void TreeWriter::give_up(const std::shared_ptr<Partial>& p) {
+  p->failed = true;
+  if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+  p->temp.clear();
+  if (auto it = partial_.find(p->id); it != partial_.end() && it->second == p) partial_.erase(it);
+  // Remembered so that its late chunks do not start it again; a peer that gives up more files
+  // than this makes the oldest forgotten (a late chunk of one then starts a file that never
+  // completes and goes at the end, counted among the files in progress meanwhile).
+  if (failed_.size() >= (std::size_t(1) << 16)) failed_.clear();
+  failed_.insert(p->id);
 }
 
 std::string download_tag() {
@@ -616,8 +623,10 @@ Status TreeWriter::put_chunk(const Entry& e) {
     return {errc::protocol_error, "chunk of " + quoted(e.path) + " at offset " + std::to_string(e.offset) +
                                       " does not fit its file"};
   std::shared_ptr<Partial> p;
+  const auto failed_earlier = [&] { return Status{errc::io_error, quoted(e.path) + " failed earlier"}; };
   {
     std::unique_lock lk(mu_);
+    if (failed_.count(e.file_id)) return failed_earlier();
     auto it = partial_.find(e.file_id);
     if (it == partial_.end()) {
       // The parent first (making it notes directories, which takes the lock), then the file
@@ -629,6 +638,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
       auto s = parent_of(e.path, dir, name, true);
       lk.lock();
       if (!s) return s;
+      if (failed_.count(e.file_id)) return failed_earlier();
       it = partial_.find(e.file_id);
       if (it == partial_.end()) {
         if (partial_.size() >= max_open_)
@@ -636,6 +646,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
         if (max_file_size_ == 0)
           if (auto room = files::check_room(dir.get(), e.size, quoted(e.path)); !room) return room;
         p = std::make_shared<Partial>();
+        p->id = e.file_id;
         p->path = e.path;
         p->size = e.size;
         p->mode = e.mode;
@@ -652,7 +663,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
     } else {
       p = it->second;
     }
-    if (p->failed) return {errc::io_error, quoted(e.path) + " failed earlier"};
+    if (p->failed) return failed_earlier();
     if (p->path != e.path || p->size != e.size)
       return {errc::protocol_error, "chunk of file id " + std::to_string(e.file_id) + " names another file"};
     if (!p->seen.insert(e.offset, e.offset + e.data.size()))
@@ -665,9 +676,10 @@ Status TreeWriter::put_chunk(const Entry& e) {
   }
   std::unique_lock lk(mu_);
   if (!st) {
-    give_up(*p);  // its other chunks are refused from now on; the temporary file goes at once
+    give_up(p);  // its other chunks are refused from now on; the temporary file goes at once
     return st;
   }
+  if (p->failed) return failed_earlier();  // given up while this chunk was written
   p->written += e.data.size();
   if (p->written < p->size) return Status::ok();
   partial_.erase(e.file_id);

@@ -82,7 +82,8 @@ Server::Server(asio::io_context& io, ChannelList& channels, int root, const Serv
       root_(root),
       p_(p),
       done_(std::move(done)),
-      writer_(root, p.tag, p.fsync, p.block_size, 1024, files::process_umask(), p.max_file_size),
+      writer_(root, p.tag, p.fsync, p.block_size, files::max_files_in_progress, files::process_umask(),
+              p.max_file_size),
       shared_(std::make_shared<Shared>()),
       limit_(4 * max_message(p.block_size)),
       watchdog_(io),
@@ -112,9 +113,10 @@ void Server::arm_watchdog() {
   watchdog_.expires_after(std::chrono::milliseconds(500));
   watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
     if (ec || finished_) return;
-    // Idle: no worker busy and nothing received or sent for that long (a client that stops
-    // reading its replies counts as idle too).
-    if (busy_ == 0 && Clock::now() - last_ > p_.idle_timeout)
+    // Idle: nothing received and no reply written out for that long, with no worker busy (a
+    // long checksum sends nothing meanwhile) or with replies waiting to be written (a client
+    // that stops reading its replies, a listing's among them, counts as idle too).
+    if ((busy_ == 0 || sending_ > 0) && Clock::now() - last_ > p_.idle_timeout)
       return fail(errc::timeout, fmt::format("no progress for {} ms", p_.idle_timeout.count()), false, true);
     arm_watchdog();
   });
@@ -143,6 +145,7 @@ void Server::read_loop(xdsi::Channel& ch) {
         watchdog_.cancel();
         retry_.cancel();
         shared_->stopped = true;
+        writer_.discard_all();  // large files it left unfinished
         for (auto& c : channels_)
           if (c && c->open()) c->linger_close([] {});
         linger_.expires_after(std::chrono::seconds(2));
@@ -233,7 +236,10 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
   wire::FrameHeader h;
   h.event = wire::Event::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
+  ++sending_;
   ch->send(h, holder->bytes(), [this, ch, holder, sent = std::move(sent)](const xdsi::ErrorCode& ec) {
+    --sending_;
+    if (!ec) last_ = Clock::now();
     // A channel that is not being read (parked) learns of a vanished client only here.
     if (ec && ec != boost::asio::error::operation_aborted && !finished_)
       fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch->index(), ec.message()), true, false);
@@ -437,7 +443,12 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
           if (len > p_.block_size || off > e.size || e.size - off < len)
             s = {errc::size_mismatch, "'" + q.path + "' is shorter than the range asked for (it changed?)"};
         }
-        if (s && (len > budget || total > budget - len))
+        // What the reply may carry is what the client asked for (its sizes were reserved): a
+        // whole file that is now larger than the size asked for changed since it was listed.
+        if (s && q.file_id == 0 && len > q.size)
+          s = {errc::size_mismatch, "'" + q.path + "' is larger than the " + std::to_string(q.size) +
+                                        " bytes asked for (it changed since it was listed?)"};
+        if (s && (len > want || total > want - len))
           s = {errc::size_mismatch, "'" + q.path + "' grew while it was being copied"};
         if (s) {
           e.offset = off;

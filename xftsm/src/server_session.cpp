@@ -133,8 +133,13 @@ private:
                          xdsi::peer_name(ch->socket()), to_string(code), message));
     auto* c = ch.get();
     leaving_.push_back(std::move(ch));
+    // A second to read it and close, then it goes whatever the peer does.
+    auto timer = std::make_shared<boost::asio::steady_timer>(env_.io, std::chrono::seconds(1));
+    timer->async_wait([c](const xdsi::ErrorCode& ec) {
+      if (!ec) c->close();
+    });
     c->send_control(wire::Event::exception, wire::encode(wire::ExceptionHeader{code, message, c->index(), 0}),
-                    [c](const xdsi::ErrorCode&) { c->linger_close({}); });
+                    [c, timer](const xdsi::ErrorCode&) { c->linger_close([timer] { timer->cancel(); }); });
   }
 
   // The ring this session gets: what it asks for while memory is plentiful; when it is getting

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -11,6 +12,10 @@
 #include "xdfs/error.hpp"
 
 namespace xdfs::files {
+
+/// Large files one session may write at once (path mode: chunks of each arrive over time), each
+/// holding two descriptors (its directory and its temporary file) until it is whole or given up.
+inline constexpr std::size_t max_files_in_progress = 256;
 
 /// Owns one file descriptor.
 class Fd {

@@ -112,6 +112,7 @@ private:
   std::vector<Parked> parked_;  // channels whose next request waits for room (its header is read)
   std::size_t inflight_ = 0;  // bytes of requests not answered yet, and of replies not sent yet
   std::size_t busy_ = 0;      // requests a worker holds
+  std::size_t sending_ = 0;   // replies handed to a channel and not written out yet
   std::size_t limit_;
   std::atomic<std::uint64_t> bytes_{0};
   std::uint64_t requests_ = 0;

@@ -110,8 +110,9 @@ private:
   Status make_parents(const std::string& path);
   void made(const std::string& dir);
   bool made_here(const std::string& dir) const;
-  /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused.
-  static void give_up(Partial& p);
+  /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused; it no
+  /// longer counts among the files in progress (its descriptors close once no worker holds it).
+  void give_up(const std::shared_ptr<Partial>& p);
 
   int root_;
   std::string tag_;
@@ -122,6 +123,7 @@ private:
   std::uint64_t max_file_size_;
   mutable std::mutex mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Partial>> partial_;
+  std::unordered_set<std::uint64_t> failed_;  // ids given up: their late chunks are refused
   std::unordered_set<std::string> made_;  // directories this writer created (normalized paths)
   std::uint64_t counter_ = 0;
 };
