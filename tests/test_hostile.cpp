@@ -754,9 +754,14 @@ TEST_CASE("what a session moves never crosses the wire in the clear, and a seen 
     ::unlink((root / name).c_str());
   }
   // Someone who saw a session's id on the wire opens its channels first, as many as the session
-  // has: without the secret they prove nothing and claim no index; the real channels join.
+  // has: without the secret they prove nothing and claim no index; the real channels join, and
+  // each pushes out the oldest squatter at once, long before a handshake deadline would.
+  xdfs::ServerConfig slow = cfg;
+  slow.handshake_timeout = std::chrono::minutes(5);
+  slow.join_timeout = std::chrono::minutes(5);
+  xt::InProcessServer srv2(slow);
   auto h = xt::make_hello(Mode::upload, "v", 3, 2 << 16);
-  xt::RawChannel victim(srv.port());
+  xt::RawChannel victim(srv2.port());
   REQUIRE(victim.establish(h));
   std::vector<std::unique_ptr<xt::RawChannel>> squatters;
   for (std::uint32_t k = 0; k < 3; ++k) {
@@ -764,22 +769,22 @@ TEST_CASE("what a session moves never crosses the wire in the clear, and a seen 
     o.channel_index = 1 + k % 2;
     o.join = true;
     o.join_nonce = xt::random_bytes(32, 50 + k);
-    squatters.push_back(std::make_unique<xt::RawChannel>(srv.port()));
+    squatters.push_back(std::make_unique<xt::RawChannel>(srv2.port()));
     squatters.back()->send_opening(o);
     REQUIRE(squatters.back()->read_frame().has_value());  // the server's answer; no proof follows
   }
-  xt::RawChannel one(srv.port()), two(srv.port());
+  xt::RawChannel one(srv2.port()), two(srv2.port());
   REQUIRE(one.join(h, 1, victim.session_secret()));
+  CHECK(squatters[0]->wait_closed(20000));  // the oldest place went to the real channel
   REQUIRE(two.join(h, 2, victim.session_secret()));
   expect_reply(victim);
   expect_reply(one);
   expect_reply(two);
-  CHECK(squatters[0]->wait_closed());  // the oldest places went to the real channels
-  CHECK(squatters[1]->wait_closed());
+  for (auto& s : squatters) CHECK(s->wait_closed(20000));  // the complete session needs none of them
   // Once the session has its channels, a further join (even one with the secret) is refused
   // before it costs anything more.
   {
-    xt::RawChannel again(srv.port());
+    xt::RawChannel again(srv2.port());
     auto o = h.opening;
     o.channel_index = 1;
     o.join = true;

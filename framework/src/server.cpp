@@ -963,6 +963,16 @@ void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
   auto d = std::make_shared<xdsi::Channel::Detached>(c->ch->detach());
   d->index = c->opening.channel_index;
   release(*c);
+  // With its n channels the session needs no more: whoever else is still proving itself for it
+  // goes now rather than at its deadline.
+  const Record& rec = it->second;
+  if (std::find(rec.handed.begin(), rec.handed.end(), false) == rec.handed.end()) {
+    std::vector<ConnPtr> rest;
+    for (auto& p : pending)
+      if (p->join_slot == rec.joins && !p->settled) rest.push_back(p);
+    for (auto& p : rest)
+      evict(p, fmt::format("session {} has its {} channels", c->opening.session.short_hex(), rec.channels));
+  }
   asio::post(sp->io, [sp, d] {
     if (!sp->handler) return;
     if (auto ch = xdsi::Channel::adopt(sp->io, std::move(*d))) sp->handler->add_channel(std::move(ch));
