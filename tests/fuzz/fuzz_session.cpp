@@ -61,15 +61,23 @@ struct Reader {
   }
 };
 
-// The root: a small tree made afresh for every input (the session may change anything in it).
+// The root: a small tree made afresh for every input (the session may change anything in it),
+// removed when the run ends.
 const std::string& base() {
-  static const std::string dir = [] {
-    char tmpl[] = "/dev/shm/xdfs-fuzz-session-XXXXXX";
-    const char* d = ::mkdtemp(tmpl);
-    if (!d) std::abort();
-    return std::string(d);
-  }();
-  return dir;
+  static const struct Dir {
+    std::string path;
+    Dir() {
+      char tmpl[] = "/dev/shm/xdfs-fuzz-session-XXXXXX";
+      const char* d = ::mkdtemp(tmpl);
+      if (!d) std::abort();
+      path = d;
+    }
+    ~Dir() {
+      std::error_code ec;
+      fsys::remove_all(path, ec);
+    }
+  } dir;
+  return dir.path;
 }
 
 void make_root(const std::string& root) {
