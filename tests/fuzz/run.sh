@@ -6,6 +6,9 @@
 # configured build tree (for the generated Cap'n Proto code). Corpora and failing inputs go to
 # $XDFS_FUZZ_DIR (default: a temporary directory, removed afterwards); XDFS_FUZZ_SEED sets the
 # seed (default 1), XDFS_FUZZ_RUNS a number of executions instead of a time (-runs).
+# XDFS_FUZZ_SANITIZE picks the sanitizers (default address,undefined; "undefined" runs a whole
+# session about twice as fast, for long runs whose corpus is then replayed under the default).
+# XDFS_FUZZ_REPLAY=DIR runs every input in DIR once instead of fuzzing (-runs=0).
 # It fails when a fuzzer exits non-zero, leaves any failing input (crash, leak, timeout, oom,
 # slow unit) or does not start, and prints the fuzzer's report and the input in hex.
 set -uo pipefail
@@ -19,7 +22,7 @@ work="${XDFS_FUZZ_DIR:-$(mktemp -d)}"
 [ -n "${XDFS_FUZZ_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
 mkdir -p "$work"
 cxx="$(command -v clang++-14 || command -v clang++)"
-flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,"${XDFS_FUZZ_SANITIZE:-address,undefined}" -fno-sanitize-recover=undefined
        -Wno-\#pragma-messages
        -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include"
        -I"$build/framework/schema" -I"$build/pathm/schema" -I"$build/pathm" -I/usr/include/botan-2)
@@ -53,9 +56,15 @@ for name in "${harnesses[@]}"; do
   [ -n "${XDFS_FUZZ_RUNS:-}" ] && budget=(-runs="$XDFS_FUZZ_RUNS")
   amount="${seconds}s"
   [ -n "${XDFS_FUZZ_RUNS:-}" ] && amount="$XDFS_FUZZ_RUNS runs"
+  extra=()
+  if [ -n "${XDFS_FUZZ_REPLAY:-}" ]; then
+    budget=(-runs=0)
+    extra=("$XDFS_FUZZ_REPLAY")
+    amount="replay of $(ls "$XDFS_FUZZ_REPLAY" | wc -l) inputs from $XDFS_FUZZ_REPLAY"
+  fi
   echo "== $name: $amount, seed ${XDFS_FUZZ_SEED:-1}, $(ls "$corpus" | wc -l) inputs to start from"
   (cd "$work" && "./$name" "${budget[@]}" -seed="${XDFS_FUZZ_SEED:-1}" -max_len="$max_len" -timeout=30 \
-     -rss_limit_mb=2560 -print_final_stats=1 "$corpus" >"$work/$name.log" 2>&1)
+     -rss_limit_mb=2560 -print_final_stats=1 "$corpus" "${extra[@]}" >"$work/$name.log" 2>&1)
   rc=$?
   grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|==|SUMMARY)" "$work/$name.log"
   # Every kind of failing input libFuzzer writes, each pattern on its own.
