@@ -330,7 +330,9 @@ Status checksum(int root, const std::string& path, std::uint64_t offset, std::ui
   if (offset > e.size) return {errc::bad_argument, "offset " + std::to_string(offset) + " is past the end of " + quoted(path)};
   std::uint64_t left = length == 0 ? e.size - offset : std::min(length, e.size - offset);
   auto hash = Botan::HashFunction::create_or_throw("SHA-256");
-  std::vector<std::uint8_t> buf(1 << 20);
+  // Up to 1 MiB at a time, and no more than the range: a tree's --checksum asks this for many
+  // small files, and each one zeroing a whole megabyte cost more than hashing it.
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(left, 1 << 20)));
   while (left > 0) {
     if (stop && stop->load(std::memory_order_relaxed)) return stopped("checksum of " + quoted(path));
     auto n = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));
