@@ -8,7 +8,8 @@
 # seed (default 1), XDFS_FUZZ_RUNS a number of executions instead of a time (-runs).
 # XDFS_FUZZ_SANITIZE picks the sanitizers (default address,undefined; "undefined" runs a whole
 # session about twice as fast, for long runs whose corpus is then replayed under the default).
-# XDFS_FUZZ_REPLAY=DIR runs every input in DIR once instead of fuzzing (-runs=0).
+# XDFS_FUZZ_REPLAY=DIR runs every input in DIR once instead of fuzzing (-runs=0). XDFS_FUZZ_OPT
+# sets the optimization level (default 1; 2 is some 15% faster for fuzz_session).
 # It fails when a fuzzer exits non-zero, leaves any failing input (crash, leak, timeout, oom,
 # slow unit) or does not start, and prints the fuzzer's report and the input in hex.
 set -uo pipefail
@@ -22,7 +23,7 @@ work="${XDFS_FUZZ_DIR:-$(mktemp -d)}"
 [ -n "${XDFS_FUZZ_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
 mkdir -p "$work"
 cxx="$(command -v clang++-14 || command -v clang++)"
-flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,"${XDFS_FUZZ_SANITIZE:-address,undefined}" -fno-sanitize-recover=undefined
+flags=(-std=c++20 -O"${XDFS_FUZZ_OPT:-1}" -g -fsanitize=fuzzer,"${XDFS_FUZZ_SANITIZE:-address,undefined}" -fno-sanitize-recover=undefined
        -Wno-\#pragma-messages
        -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include"
        -I"$build/framework/schema" -I"$build/pathm/schema" -I"$build/pathm" -I/usr/include/botan-2)
