@@ -4,6 +4,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -274,6 +276,49 @@ TEST_CASE("DiskWriter reports a disk that fills up at the Nth write: disk full, 
   CHECK(pipe.error_text().find("No space left on device") != std::string::npos);
   CHECK(pipe.error_text().find("write at offset ") != std::string::npos);
   CHECK(io.calls == 7);  // it stopped at the failure: no write after it
+}
+
+/// A disk whose first write waits until the test lets it go: the writer is caught in the middle
+/// of a batch, with the rest of the batch still to write.
+class HeldIo final : public DiskIo {
+public:
+  std::atomic<int> calls{0};
+  std::atomic<bool> entered{false};
+  std::atomic<bool> released{false};
+
+  ssize_t pwritev(int fd, const iovec* iov, int n, off_t off) override {
+    if (++calls == 1) {
+      entered = true;
+      entered.notify_all();
+      released.wait(false);
+    }
+    return ::pwritev(fd, iov, n, off);
+  }
+};
+
+TEST_CASE("a stopped DiskWriter writes nothing more: what is still queued is dropped") {
+  // A failed transfer stops its pipe, then closes its file; a write after that would land in
+  // whatever file reuses the descriptor.
+  constexpr std::uint32_t bs = 4096;
+  constexpr std::uint32_t blocks = 16;
+  TempFile f;
+  HeldIo io;
+  BlockPipe pipe(bs, blocks);
+  // Every other block: no two are contiguous, so each is a write of its own, all in one batch.
+  for (std::uint32_t i = 0; i < blocks; ++i) pipe.to_disk(Block{i, bs, std::uint64_t(i) * 2 * bs});
+  {
+    DiskWriter writer(pipe, Sink{f.fd, true, false, nullptr, &io});
+    io.entered.wait(false);
+    pipe.stop();
+    io.released = true;
+    io.released.notify_all();
+    writer.join();
+  }
+  CHECK(io.calls == 1);
+  CHECK_FALSE(pipe.failed());
+  struct stat st {};
+  REQUIRE(::fstat(f.fd, &st) == 0);
+  CHECK(st.st_size == bs);
 }
 
 TEST_CASE("DiskReader retries short and interrupted reads; a read error is reported") {

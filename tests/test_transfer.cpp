@@ -5,8 +5,10 @@
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <boost/asio/write.hpp>
 #include <fmt/format.h>
 
 #include <atomic>
@@ -18,6 +20,7 @@
 #include "support.hpp"
 #include "xdfs/client.hpp"
 #include "xdfs/pathm/messages.hpp"
+#include "xdfs/xftsm/transfer.hpp"
 
 namespace {
 
@@ -375,6 +378,83 @@ TEST_CASE("memory-to-memory mode moves bytes without touching a file, only where
   CHECK(down.bytes == opt.memory_size);
   CHECK(xt::list_dir(root.path()).empty());
   CHECK(srv.wait_for_log("mode=download path=m channels=4 bytes=50331653"));
+}
+
+TEST_CASE("a failing receiver's disk thread is stopped before its host closes the file") {
+  // The engine in process, over a real loopback channel, writing to a real file through a disk
+  // that takes 20 ms per write. The peer sends 16 blocks that are written one by one (no two are
+  // contiguous), then hangs up: the transfer fails with blocks still queued. Its host then closes
+  // the file, and the descriptor is free for any other session's file: the disk thread must not
+  // write after that moment.
+  namespace asio = boost::asio;
+  using asio::ip::tcp;
+  using namespace xdfs::xftsm;
+  constexpr std::uint32_t bs = 65536;
+  constexpr std::uint32_t blocks = 16;
+
+  struct Host final : TransferHost {
+    std::atomic<bool> told{false};
+    xdfs::errc code = xdfs::errc::ok;
+    void finished(xdfs::errc c, const std::string&, bool) override {
+      code = c;
+      told = true;
+    }
+  } host;
+  struct SlowIo final : xdfs::piod::DiskIo {
+    const std::atomic<bool>* told = nullptr;
+    std::atomic<int> calls{0}, late{0};
+    ssize_t pwritev(int fd, const iovec* iov, int n, off_t off) override {
+      ++calls;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (told->load()) ++late;
+      return ::pwritev(fd, iov, n, off);
+    }
+  } io;
+  io.told = &host.told;
+
+  xt::TempDir dir;
+  const int fd = ::open((dir / "part").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  asio::io_context ctx;
+  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  tcp::socket peer(ctx);
+  peer.connect(acceptor.local_endpoint());
+  xdfs::xdsi::ChannelList channels;
+  channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), 0));
+  Machine machine(Role::server_upload);
+  REQUIRE(machine.fire(Event::channel_joined));
+  REQUIRE(machine.fire(Event::all_joined));
+  TransferParams p;
+  p.block_size = bs;
+  p.file_size = std::uint64_t(2) * blocks * bs;
+  p.slots = blocks;
+  {
+    Receiver receiver(ctx, machine, channels, host, p, xdfs::piod::Sink{fd, true, false, nullptr, &io});
+    receiver.start();
+    std::thread sender([&] {
+      const std::vector<std::uint8_t> payload(bs, 0x5a);
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        xdfs::wire::FrameHeader h;
+        h.event = xdfs::wire::Event::xftsmu;
+        h.length = bs;
+        h.offset = std::uint64_t(i) * 2 * bs;
+        const auto head = xdfs::wire::encode(h);
+        boost::system::error_code ec;
+        asio::write(peer, std::array{asio::buffer(head), asio::buffer(payload)}, ec);
+        if (ec) return;
+      }
+      boost::system::error_code ec;
+      peer.shutdown(tcp::socket::shutdown_send, ec);
+    });
+    for (int i = 0; i < 1000 && !host.told; ++i) ctx.run_for(std::chrono::milliseconds(10));
+    sender.join();
+    REQUIRE(host.told);
+    CHECK(host.code == xdfs::errc::peer_aborted);
+    CHECK(machine.state() == State::failed);
+  }
+  ::close(fd);
+  CHECK(io.calls >= 1);
+  CHECK(io.late == 0);
 }
 
 }  // TEST_SUITE

@@ -167,6 +167,7 @@ void DiskWriter::write_blocks() {
   // Writes blocks[first..last) that are known to be contiguous, in runs of at most max_iov.
   auto write_run = [&](const Block* blocks, std::size_t count) -> bool {
     for (std::size_t i = 0; i < count;) {
+      if (pipe_.stopping()) return false;
       const std::size_t n = std::min(max_iov, count - i);
       for (std::size_t k = 0; k < n; ++k) {
         iov[k].iov_base = pipe_.slot_data(blocks[i + k].slot);
@@ -199,12 +200,14 @@ void DiskWriter::write_blocks() {
   };
 
   while (true) {
+    // Once stopped, nothing more is written: the transfer has failed (or ended), and its file
+    // descriptor is about to be closed and may then name another session's file.
+    if (pipe_.stopping()) return;
     const std::uint32_t seen = pipe_.disk_seq();
     batch.clear();
     Block b;
     while (batch.size() < pipe_.slots() && pipe_.disk_pop(b)) batch.push_back(b);
     if (batch.empty()) {
-      if (pipe_.stopping()) return;
       pipe_.disk_wait(seen);
       continue;
     }

@@ -72,7 +72,9 @@ void Engine::fail(errc code, const std::string& message, bool from_peer, bool te
   if (machine_.finished()) return;
   // Force the machine to failed even if ev is not in the table here (every live state has it).
   if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
-  pipe_.stop();
+  // The disk thread ends before the host closes the file: a write still queued would otherwise
+  // land in whatever file reuses the descriptor, another session's upload among them.
+  stop_disk();
   watchdog_.cancel();
   ErrorCode ignored;
   wake_.cancel(ignored);
@@ -90,7 +92,7 @@ void Engine::finish_ok() {
   watchdog_.cancel();
   ErrorCode ignored;
   wake_.cancel(ignored);
-  pipe_.stop();
+  stop_disk();
   close_all();
   host_.finished(errc::ok, {}, false);
 }
@@ -173,9 +175,11 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   ready_.reserve(pipe_.slots());
 }
 
-Sender::~Sender() {
+Sender::~Sender() { stop_disk(); }
+
+void Sender::stop_disk() noexcept {
   pipe_.stop();
-  reader_.reset();
+  reader_.reset();  // joins: the reader checks for the stop before every read
 }
 
 void Sender::start() {
@@ -306,9 +310,11 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
 }
 
-Receiver::~Receiver() {
+Receiver::~Receiver() { stop_disk(); }
+
+void Receiver::stop_disk() noexcept {
   pipe_.stop();
-  writer_.reset();
+  writer_.reset();  // joins: the writer checks for the stop before every write
 }
 
 void Receiver::start() {

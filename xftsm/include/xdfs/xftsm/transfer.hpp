@@ -79,6 +79,8 @@ protected:
   void close_all() noexcept;
   void watch_disk();
   virtual void on_disk() = 0;
+  /// Stops the disk thread and waits for it (at most one read or write in progress).
+  virtual void stop_disk() noexcept = 0;
   void touch() noexcept { last_activity_ = std::chrono::steady_clock::now(); }
   /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
   bool handle_common(xdsi::Channel& ch, const wire::FrameHeader& h);
@@ -112,6 +114,7 @@ public:
 
 private:
   void on_disk() override;
+  void stop_disk() noexcept override;
   void pump();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
@@ -139,6 +142,7 @@ public:
 
 private:
   void on_disk() override;
+  void stop_disk() noexcept override;
   void read_loop(xdsi::Channel& ch);
   void on_header(xdsi::Channel& ch, const wire::FrameHeader& h);
   void read_block(xdsi::Channel& ch, const wire::FrameHeader& h);
