@@ -367,6 +367,77 @@ TEST_CASE("a hostile path server naming paths that escape: the listing is refuse
   CHECK_FALSE(xt::exists(local / "up"));
 }
 
+TEST_CASE("a hostile path server answering a request twice: xduc refuses it, neither hangs nor runs a handler twice") {
+  // Every reply runs the request's handler, which refers to its caller's locals: a second reply
+  // after the caller has returned would write to a frame that is gone, and a second reply to a
+  // get would count a chunk twice and wait for ever.
+  xt::TempDir local;
+  xt::RawServer srv;
+  const std::string kh = local / "known_hosts";
+  // part: which op is answered in two parts (a non-final one first); the rest answer normally.
+  auto serve = [&](pm::Op part, bool error) {
+    return std::thread([&srv, part, error] {
+      auto c = srv.accept();
+      if (!c) return;
+      c->send_reply({0, 0, c->hello.nego.block_size});
+      for (;;) {
+        auto r = read_request(*c);
+        if (!r) break;
+        pm::Reply rep;
+        rep.id = r->id;
+        pm::Entry e;
+        e.type = pm::Type::file;
+        e.mode = 0644;
+        e.path = "f";
+        e.size = 2;
+        if (r->op == pm::Op::stat) {
+          e.path = ".";
+          e.type = pm::Type::directory;
+          e.mode = 0755;
+        } else if (r->op == pm::Op::get) {
+          static const std::uint8_t ok[] = {'o', 'k'};
+          e.data = ok;
+        }
+        rep.entries.push_back(e);
+        if (r->op == part) {
+          pm::Reply first = rep;
+          first.last = false;
+          if (error) {
+            first.code = errc::io_error;
+            first.message = "no";
+            first.entries.clear();
+          }
+          send_path(*c, first);
+        }
+        send_path(*c, rep);
+      }
+    });
+  };
+  auto run = [&](pm::Op part, bool error) {
+    auto t = serve(part, error);
+    auto r = xt::xduc({"-q", "-r", "--known-hosts", kh, url(srv.port(), "t/"), local / "back"}, 60000);
+    t.join();
+    return r;
+  };
+  SUBCASE("a stat answered in two parts") {
+    auto r = run(pm::Op::stat, false);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("partial reply to request") != std::string::npos, r.err);
+  }
+  SUBCASE("a get answered in two parts") {
+    auto r = run(pm::Op::get, false);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("partial reply to request") != std::string::npos, r.err);
+    CHECK_FALSE(xt::exists(local / "back/f"));
+  }
+  SUBCASE("a listing's error that does not end it") {
+    auto r = run(pm::Op::list, true);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("partial reply to request") != std::string::npos, r.err);
+  }
+  xt::check_no_partials(local.path());
+}
+
 TEST_CASE("unauthenticated connections and stalled openings do not lock out a real client") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path(), {"--handshake-timeout", "30"});

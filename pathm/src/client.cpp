@@ -206,9 +206,13 @@ void Client::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
   if (!r) return fail(errc::protocol_error, "bad path reply: " + why, false);
   auto it = pending_.find(r->id);
   if (it == pending_.end()) return fail(errc::protocol_error, fmt::format("reply to unknown request {}", r->id), false);
-  auto handler = it->second.second;  // copy: the handler may send more requests
+  // Only a listing comes in parts, and an error ends it: anything else that is not final
+  // would run its handler again after its caller had moved on.
+  if (!r->last && (!it->second.many || r->code != errc::ok))
+    return fail(errc::protocol_error, fmt::format("partial reply to request {}, which has one reply", r->id), false);
+  auto handler = it->second.on;  // copy: the handler may send more requests
   if (r->last) {
-    --outstanding_[it->second.first];
+    --outstanding_[it->second.channel];
     pending_.erase(it);
   }
   // A handler that throws ends the session (its caller's wait() then reports why): it must not
@@ -229,14 +233,14 @@ std::string Client::remote_join(const std::string& base, const std::string& rel)
   return rel.empty() || rel == "." ? b : b + "/" + rel;
 }
 
-void Client::send(std::uint64_t id, Encoded e, OnReply on) {
+void Client::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
   if (code_ != errc::ok) return;
   std::size_t best = 0;
   for (std::size_t i = 1; i < channels_.size(); ++i)
     if (outstanding_[i] < outstanding_[best]) best = i;
   ++outstanding_[best];
   ++requests_;
-  pending_.emplace(id, std::make_pair(best, std::move(on)));
+  pending_.emplace(id, Pending{best, many, std::move(on)});
   auto holder = std::make_shared<Encoded>(std::move(e));
   wire::FrameHeader h;
   h.event = wire::Event::xpathm;
@@ -322,7 +326,7 @@ std::size_t Client::list(const std::string& path, bool recursive, const std::fun
       chunk(rep.entries);
     }
     if (rep.last) done = true;
-  });
+  }, true);
   wait([&] { return done; });
   if (err) {
     remote_ = true;

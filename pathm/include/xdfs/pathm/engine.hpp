@@ -202,11 +202,18 @@ public:
   bool remote_error() const noexcept { return remote_; }
 
 private:
-  struct Pending;
   using OnReply = std::function<void(Reply&, std::shared_ptr<Buffer>)>;
+  /// A request that awaits its reply. Its handler runs once per reply and may refer to the
+  /// caller's locals: only a listing (`many`) has more than one reply, and the request is
+  /// forgotten at its final reply, so no handler can run after its caller has returned.
+  struct Pending {
+    std::size_t channel;
+    bool many;
+    OnReply on;
+  };
   void read_loop(xdsi::Channel& ch);
   void on_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
-  void send(std::uint64_t id, Encoded e, OnReply on);
+  void send(std::uint64_t id, Encoded e, OnReply on, bool many = false);
   std::uint64_t new_id() noexcept { return next_id_++; }
   Reply call(Request r);
   void wait(const std::function<bool()>& done);
@@ -223,7 +230,7 @@ private:
   std::uint32_t block_size_;
   const std::atomic<bool>* cancel_;
   std::chrono::milliseconds idle_timeout_;
-  std::unordered_map<std::uint64_t, std::pair<std::size_t, OnReply>> pending_;  // id -> channel, handler
+  std::unordered_map<std::uint64_t, Pending> pending_;
   std::vector<std::size_t> outstanding_;  // per channel
   std::uint64_t next_id_ = 1;
   std::uint64_t requests_ = 0;
