@@ -563,6 +563,45 @@ TEST_CASE("requests a path session never finishes sending are parked at the head
   CHECK(mem.used() == 0);
 }
 
+TEST_CASE("a path session that asks for many listings and reads none holds a few chunks of memory, not a few per listing") {
+  // A listing of 1000 symbolic links with 4000-byte targets is four chunks of about 1 MiB. A
+  // client that asks for many and reads no reply leaves them waiting: they are bounded per
+  // session (8 chunks, 9 MiB here), so the server's memory is not the client's to fill. (They
+  // were bounded per listing, 4 each, and a session held 21 MiB here.)
+  xt::TempDir root;
+  fs::create_directory(root / "d");
+  const std::string target(4000, 't');
+  for (int i = 0; i < 1000; ++i) fs::create_symlink(target, root / ("d/" + std::to_string(1000 + i)));
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  cfg.memory_limit = 256u << 20;
+  xt::InProcessServer srv(cfg);
+  auto h = xt::make_hello(Mode::path, ".", 1);
+  xt::RawChannel c(srv.port());
+  REQUIRE(c.establish(h));
+  expect_reply(c);
+  for (std::uint64_t id = 1; id <= 64; ++id) {
+    pm::Request r;
+    r.id = id;
+    r.op = pm::Op::list;
+    r.path = "d";
+    send_path(c, r);
+  }
+  const auto& mem = srv.server().memory();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (mem.peak() <= (16u << 20) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_MESSAGE(mem.peak() <= (16u << 20), "peak " << mem.peak());
+  // Another client is served meanwhile.
+  xt::write_file(root / "f", "x");
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  CHECK(rfs->stat("f").size == 1);
+  std::size_t listed = 0;
+  rfs->list("d", false, [&](std::vector<pm::Entry>& chunk) { listed += chunk.size(); });
+  CHECK(listed == 1000);
+  rfs.close();
+}
+
 TEST_CASE("a get carries no more than the sizes it asked for: a file larger than asked is refused, not read") {
   xt::TempDir root;
   xt::write_random_file(root / "big", 3 << 20, 9);

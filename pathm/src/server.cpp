@@ -30,8 +30,10 @@ void answer_each(Reply& rep, const std::vector<Status>& outcome) {
 
 // Listing chunks: small enough that even entries with the longest names and targets fit a message.
 constexpr std::size_t list_chunk = 256;
-// Chunks of one listing that may wait to be sent before its worker pauses.
-constexpr int list_ahead = 4;
+// Listing chunks that may wait to be sent, all of a session's listings together, before its
+// listing workers pause: a client that asks for many listings and reads none holds this many
+// chunks of the server's memory, not a chunk per listing.
+constexpr int list_ahead = 8;
 
 Encoded error_reply(std::uint64_t id, const Status& st) {
   Reply r;
@@ -47,7 +49,7 @@ Encoded error_reply(std::uint64_t id, const Status& st) {
 struct Server::Shared {
   std::mutex mu;
   std::condition_variable cv;
-  std::unordered_map<std::uint64_t, int> unsent;  // listing id -> chunks queued, not yet sent
+  int unsent = 0;                                // listing chunks queued, not yet sent
   std::atomic<bool> stopped{false};              // the session ended: long operations stop
 };
 
@@ -347,7 +349,7 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
             chunk.clear();
             {
               std::unique_lock lk(shared->mu);
-              shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent[r.id] < list_ahead; });
+              shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent < list_ahead; });
               if (shared->stopped) return false;
             }
             Held chunk_held = reserve(chunk_estimate(part.entries));
@@ -357,18 +359,18 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
             }
             {
               std::lock_guard lk(shared->mu);
-              ++shared->unsent[r.id];
+              ++shared->unsent;
             }
             auto e = encode(part);
             chunk_held->shrink_to(e.size);
-            asio::post(io_, [this, alive, ch, id = r.id, chunk_held, e = std::move(e)]() mutable {
+            asio::post(io_, [this, alive, ch, chunk_held, e = std::move(e)]() mutable {
               auto s = alive.lock();
               if (!s) return;
-              auto done = [s, id, chunk_held] {
+              auto done = [s, chunk_held] {
                 chunk_held->reset();
                 {
                   std::lock_guard lk(s->mu);
-                  --s->unsent[id];
+                  --s->unsent;
                 }
                 s->cv.notify_all();
               };
@@ -378,10 +380,6 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
             return true;
           },
           stop);
-      {
-        std::lock_guard lk(shared->mu);
-        shared->unsent.erase(r.id);
-      }
       if (starved) return post(out_of_memory(r.id), nullptr);
       reply_held = reserve(reply_estimate(r, 0));
       if (!reply_held) return post(out_of_memory(r.id), nullptr);
