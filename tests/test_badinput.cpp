@@ -335,6 +335,27 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     CHECK(d.wait_for_log("status=error: peer aborted: channel 0 closed by the peer"));
     CHECK(c.wait_closed());
   }
+  // Sends `poke` every 200 ms until an exception arrives (at most 10 s).
+  auto poke_until_exception = [](xt::RawChannel& c, const FrameHeader& poke) {
+    std::optional<xdfs::wire::ExceptionHeader> ex;
+    for (int i = 0; i < 50 && !ex; ++i) {
+      c.send_frame(poke);
+      auto f = c.read_frame(200);
+      if (f && f->first.event == Event::exception) ex = xdfs::wire::decode_exception(f->second);
+    }
+    return ex;
+  };
+  SUBCASE("a peer that stalls mid-file but sends NOOPs hits the idle timeout: NOOPs are not progress") {
+    xt::RawChannel c(d.port());
+    start_upload(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
+    FrameHeader noop;
+    noop.event = Event::noop;
+    auto ex = poke_until_exception(c, noop);
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::timeout);
+    CHECK(ex->message.find("no progress for 2 s") != std::string::npos);
+  }
   SUBCASE("a peer that stalls mid-file hits the idle timeout") {
     xt::RawChannel c(d.port());
     start_upload(c);
@@ -349,6 +370,32 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
   CHECK_FALSE(xt::exists(root / "victim"));
   check_still_serving(d, root, local);
   xt::check_no_partials(root.path());
+}
+
+TEST_CASE("a downloading peer that only repeats its last ACK makes no progress: the idle timeout ends it") {
+  xt::TempDir root, local;
+  xt::write_random_file(root / "f", 16 * 65536, 5);
+  xt::XdfsdProcess d(root.path(), {"--idle-timeout", "2"});
+  auto h = xt::make_hello(Mode::download, "f", 1);
+  h.nego.window = 2 * 65536;  // two blocks, then the server waits for an acknowledgement
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  FrameHeader ack;
+  ack.event = Event::ack;
+  ack.offset = 0;
+  std::optional<xdfs::wire::ExceptionHeader> ex;
+  for (int i = 0; i < 50 && !ex; ++i) {
+    c.send_frame(ack);
+    for (auto f = c.read_frame(200); f; f = c.read_frame(200))
+      if (f->first.event == Event::exception) {
+        ex = xdfs::wire::decode_exception(f->second);
+        break;
+      }
+  }
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::timeout);
+  CHECK(ex->message.find("no progress for 2 s") != std::string::npos);
+  check_still_serving(d, root, local);
 }
 
 }  // TEST_SUITE

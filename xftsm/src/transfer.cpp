@@ -260,7 +260,6 @@ void Sender::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
-    touch();
     on_frame(ch, h);
   });
 }
@@ -276,9 +275,10 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
         return fail(errc::protocol_error,
                     "ACK of " + std::to_string(h.offset) + " bytes, only " + std::to_string(queued_) + " sent", false,
                     true);
-      if (h.offset > acked_) {
+      if (h.offset > acked_) {  // progress; a NOOP or a repeated ACK is not
         acked_ = h.offset;
         done_bytes_ = acked_;
+        touch();
       }
       if (!fire(Event::ack_received)) return;
       pump();
@@ -328,7 +328,6 @@ void Receiver::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
     if (machine_.finished() || committing_) return;
     if (ec) return channel_error(ch, ec);
-    touch();
     on_header(ch, h);
   });
 }
@@ -344,6 +343,7 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
       return fail(errc::protocol_error, "duplicate or malformed EOFR on channel " + std::to_string(idx), false, true);
     eofr_[idx] = true;
     ++eofr_count_;
+    touch();
     maybe_complete();
     if (!machine_.finished() && !committing_) read_loop(ch);
     return;
