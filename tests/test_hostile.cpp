@@ -374,9 +374,10 @@ TEST_CASE("a hostile path server answering a request twice: xduc refuses it, nei
   xt::TempDir local;
   xt::RawServer srv;
   const std::string kh = local / "known_hosts";
-  // part: which op is answered in two parts (a non-final one first); the rest answer normally.
-  auto serve = [&](pm::Op part, bool error) {
-    return std::thread([&srv, part, error] {
+  // part: which op is answered in two parts (a non-final one first, an error one if error, an
+  // empty one 2000 times if empty); the rest answer normally.
+  auto serve = [&](pm::Op part, bool error, bool empty) {
+    return std::thread([&srv, part, error, empty] {
       auto c = srv.accept();
       if (!c) return;
       c->send_reply({0, 0, c->hello.nego.block_size});
@@ -405,16 +406,17 @@ TEST_CASE("a hostile path server answering a request twice: xduc refuses it, nei
           if (error) {
             first.code = errc::io_error;
             first.message = "no";
-            first.entries.clear();
           }
-          send_path(*c, first);
+          if (empty || error) first.entries.clear();
+          // Empty parts say nothing and cost the client nothing it counts: many of them.
+          for (int k = 0; k < (empty ? 2000 : 1); ++k) send_path(*c, first);
         }
         send_path(*c, rep);
       }
     });
   };
-  auto run = [&](pm::Op part, bool error) {
-    auto t = serve(part, error);
+  auto run = [&](pm::Op part, bool error, bool empty = false) {
+    auto t = serve(part, error, empty);
     auto r = xt::xduc({"-q", "-r", "--known-hosts", kh, url(srv.port(), "t/"), local / "back"}, 60000);
     t.join();
     return r;
@@ -434,6 +436,11 @@ TEST_CASE("a hostile path server answering a request twice: xduc refuses it, nei
     auto r = run(pm::Op::list, true);
     CHECK(r.status == 1);
     CHECK_MESSAGE(r.err.find("partial reply to request") != std::string::npos, r.err);
+  }
+  SUBCASE("a listing in empty parts") {
+    auto r = run(pm::Op::list, false, true);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("empty part of a listing") != std::string::npos, r.err);
   }
   xt::check_no_partials(local.path());
 }

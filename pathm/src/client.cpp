@@ -315,6 +315,10 @@ std::size_t Client::list(const std::string& path, bool recursive, const std::fun
       err.emplace(rep.code, rep.message);
       return;
     }
+    // A part says something: parts without entries would hold the session for ever, each one
+    // resetting the timeout and adding nothing to what --max-listing counts.
+    if (!rep.last && rep.entries.empty())
+      return fail(errc::protocol_error, "server sent an empty part of a listing", false);
     for (auto& e : rep.entries) {
       // The server's names are as untrusted as anything else it sends.
       if (auto st = files::check_relative_path(e.path); !st)
