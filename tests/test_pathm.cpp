@@ -531,6 +531,30 @@ TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, 
   CHECK(xt::files_equal(src + "/d3/f7", root / "copy/d3/f7"));
 }
 
+TEST_CASE("--sync judges a download's destination beneath it: a symbolic link there does not make a file outside look copied") {
+  // The destination has a link 'a' to a directory outside it, holding 'f' as the server has
+  // 'a/f' (same size and time). Followed, it would count as up to date and be skipped, and
+  // what is skipped tells the server about files outside the destination.
+  xt::TempDir root, local, outside;
+  ::mkdir((root / "t").c_str(), 0755);
+  ::mkdir((root / "t/a").c_str(), 0755);
+  xt::write_file(root / "t/a/f", "same bytes");
+  xt::write_file(outside / "f", "same bytes");
+  struct stat st {};
+  REQUIRE(::stat((root / "t/a/f").c_str(), &st) == 0);
+  set_mtime(outside / "f", st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+  const std::string back = local / "back";
+  ::mkdir(back.c_str(), 0755);
+  REQUIRE(::symlink(outside.path().c_str(), (back + "/a").c_str()) == 0);
+  xt::XdfsdProcess d(root.path());
+  auto r = xt::xduc({"--sync", "-r", "--json", url(d.port(), "t/"), back});
+  INFO(r.out << r.err);
+  CHECK(r.status == 1);  // 'a' is not a directory here: a/f is not copied either way
+  CHECK(r.out.find("\"skipped\":0") != std::string::npos);
+  CHECK(xt::read_file(outside / "f") == "same bytes");
+  CHECK(xt::list_dir(outside.path()) == std::vector<std::string>{"f"});
+}
+
 TEST_CASE("a tree copy goes on past entries it cannot copy, names each one, and fails at the end") {
   xt::TempDir root, local;
   const std::string src = local / "src";

@@ -52,24 +52,16 @@ Fd open_local_dir(const std::string& path) {
   return fd;
 }
 
+// A local entry as the server would see it: resolved beneath dir, no symbolic link followed on
+// the way (a link in the destination tree must not make a file outside it look up to date).
 Entry local_entry(int dir, const std::string& rel) {
-  struct stat st {};
   Entry e;
-  e.path = rel;
-  if (::fstatat(dir, rel.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (auto st = stat_entry(dir, rel, e); !st) {
+    e = Entry{};
     e.type = Type::other;
     e.mode = 0xffffffff;  // marks "missing"
-    return e;
   }
-  e.type = S_ISREG(st.st_mode) ? Type::file : S_ISDIR(st.st_mode) ? Type::directory : S_ISLNK(st.st_mode) ? Type::symlink : Type::other;
-  e.size = static_cast<std::uint64_t>(st.st_size);
-  e.mode = st.st_mode & 07777;
-  e.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  if (e.type == Type::symlink) {
-    char buf[4097];
-    auto n = ::readlinkat(dir, rel.c_str(), buf, sizeof buf);
-    if (n > 0) e.target.assign(buf, static_cast<std::size_t>(std::min<ssize_t>(n, 4096)));
-  }
+  e.path = rel;
   return e;
 }
 
