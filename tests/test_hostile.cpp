@@ -3,10 +3,12 @@
 // declared, or reach a log line or a terminal unescaped. One test case per way in.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -443,6 +445,75 @@ TEST_CASE("a hostile path server answering a request twice: xduc refuses it, nei
     CHECK_MESSAGE(r.err.find("empty part of a listing") != std::string::npos, r.err);
   }
   xt::check_no_partials(local.path());
+}
+
+TEST_CASE("a path reply's declared length costs the client nothing until its bytes arrive") {
+  // The server announces a reply of the largest size a client accepts (a block and 8 MiB), sends
+  // 100 bytes of it and stalls. The client holds what a reply to its own requests takes (a
+  // block and the names), not what was announced.
+  xt::TempDir local;
+  xt::RawServer srv;
+  std::atomic<bool> stalled{false}, release{false};
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    if (read_request(*c)) {
+      FrameHeader h;
+      h.event = Event::xpathm;
+      h.length = c->hello.nego.block_size + (8u << 20);
+      c->send_frame(h, xt::random_bytes(100, 1));  // a header that claims more than follows
+      stalled = true;
+      stalled.notify_all();
+    }
+    release.wait(false);
+  });
+  xdfs::TransferOptions opt;
+  opt.known_hosts_file = local / "known_hosts";
+  const std::size_t before = ::mallinfo2().hblkhd;
+  std::size_t during = 0;
+  std::thread client([&] {
+    xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, opt);
+    try {
+      rfs->stat("x");
+      FAIL("a stat with no reply succeeded");
+    } catch (const xdfs::Error& e) {
+      CHECK(e.code() == errc::peer_aborted);
+    }
+  });
+  stalled.wait(false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the client has read the header
+  during = ::mallinfo2().hblkhd;
+  release = true;
+  release.notify_all();
+  t.join();
+  client.join();
+  INFO("mapped by malloc: " << before << " before, " << during << " while the reply stalled");
+  CHECK(during < before + (opt.block_size + (2u << 20)));
+
+  // A real reply larger than that (a listing chunk of long link targets, about 1 MiB, with
+  // 64 KiB blocks) grows as it arrives and arrives whole, its tag checked, in every mode.
+  xt::TempDir root;
+  fs::create_directory(root / "d");
+  const std::string target(4000, 't');
+  for (int i = 0; i < 250; ++i) fs::create_symlink(target + std::to_string(i), root / ("d/" + std::to_string(i)));
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer real(cfg);
+  for (auto mode : {xdfs::xsec::Protect::clear, xdfs::xsec::Protect::integrity, xdfs::xsec::Protect::private_}) {
+    xdfs::TransferOptions o;
+    o.block_size = 64u << 10;
+    o.protect = mode;
+    xdfs::RemoteFs rfs({"127.0.0.1", real.port()}, o);
+    std::size_t listed = 0, right = 0;
+    rfs->list("d", false, [&](std::vector<pm::Entry>& chunk) {
+      for (const auto& e : chunk) right += e.target == target + e.path;
+      listed += chunk.size();
+    });
+    CHECK(listed == 250);
+    CHECK(right == 250);
+    rfs.close();
+  }
 }
 
 TEST_CASE("unauthenticated connections and stalled openings do not lock out a real client") {

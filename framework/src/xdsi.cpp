@@ -91,6 +91,16 @@ void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
                    });
 }
 
+void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
+  asio::async_read(socket_, asio::buffer(dst.data(), dst.size()),
+                   [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+}
+
+void Channel::async_check_payload(std::span<std::uint8_t> whole, Handler h) {
+  if (!guard_) return asio::post(socket_.get_executor(), [h = std::move(h)] { h({}); });
+  read_tag_then(whole, std::move(h));
+}
+
 void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
   const std::size_t n = guard_->tag_bytes(static_cast<wire::Event>(in_header_[0]));
   auto check = [this, payload, h = std::move(h)](const ErrorCode& ec, std::size_t) {

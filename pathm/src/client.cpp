@@ -178,16 +178,36 @@ void Client::read_loop(xdsi::Channel& ch) {
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
       return fail(errc::protocol_error, fmt::format("path reply of {} bytes", h.length), false);
+    // What a reply to this client's requests takes (a block of file bytes and their names) is
+    // allocated at once; a larger one grows as its bytes arrive, so that a length the server
+    // declares costs nothing until it is sent.
+    const std::size_t first = std::min<std::size_t>(h.length, std::size_t(block_size_) + (64u << 10));
+    if (first < h.length) return read_reply(ch, Buffer::make(first), 0, h.length);
     auto buf = Buffer::make(h.length);
-    ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) {
-      if (code_ != errc::ok || closed_) return;
-      if (ec) {
-        auto f = read_failure(ch, ec, "server");
-        return fail(f.code, f.message, f.peer_gone);
-      }
-      on_reply(ch, buf);
-      read_loop(ch);
-    });
+    ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { reply_read(ch, buf, ec); });
+  });
+}
+
+void Client::reply_read(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
+  if (code_ != errc::ok || closed_) return;
+  if (ec) {
+    auto f = read_failure(ch, ec, "server");
+    return fail(f.code, f.message, f.peer_gone);
+  }
+  on_reply(ch, std::move(buf));
+  read_loop(ch);
+}
+
+void Client::read_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
+  auto part = buf->writable().subspan(have);
+  ch.async_read_payload_part(part, [this, &ch, buf, total](const xdsi::ErrorCode& ec) {
+    if (ec || code_ != errc::ok || closed_) return reply_read(ch, buf, ec);
+    if (buf->size < total) {
+      auto bigger = Buffer::make(std::min(total, 2 * buf->size));
+      std::memcpy(bigger->words.get(), buf->words.get(), buf->size);
+      return read_reply(ch, std::move(bigger), buf->size, total);
+    }
+    ch.async_check_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { reply_read(ch, buf, ec); });
   });
 }
 

@@ -84,6 +84,11 @@ public:
   /// Reads exactly dst.size() payload bytes of the frame whose header was just read; on a
   /// protected channel also its tag, then checks and decrypts it in place.
   void async_read_payload(std::span<std::uint8_t> dst, Handler h);
+  /// The same in parts, for a payload whose buffer grows as its bytes arrive: reads exactly
+  /// dst.size() more payload bytes, unchecked...
+  void async_read_payload_part(std::span<std::uint8_t> dst, Handler h);
+  /// ...and, once all have arrived, reads the tag and checks (and decrypts) the whole payload.
+  void async_check_payload(std::span<std::uint8_t> whole, Handler h);
 
   /// Queues a frame whose payload the caller keeps alive until h runs. On a protected channel
   /// the payload may be encrypted in place.
