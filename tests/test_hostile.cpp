@@ -303,6 +303,62 @@ TEST_CASE("a hostile path server sending more of a file than it listed: xduc ref
   xt::check_no_partials(local.path());
 }
 
+TEST_CASE("a hostile path server whose chunks name a smaller file than it listed: the file already there stays") {
+  // 'f' is listed at 4 MiB, so it comes in 1 MiB chunks; each chunk says the file is 1 MiB.
+  // Taken at its word, the first chunk would complete a 1 MiB file and replace the one there.
+  xt::TempDir local;
+  xt::RawServer srv;
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    const auto chunk = xt::random_bytes(1 << 20, 3);
+    for (;;) {
+      auto r = read_request(*c);
+      if (!r) break;
+      pm::Reply rep;
+      rep.id = r->id;
+      if (r->op == pm::Op::stat) {
+        pm::Entry top;
+        top.path = ".";
+        top.type = pm::Type::directory;
+        top.mode = 0755;
+        rep.entries.push_back(top);
+      } else if (r->op == pm::Op::list) {
+        pm::Entry e;
+        e.path = "f";
+        e.type = pm::Type::file;
+        e.mode = 0644;
+        e.size = 4u << 20;
+        rep.entries.push_back(e);
+      } else if (r->op == pm::Op::get) {
+        for (const auto& q : r->entries) {
+          pm::Entry e;
+          e.path = "f";
+          e.type = pm::Type::file;
+          e.mode = 0644;
+          e.size = 1u << 20;
+          e.offset = q.offset;
+          e.file_id = q.file_id;
+          e.data = chunk;
+          rep.entries.push_back(e);
+        }
+      }
+      send_path(*c, rep);
+    }
+  });
+  const std::string back = local / "back";
+  fs::create_directory(back);
+  xt::write_file(back + "/f", "precious");
+  auto r = xt::xduc({"-q", "-r", "--known-hosts", local / "kh", url(srv.port(), "t/"), back}, 60000);
+  t.join();
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("'f' changed size while it was copied (listed 4194304 bytes, now 1048576)") != std::string::npos,
+                r.err);
+  CHECK(xt::read_file(back + "/f") == "precious");
+  xt::check_no_partials(local.path());
+}
+
 TEST_CASE("a hostile path server naming paths that escape: the listing is refused, a reply's own path is ignored") {
   xt::TempDir local, outside;
   xt::RawServer srv;

@@ -894,7 +894,7 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
           if (rep.entries.size() != u.count)
             return fail(errc::protocol_error, "get reply with a different number of files", false);
           for (std::size_t k = 0; k < u.count; ++k) {
-            const auto& got = rep.entries[k];
+            auto& got = rep.entries[k];
             const Entry& f = p.files[u.first + k];
             if (got.code != errc::ok) continue;
             if (u.chunk && (got.offset != u.offset || got.data.size() != u.bytes))
@@ -903,6 +903,17 @@ TreeResult Client::download_tree(const std::string& remote, const std::string& l
               return fail(errc::protocol_error, "server sent more of '" + f.path + "' than the " +
                                                     std::to_string(f.size) + " bytes it listed",
                           false);
+            if (!u.chunk && got.size != got.data.size())
+              return fail(errc::protocol_error, "server sent " + std::to_string(got.data.size()) + " bytes of '" +
+                                                    f.path + "' as a file of " + std::to_string(got.size),
+                          false);
+            // A chunked file is made final when the bytes of the size its chunks name are in:
+            // that must be the size listed, which the chunks were planned for.
+            if (u.chunk && got.size != f.size) {
+              got.code = errc::size_mismatch;
+              got.message = "'" + f.path + "' changed size while it was copied (listed " + std::to_string(f.size) +
+                            " bytes, now " + std::to_string(got.size) + ")";
+            }
           }
           for (std::size_t k = 0; k < u.count; ++k) {
             if (rep.entries[k].code == errc::ok) continue;
