@@ -179,9 +179,10 @@ XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> ext
   });
   if (!wait_for_log("listening on ")) throw std::runtime_error("xdfsd did not start: " + log());
   auto text = log();
-  auto at = text.find("listening on ");
-  auto colon = text.find(':', text.find("127.0.0.1", at));
-  port_ = static_cast<std::uint16_t>(std::stoi(text.substr(colon + 1)));
+  // listening on HOST:PORT (an IPv6 host in brackets)
+  const auto at = text.find("listening on ") + 13;
+  const auto address = text.substr(at, text.find_first_of(" \n", at) - at);
+  port_ = static_cast<std::uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
 }
 
 XdfsdProcess::~XdfsdProcess() {

@@ -3,14 +3,25 @@
 //   namespace-root: mapped to root of a user and mount namespace, where mounting a small tmpfs
 //                   is allowed: a disk that fills up, a read-only file system;
 //   namespace-user: mapped to an ordinary user, whom file permissions do stop: files that
-//                   cannot be read, directories that cannot be written.
+//                   cannot be read, directories that cannot be written;
+//   namespace-net:  root of a user and network namespace, whose loopback takes any address:
+//                   many IPv6 sources in one /64.
 // Outside their namespace (xdfs_tests run by hand) these suites are skipped, and say so.
 #include <doctest/doctest.h>
+#include <arpa/inet.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/ioctl.h>
+#include <poll.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -175,6 +186,83 @@ TEST_CASE("permission denied partway through a tree: the rest is copied, each on
   ::chmod((root / "t/shut").c_str(), 0755);  // made as its source was: with no permissions
   for (auto& e : fs::recursive_directory_iterator(root.path()))
     CHECK_MESSAGE(e.path().filename().string().find(".xdfs-") == std::string::npos, e.path().string());
+}
+
+}  // TEST_SUITE
+
+namespace {
+
+// Brings this network namespace's loopback up and gives it fd00::1 .. fd00::count, /64.
+void loopback_with_v6(int count) {
+  const int s4 = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  REQUIRE(s4 >= 0);
+  ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  REQUIRE(::ioctl(s4, SIOCGIFFLAGS, &ifr) == 0);
+  ifr.ifr_flags = static_cast<short>(ifr.ifr_flags | IFF_UP);
+  REQUIRE_MESSAGE(::ioctl(s4, SIOCSIFFLAGS, &ifr) == 0, "lo up: " << std::strerror(errno));
+  ::close(s4);
+  const int s6 = ::socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  REQUIRE(s6 >= 0);
+  for (int i = 1; i <= count; ++i) {
+    struct {
+      in6_addr addr;
+      std::uint32_t prefixlen;
+      int ifindex;
+    } req{};  // the kernel's struct in6_ifreq
+    REQUIRE(::inet_pton(AF_INET6, fmt::format("fd00::{:x}", i).c_str(), &req.addr) == 1);
+    req.prefixlen = 64;
+    req.ifindex = static_cast<int>(::if_nametoindex("lo"));
+    REQUIRE_MESSAGE(::ioctl(s6, SIOCSIFADDR, &req) == 0, "add fd00::" << i << ": " << std::strerror(errno));
+  }
+  ::close(s6);
+}
+
+// A TCP connection from `from` to [fd00::1]:port that sends nothing.
+int stalled_from(const std::string& from, std::uint16_t port) {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in6 src{};
+  src.sin6_family = AF_INET6;
+  REQUIRE(::inet_pton(AF_INET6, from.c_str(), &src.sin6_addr) == 1);
+  REQUIRE_MESSAGE(::bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof src) == 0, "bind " << from << ": " << std::strerror(errno));
+  sockaddr_in6 dst{};
+  dst.sin6_family = AF_INET6;
+  dst.sin6_port = htons(port);
+  REQUIRE(::inet_pton(AF_INET6, "fd00::1", &dst.sin6_addr) == 1);
+  REQUIRE_MESSAGE(::connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof dst) == 0, "connect: " << std::strerror(errno));
+  return fd;
+}
+
+// True if the peer closed fd within timeout_ms.
+bool closed_by_peer(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, timeout_ms) != 1) return false;
+  char c;
+  return ::recv(fd, &c, 1, 0) <= 0;
+}
+
+}  // namespace
+
+TEST_SUITE("namespace-net") {
+
+TEST_CASE("pending connections from one IPv6 /64 count as one source, whatever address each uses" *
+          doctest::skip(!in_namespace("net"))) {
+  loopback_with_v6(40);
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--listen", "[fd00::1]:0", "--handshake-timeout", "30", "--max-pending-per-address", "10"});
+  std::vector<int> flood;
+  for (int i = 2; i <= 31; ++i) flood.push_back(stalled_from(fmt::format("fd00::{:x}", i), d.port()));
+  // Thirty addresses of one /64: the first twenty were dropped as the later ones came.
+  CHECK(closed_by_peer(flood.front(), 10000));
+  CHECK(d.wait_for_log("connections from fd00::/64 are pending, its limit"));
+  CHECK_FALSE(closed_by_peer(flood.back(), 200));
+  for (int fd : flood) ::close(fd);
+  // A real client from another address of it still gets in.
+  xt::write_random_file(local / "g", 1 << 20, 6);
+  auto ok = xt::xduc({"-q", "-p", "4", local / "g", "xdfs://[fd00::1]:" + std::to_string(d.port()) + "/g"}, 60000);
+  CHECK_MESSAGE(ok.status == 0, ok.err);
+  CHECK(xt::files_equal(local / "g", root / "g"));
 }
 
 }  // TEST_SUITE

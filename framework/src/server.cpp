@@ -49,6 +49,18 @@ std::string format_report(const SessionReport& r) {
 
 namespace {
 
+// Where a connection comes from, as the pending caps and the turns of handshake work count it:
+// an IPv4 address (also when it arrives mapped into IPv6), or an IPv6 /64. A host is usually
+// given a whole /64 and could otherwise use a new source address for every connection.
+std::string source_of(const asio::ip::address& a) {
+  if (!a.is_v6()) return a.to_string();
+  const auto v6 = a.to_v6();
+  if (v6.is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, v6).to_string();
+  auto bytes = v6.to_bytes();
+  std::fill(bytes.begin() + 8, bytes.end(), 0);
+  return asio::ip::address_v6(bytes).to_string() + "/64";
+}
+
 void default_log(const std::string& line) {
   auto now = std::chrono::system_clock::now();
   auto t = std::chrono::system_clock::to_time_t(now);
@@ -90,7 +102,7 @@ struct Conn {
   std::unique_ptr<xdsi::Channel> ch;
   asio::steady_timer deadline;
   std::string peer;  // address:port
-  std::string addr;  // address: what the per-address cap counts
+  std::string addr;  // source (an IPv4 address or an IPv6 /64): what the per-address caps count
   wire::PreambleBytes pre{};
   wire::HeaderBytes hdr{};
   std::vector<std::uint8_t> payload;
@@ -533,7 +545,7 @@ void Server::Impl::on_accept(tcp::socket s) {
   const auto ep = s.remote_endpoint(ec);
   if (ec) return;  // gone already
   auto c = std::make_shared<Conn>(io);
-  c->addr = ep.address().to_string();
+  c->addr = source_of(ep.address());
   c->peer = xdsi::peer_name(s);
   make_room(c->addr);
   c->ch = std::make_unique<xdsi::Channel>(std::move(s), 0);

@@ -45,7 +45,7 @@ struct ServerConfig {
   unsigned max_channels_per_key = 1024;   ///< channels at once, over all its sessions
   /// Connections that have not authenticated yet (reading their opening, in their handshake):
   unsigned max_pending = 1024;            ///< server-wide; when full, the oldest pending connection goes
-  unsigned max_pending_per_address = 64;  ///< from one source address; when full, its oldest goes
+  unsigned max_pending_per_address = 64;  ///< from one source address (IPv6: one /64); when full, its oldest goes
   std::uint32_t max_block_size = 16u << 20;
   std::uint32_t max_tcp_window = 64u << 20;
   std::size_t ring_bytes = 32u << 20;     ///< per-session pool between network and disk (less if memory is short)
