@@ -49,13 +49,19 @@ Status open_beneath(int root, const std::string& path, int flags, mode_t mode, F
   how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC);
   how.mode = (flags & O_CREAT) ? mode : 0;
   how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
-  long fd;
-  do {
+  // EAGAIN: a rename or mount raced the resolution, which the kernel then refuses to vouch for.
+  // Retried, but not for ever: a peer renaming in a loop must not keep a thread spinning here.
+  constexpr int attempts = 64;
+  long fd = -1;
+  for (int i = 0; i < attempts; ++i) {
     fd = ::syscall(SYS_openat2, root, path.c_str(), &how, sizeof how);
-  } while (fd < 0 && (errno == EINTR || errno == EAGAIN));
+    if (fd >= 0 || (errno != EINTR && errno != EAGAIN)) break;
+  }
   if (fd < 0) {
     const int err = errno;
     if (err == EXDEV) return {errc::path_escape, "'" + path + "' resolves outside the root (symlink)"};
+    if (err == EAGAIN)
+      return {errc::io_error, "'" + path + "': renames kept racing its lookup (" + std::to_string(attempts) + " tries)"};
     return Status::from_errno(err, "'" + path + "'");
   }
   out = Fd(static_cast<int>(fd));
