@@ -619,6 +619,46 @@ TEST_CASE("a tree copy goes on past entries it cannot copy, names each one, and 
   rfs.close();
 }
 
+TEST_CASE("remove -r: wide directories go in batches; a tree nested deeper than 128 levels is refused, not walked") {
+  // A recursive remove holds a descriptor and a batch of names per level it is in: a tree a
+  // client nested arbitrarily deep (renames can) must not take a descriptor per level.
+  xt::TempDir root;
+  auto nest = [](std::string at, int levels) {
+    for (int i = 0; i < levels; ++i) {
+      at += "/d";
+      REQUIRE(::mkdir(at.c_str(), 0755) == 0);
+    }
+    return at;
+  };
+  const std::string wide = root / "wide";
+  ::mkdir(wide.c_str(), 0755);
+  for (int i = 0; i < 1000; ++i) xt::write_file(wide + "/f" + std::to_string(i), "x");
+  ::mkdir((wide + "/sub").c_str(), 0755);
+  for (int i = 0; i < 600; ++i) xt::write_file(wide + "/sub/g" + std::to_string(i), "y");
+  ::mkdir((root / "ok").c_str(), 0755);
+  xt::write_file(nest(root / "ok", 127) + "/leaf", "z");
+  ::mkdir((root / "deep").c_str(), 0755);
+  xt::write_file(nest(root / "deep", 200) + "/leaf", "z");
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::RemoteFs rfs({"127.0.0.1", srv.port()});
+  auto& c = rfs.client();
+  c.remove("wide", true);
+  CHECK_FALSE(fs::exists(root / "wide"));
+  c.remove("ok", true);
+  CHECK_FALSE(fs::exists(root / "ok"));
+  try {
+    c.remove("deep", true);
+    FAIL("a tree 200 levels deep was walked");
+  } catch (const xdfs::Error& e) {
+    CHECK(e.code() == errc::limit_exceeded);
+    CHECK(std::string(e.what()).find("'deep' is nested more than 128 levels deep") != std::string::npos);
+  }
+  CHECK(fs::exists(root / "deep"));
+  rfs.close();
+}
+
 TEST_CASE("a download killed in the middle leaves temporary files that the next run removes") {
   xt::TempDir root, local;
   fs::create_directories(root / "t/sub");

@@ -86,32 +86,67 @@ Status open_parent(int root, const std::string& path, Fd& dir, std::string& name
 
 Status stopped(const std::string& what) { return {errc::cancelled, what + " stopped: the session ended"}; }
 
-Status remove_tree(int dir, const std::string& name, const std::string& shown, int depth, Stop stop) {
-  if (stop && stop->load(std::memory_order_relaxed)) return stopped("remove " + quoted(shown));
-  if (depth > 1024) return {errc::limit_exceeded, quoted(shown) + " is nested too deeply"};
+// A recursive remove holds one directory descriptor and at most remove_batch names per level
+// it is in, and no path but the components it is under: what a peer can make it hold is bounded
+// by these, not by the shape of the tree the peer built (renames nest a tree arbitrarily deep).
+constexpr int max_remove_depth = 128;
+constexpr std::size_t remove_batch = 256;
+
+std::string shown_path(const std::string& top, const std::vector<std::string>& below) {
+  std::string s = top;
+  for (const auto& n : below) s += "/" + n;
+  return s;
+}
+
+// Removes name (under the open directory dir) and everything below it. `below` is the path of
+// name under top, component by component (for messages only).
+Status remove_tree(int dir, const std::string& name, const std::string& top, std::vector<std::string>& below,
+                   Stop stop) {
+  if (stop && stop->load(std::memory_order_relaxed)) return stopped("remove " + quoted(top));
   if (::unlinkat(dir, name.c_str(), 0) == 0) return Status::ok();
-  if (errno != EISDIR && errno != EPERM) return Status::from_errno(errno, "remove " + quoted(shown));
+  if (errno != EISDIR && errno != EPERM) return Status::from_errno(errno, "remove " + quoted(shown_path(top, below)));
+  if (below.size() >= max_remove_depth)
+    return {errc::limit_exceeded, quoted(top) + " is nested more than " + std::to_string(max_remove_depth) +
+                                      " levels deep: remove its deepest parts first"};
   int fd = ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return Status::from_errno(errno, "open " + quoted(shown));
+  if (fd < 0) return Status::from_errno(errno, "open " + quoted(shown_path(top, below)));
   DIR* d = ::fdopendir(fd);
   if (!d) {
     ::close(fd);
-    return Status::from_errno(errno, "open " + quoted(shown));
+    return Status::from_errno(errno, "open " + quoted(shown_path(top, below)));
   }
-  std::vector<std::string> names;
-  while (auto* ent = ::readdir(d)) {
-    const char* n = ent->d_name;
-    if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
-    names.emplace_back(n);
-  }
+  // A batch of names at a time, each removed before the next batch is read. Reading goes on
+  // past what was removed; a pass that removed anything is followed by another from the start,
+  // so that nothing the directory still holds is missed. A name that cannot go ends the remove.
   Status st;
-  for (const auto& n : names) {
-    st = remove_tree(::dirfd(d), n, shown + "/" + n, depth + 1, stop);
-    if (!st) break;
+  std::vector<std::string> names;
+  names.reserve(remove_batch);
+  for (bool removed = true; st && removed;) {
+    removed = false;
+    ::rewinddir(d);
+    while (st) {
+      names.clear();
+      while (names.size() < remove_batch) {
+        auto* ent = ::readdir(d);
+        if (!ent) break;
+        const char* n = ent->d_name;
+        if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
+        names.emplace_back(n);
+      }
+      if (names.empty()) break;
+      removed = true;
+      for (const auto& n : names) {
+        below.push_back(n);
+        st = remove_tree(::dirfd(d), n, top, below, stop);
+        below.pop_back();
+        if (!st) break;
+      }
+    }
   }
   ::closedir(d);
   if (!st) return st;
-  if (::unlinkat(dir, name.c_str(), AT_REMOVEDIR) != 0) return Status::from_errno(errno, "remove " + quoted(shown));
+  if (::unlinkat(dir, name.c_str(), AT_REMOVEDIR) != 0)
+    return Status::from_errno(errno, "remove " + quoted(shown_path(top, below)));
   return Status::ok();
 }
 
@@ -279,7 +314,8 @@ Status remove_path(int root, const std::string& raw, bool recursive, Stop stop) 
   Fd real;  // O_PATH descriptors cannot be read: reopen the parent for the walk
   auto [parent, last] = files::split_parent(path);
   if (auto s = files::open_beneath(root, parent, O_RDONLY | O_DIRECTORY, 0, real); !s) return s;
-  return remove_tree(real.get(), name, path, 0, stop);
+  std::vector<std::string> below;
+  return remove_tree(real.get(), name, path, below, stop);
 }
 
 Status rename_path(int root, const std::string& from_raw, const std::string& to_raw) {
