@@ -736,6 +736,44 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
   rfs.close();
 }
 
+TEST_CASE("path mode: an EOFT or NOOP carrying a payload is refused before it is acted on, by either side") {
+  // Such a frame's header is authenticated only by the tag after its payload: acting on the
+  // header at once would let anyone on the path end a session as if the client had.
+  xt::TempDir root, local;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  for (auto ev : {Event::eoft, Event::noop}) {
+    CAPTURE(xdfs::wire::to_string(ev));
+    xt::RawChannel c(srv.port());
+    REQUIRE(c.establish(xt::make_hello(Mode::path, ".", 1)));
+    expect_reply(c);
+    FrameHeader h;
+    h.event = ev;
+    h.length = 5;
+    c.send_frame(h, xt::random_bytes(5, 1));
+    auto ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->code == errc::protocol_error);
+    CHECK(ex->message == std::string(xdfs::wire::to_string(ev)) + " with a payload");
+  }
+  xt::RawServer hostile;
+  std::thread t([&] {
+    auto c = hostile.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    FrameHeader h;
+    h.event = Event::noop;
+    h.length = 5;
+    c->send_frame(h, xt::random_bytes(5, 1));
+    c->wait_closed();
+  });
+  auto r = xt::xduc({"-q", "--known-hosts", local / "kh", "ls", url(hostile.port(), ".")}, 60000);
+  t.join();
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("NOOP with a payload from the server") != std::string::npos, r.err);
+}
+
 TEST_CASE("a get carries no more than the sizes it asked for: a file larger than asked is refused, not read") {
   xt::TempDir root;
   xt::write_random_file(root / "big", 3 << 20, 9);

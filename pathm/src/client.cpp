@@ -173,7 +173,10 @@ void Client::read_loop(xdsi::Channel& ch) {
       });
       return;
     }
-    if (h.event == wire::Event::noop) return read_loop(ch);
+    if (h.event == wire::Event::noop) {
+      if (h.length != 0) return fail(errc::protocol_error, "NOOP with a payload from the server", false);
+      return read_loop(ch);
+    }
     if (h.event != wire::Event::xpathm)
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))

@@ -132,6 +132,10 @@ void Server::read_loop(xdsi::Channel& ch) {
       return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
     }
     last_ = Clock::now();
+    // A frame with a payload is not authenticated until its tag, after the payload: one that
+    // should have none is refused before it is acted on.
+    if ((h.event == wire::Event::eoft || h.event == wire::Event::noop) && h.length != 0)
+      return fail(errc::protocol_error, fmt::format("{} with a payload", wire::to_string(h.event)), false, true);
     switch (h.event) {
       case wire::Event::xpathm: {
         if (h.length == 0 || h.length > max_message(p_.block_size))
