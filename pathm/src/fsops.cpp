@@ -334,7 +334,7 @@ Status rename_path(int root, const std::string& from_raw, const std::string& to_
 Status open_file(int root, const std::string& raw, Fd& fd, Entry& e) {
   const std::string path = normal(raw);
   if (auto s = check_path(path); !s) return s;
-  if (auto s = files::open_beneath(root, path.empty() ? "." : path, O_RDONLY | O_NONBLOCK, 0, fd); !s) return s;
+  if (auto s = files::open_beneath(root, path.empty() ? "." : path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, fd); !s) return s;
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Status::from_errno(errno, "stat " + quoted(path));
   if (S_ISDIR(st.st_mode)) return {errc::is_directory, quoted(path) + " is a directory"};
@@ -749,7 +749,7 @@ Status TreeWriter::set_attrs(const Entry& e) {
         return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
       return Status::ok();
     }
-    fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
     if (!fd) return Status::from_errno(errno, "open " + quoted(e.path));
   }
   // The mode only of what this writer made: a directory that was there before (the user's own

@@ -256,7 +256,7 @@ private:
       p.data_event = wire::Event::xftsmu;
       start_engine(p, piod::Sink{pending_.fd(), true, false, crypto()}, std::nullopt);
     } else {
-      if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK, 0, source_); !st)
+      if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, source_); !st)
         return fail_early(st.code, st.message, Event::local_error);
       struct stat sb {};
       if (::fstat(source_.get(), &sb) != 0)
