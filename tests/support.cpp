@@ -392,7 +392,7 @@ void RawPeer::protect_with(const xdfs::wire::Opening& o, const xdfs::xsec::Key32
                                                         xdfs::xsec::data_key(secret, blocks_client_to_server));
 }
 
-bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id) {
+bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id, int confirm_ms) {
   const auto self = id ? *id : test_identity();
   send_opening(hello.opening);
   xdfs::xsec::NoiseXX noise(true, self, opening_);
@@ -411,7 +411,7 @@ bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id) {
   secret_ = keys.session_secret;
   protect_with(hello.opening, keys.send, keys.recv, secret_, true);
   // The server's confirmation; a refusal is kept for whoever reads next.
-  auto confirm = read_frame();
+  auto confirm = read_frame(confirm_ms);
   if (confirm && confirm->first.event != xdfs::wire::Event::handshake) held_ = std::move(confirm);
   return true;
 }

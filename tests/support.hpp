@@ -169,9 +169,10 @@ public:
   void send_opening(const xdfs::wire::Opening& o);
   /// Sends the opening and runs Noise XX as the test client (the identity in $XDFS_CONFIG_DIR
   /// unless one is given), with the negotiation in message 3; from then on frames are
-  /// protected. Waits for the server's confirmation (the session exists then): an exception
-  /// instead is kept for read_exception(). False if the server refused before its message 2.
-  bool establish(const Hello& h, const xdfs::xsec::KeyPair* id = nullptr);
+  /// protected. Waits for the server's confirmation (the session exists then; at most
+  /// confirm_ms): an exception instead is kept for read_exception(). False if the server
+  /// refused before its message 2.
+  bool establish(const Hello& h, const xdfs::xsec::KeyPair* id = nullptr, int confirm_ms = 10000);
   /// Joins as channel `index` of the session `h` opened on another RawChannel, proving `secret`.
   /// False if the server's answer did not verify.
   bool join(const Hello& h, std::uint32_t index, const xdfs::xsec::Key32& secret);

@@ -905,6 +905,42 @@ TEST_CASE("one key cannot hold the whole server: sessions and channels per key")
   CHECK_MESSAGE(up.status == 0, up.err);
 }
 
+TEST_CASE("sessions waiting for memory count against their key's limits: one key cannot fill the queue") {
+  // 14 MiB of the 16 are the sessions'; a session of 256 channels takes 4.25 MiB of it before
+  // any buffer. Three hold 12.75 MiB while their channels do not come: later ones wait.
+  xt::TempDir root, local, state;
+  const auto me = xt::test_identity();
+  const std::string other_id = local / "other";
+  const auto other = xdfs::xsec::load_or_create_key(other_id);
+  xt::write_file(state / "authorized_keys", xdfs::xsec::format_public(me.public_key) + " rw\n" +
+                                                xdfs::xsec::format_public(other.public_key) + " rw sessions=2\n");
+  xt::XdfsdProcess d(root.path(), {"--authorized-keys", state / "authorized_keys", "--memory-limit", "16M",
+                                   "--join-timeout", "30"});
+  std::vector<std::unique_ptr<xt::RawChannel>> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(std::make_unique<xt::RawChannel>(d.port()));
+    REQUIRE(held.back()->establish(xt::make_hello(Mode::upload, "h" + std::to_string(i), 256, 10)));
+  }
+  // The other key's two sessions wait for memory...
+  std::vector<std::unique_ptr<xt::RawChannel>> waiting;
+  for (int i = 1; i <= 2; ++i) {
+    waiting.push_back(std::make_unique<xt::RawChannel>(d.port()));
+    REQUIRE(waiting.back()->establish(xt::make_hello(Mode::upload, "w" + std::to_string(i), 256, 10), &other, 0));
+    REQUIRE(d.wait_for_log("waits for memory (" + std::to_string(i) + " waiting)"));
+  }
+  // ...and count as its two sessions: a third is refused at once, not queued.
+  xt::RawChannel third(d.port());
+  REQUIRE(third.establish(xt::make_hello(Mode::upload, "w3", 256, 10), &other, 0));
+  auto ex = third.read_exception(5000);
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::limit_exceeded);
+  CHECK(ex->message.find("has 0 sessions running and 2 waiting for memory, its limit") != std::string::npos);
+  // The first key may still queue behind them.
+  xt::RawChannel mine(d.port());
+  REQUIRE(mine.establish(xt::make_hello(Mode::upload, "m", 256, 10), nullptr, 0));
+  CHECK(d.wait_for_log("waits for memory (3 waiting)"));
+}
+
 TEST_CASE("a tree download into an existing directory leaves that directory's mode alone") {
   xt::TempDir root, local;
   fs::create_directories(root / "d/sub");

@@ -281,6 +281,14 @@ struct Server::Impl {
     Clock::time_point since;
   };
   bool try_admit(Admission& a);
+  // What a key holds now, and what it may hold (its authorized_keys line, else the defaults).
+  KeyUse use_of(const xsec::Key32& key) const {
+    auto it = key_use.find(key);
+    return it == key_use.end() ? KeyUse{} : it->second;
+  }
+  KeyUse limits_of(const xsec::Permission& p) const {
+    return {p.sessions ? p.sessions : config.max_sessions_per_key, p.channels ? p.channels : config.max_channels_per_key};
+  }
   void admit_waiting();
   void arm_waiting();
   std::deque<Admission> waiting;  // admissions waiting for memory, in order of arrival
@@ -791,6 +799,24 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
   // First come, first admitted: behind those already waiting for memory.
   if (waiting.size() >= config.max_sessions)
     return refuse(c, errc::limit_exceeded, fmt::format("{} sessions are waiting for memory, the limit", waiting.size()));
+  // What a key has waiting counts against its limits as if it ran: one key cannot fill the
+  // queue and keep every other key out of it.
+  KeyUse queued;
+  for (const auto& w : waiting)
+    if (!w.c->settled && w.r.remote_static == a.r.remote_static) {
+      ++queued.sessions;
+      queued.channels += w.nego.channel_count;
+    }
+  const KeyUse use = use_of(a.r.remote_static);
+  const KeyUse max = limits_of(a.perm);
+  if (use.sessions + queued.sessions >= max.sessions)
+    return refuse(c, errc::limit_exceeded, fmt::format("{} has {} sessions running and {} waiting for memory, its limit",
+                                                       who, use.sessions, queued.sessions));
+  if (use.channels + queued.channels + a.nego.channel_count > max.channels)
+    return refuse(c, errc::limit_exceeded,
+                  fmt::format("{} has {} channels open and {} waiting for memory, and asks for {} more, its limit is {}",
+                              who, use.channels, queued.channels, a.nego.channel_count, max.channels));
+  log_rationed(fmt::format("{}: a session from {} waits for memory ({} waiting)", who, c->peer, waiting.size() + 1));
   waiting.push_back(std::move(a));
   arm_waiting();
 }
@@ -811,14 +837,13 @@ bool Server::Impl::try_admit(Admission& a) {
     return no(errc::limit_exceeded, fmt::format("{} sessions are running, the limit", config.max_sessions));
   if (sessions.count(c->opening.session))
     return no(errc::bad_channel, "session " + c->opening.session.short_hex() + " already exists");
-  const KeyUse use = key_use.count(a.r.remote_static) ? key_use[a.r.remote_static] : KeyUse{};
-  const unsigned max_s = a.perm.sessions ? a.perm.sessions : config.max_sessions_per_key;
-  const unsigned max_c = a.perm.channels ? a.perm.channels : config.max_channels_per_key;
-  if (use.sessions >= max_s)
+  const KeyUse use = use_of(a.r.remote_static);
+  const KeyUse max = limits_of(a.perm);
+  if (use.sessions >= max.sessions)
     return no(errc::limit_exceeded, fmt::format("{} has {} sessions running, its limit", who, use.sessions));
-  if (use.channels + a.nego.channel_count > max_c)
+  if (use.channels + a.nego.channel_count > max.channels)
     return no(errc::limit_exceeded, fmt::format("{} has {} channels open and asks for {} more, its limit is {}", who,
-                                                use.channels, a.nego.channel_count, max_c));
+                                                use.channels, a.nego.channel_count, max.channels));
   auto overhead = Reservation::take(budget.get(), session_overhead(a.nego.channel_count));
   if (!overhead) {
     if (Clock::now() - a.since <= memory_wait) return false;
