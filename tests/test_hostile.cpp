@@ -697,7 +697,7 @@ TEST_CASE("requests a path session never finishes sending are parked at the head
   CHECK(mem.used() == 0);
 }
 
-TEST_CASE("a path session that asks for many listings and reads none holds a few chunks of memory, not a few per listing") {
+TEST_CASE("a path session that asks for many listings and reads none holds a few chunks of memory, and NOOPs do not keep it") {
   // A listing of 1000 symbolic links with 4000-byte targets is four chunks of about 1 MiB. A
   // client that asks for many and reads no reply leaves them waiting: they are bounded per
   // session (8 chunks, 9 MiB here), so the server's memory is not the client's to fill. (They
@@ -709,11 +709,15 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
   xdfs::ServerConfig cfg;
   cfg.root = root.path();
   cfg.memory_limit = 256u << 20;
+  cfg.idle_timeout = std::chrono::milliseconds(2000);
   xt::InProcessServer srv(cfg);
-  auto h = xt::make_hello(Mode::path, ".", 1);
+  auto h = xt::make_hello(Mode::path, ".", 2);
   xt::RawChannel c(srv.port());
   REQUIRE(c.establish(h));
+  xt::RawChannel other(srv.port());
+  REQUIRE(other.join(h, 1, c.session_secret()));
   expect_reply(c);
+  expect_reply(other);
   for (std::uint64_t id = 1; id <= 64; ++id) {
     pm::Request r;
     r.id = id;
@@ -721,10 +725,20 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
     r.path = "d";
     send_path(c, r);
   }
+  // Meanwhile the client says on its other channel that it is there (a NOOP every 200 ms),
+  // which keeps an idle session but not one that reads nothing it is sent: that one still
+  // times out and gives back what it held.
+  FrameHeader noop;
+  noop.event = Event::noop;
   const auto& mem = srv.server().memory();
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (mem.peak() <= (16u << 20) && std::chrono::steady_clock::now() < until)
+  bool timed_out = false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (int i = 0; !timed_out && std::chrono::steady_clock::now() < until; ++i) {
+    if (i % 10 == 0) other.send_frame(noop);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    timed_out = srv.wait_for_log("timed out: no progress for 2000 ms", 0);
+  }
+  CHECK(timed_out);
   CHECK_MESSAGE(mem.peak() <= (16u << 20), "peak " << mem.peak());
   // Another client is served meanwhile.
   xt::write_file(root / "f", "x");

@@ -131,7 +131,9 @@ void Server::read_loop(xdsi::Channel& ch) {
       auto f = read_failure(ch, ec, "client");
       return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
     }
-    last_ = Clock::now();
+    // A NOOP keeps an idle session (RemoteFs sends them), not one whose client has stopped
+    // reading its replies: that one holds the server's memory and must time out.
+    if (h.event != wire::Event::noop || (sending_ == 0 && parked_.empty())) last_ = Clock::now();
     // A frame with a payload is not authenticated until its tag, after the payload: one that
     // should have none is refused before it is acted on.
     if ((h.event == wire::Event::eoft || h.event == wire::Event::noop) && h.length != 0)
@@ -352,18 +354,21 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
             part.entries = std::move(chunk);
             chunk.clear();
             {
+              // Counted as it is let through, so that workers listing at once cannot all pass.
               std::unique_lock lk(shared->mu);
               shared->cv.wait(lk, [&] { return shared->stopped || shared->unsent < list_ahead; });
               if (shared->stopped) return false;
+              ++shared->unsent;
             }
             Held chunk_held = reserve(chunk_estimate(part.entries));
             if (!chunk_held) {
+              {
+                std::lock_guard lk(shared->mu);
+                --shared->unsent;
+              }
+              shared->cv.notify_all();
               starved = true;
               return false;
-            }
-            {
-              std::lock_guard lk(shared->mu);
-              ++shared->unsent;
             }
             auto e = encode(part);
             chunk_held->shrink_to(e.size);
