@@ -86,11 +86,14 @@ Status open_parent(int root, const std::string& path, Fd& dir, std::string& name
 
 Status stopped(const std::string& what) { return {errc::cancelled, what + " stopped: the session ended"}; }
 
-// A recursive remove holds one directory descriptor and at most remove_batch names per level
-// it is in, and no path but the components it is under: what a peer can make it hold is bounded
-// by these, not by the shape of the tree the peer built (renames nest a tree arbitrarily deep).
+// A recursive remove holds, per level it is in, one directory stream and the name it is in: what
+// a peer can make it hold is bounded by the depth limit, not by the shape of the tree the peer
+// built (renames nest a tree arbitrarily deep) or the size of its directories.
 constexpr int max_remove_depth = 128;
-constexpr std::size_t remove_batch = 256;
+// Passes over one directory: the first removes what it reads as it reads it; another from the
+// start catches what that one may have missed. A directory that still has entries after this
+// many is being filled as fast as it is emptied.
+constexpr int max_remove_passes = 8;
 
 std::string shown_path(const std::string& top, const std::vector<std::string>& below) {
   std::string s = top;
@@ -104,7 +107,13 @@ Status remove_tree(int dir, const std::string& name, const std::string& top, std
                    Stop stop) {
   if (stop && stop->load(std::memory_order_relaxed)) return stopped("remove " + quoted(top));
   if (::unlinkat(dir, name.c_str(), 0) == 0) return Status::ok();
-  if (errno != EISDIR && errno != EPERM) return Status::from_errno(errno, "remove " + quoted(shown_path(top, below)));
+  if (errno == EPERM) {  // a directory (Linux answers unlink of one so), or a file that may not go
+    struct stat st {};
+    if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
+      return Status::from_errno(EPERM, "remove " + quoted(shown_path(top, below)));
+  } else if (errno != EISDIR) {
+    return Status::from_errno(errno, "remove " + quoted(shown_path(top, below)));
+  }
   if (below.size() >= max_remove_depth)
     return {errc::limit_exceeded, quoted(top) + " is nested more than " + std::to_string(max_remove_depth) +
                                       " levels deep: remove its deepest parts first"};
@@ -115,32 +124,24 @@ Status remove_tree(int dir, const std::string& name, const std::string& top, std
     ::close(fd);
     return Status::from_errno(errno, "open " + quoted(shown_path(top, below)));
   }
-  // A batch of names at a time, each removed before the next batch is read. Reading goes on
-  // past what was removed; a pass that removed anything is followed by another from the start,
-  // so that nothing the directory still holds is missed. A name that cannot go ends the remove.
   Status st;
-  std::vector<std::string> names;
-  names.reserve(remove_batch);
-  for (bool removed = true; st && removed;) {
+  bool removed = true;
+  for (int pass = 0; st && removed; ++pass) {
+    if (pass == max_remove_passes) {
+      st = {errc::io_error, quoted(shown_path(top, below)) + " kept getting new entries while it was removed"};
+      break;
+    }
     removed = false;
     ::rewinddir(d);
-    while (st) {
-      names.clear();
-      while (names.size() < remove_batch) {
-        auto* ent = ::readdir(d);
-        if (!ent) break;
-        const char* n = ent->d_name;
-        if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
-        names.emplace_back(n);
-      }
-      if (names.empty()) break;
+    while (auto* ent = ::readdir(d)) {
+      const char* n = ent->d_name;
+      if (std::strcmp(n, ".") == 0 || std::strcmp(n, "..") == 0) continue;
       removed = true;
-      for (const auto& n : names) {
-        below.push_back(n);
-        st = remove_tree(::dirfd(d), n, top, below, stop);
-        below.pop_back();
-        if (!st) break;
-      }
+      const std::string child(n);  // its own copy: `below` grows (and moves) in the call
+      below.push_back(child);
+      st = remove_tree(::dirfd(d), child, top, below, stop);
+      below.pop_back();
+      if (!st) break;
     }
   }
   ::closedir(d);
