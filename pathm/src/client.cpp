@@ -52,8 +52,9 @@ Fd open_local_dir(const std::string& path) {
   return fd;
 }
 
-// A local entry as the server would see it: resolved beneath dir, no symbolic link followed on
-// the way (a link in the destination tree must not make a file outside it look up to date).
+// A local entry as the server would see it: resolved beneath dir, where a symbolic link that
+// leads out of it is refused (a link in the destination tree must not make a file outside it
+// look up to date); the last component is not followed.
 Entry local_entry(int dir, const std::string& rel) {
   Entry e;
   if (auto st = stat_entry(dir, rel, e); !st) {
@@ -181,6 +182,10 @@ void Client::read_loop(xdsi::Channel& ch) {
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
       return fail(errc::protocol_error, fmt::format("path reply of {} bytes", h.length), false);
+    // Replies come on the channel their request went out on: one that asked nothing gets none
+    // (and costs nothing).
+    if (outstanding_[ch.index()] == 0)
+      return fail(errc::protocol_error, fmt::format("path reply on channel {}, which has no request", ch.index()), false);
     // What a reply to this client's requests takes (a block of file bytes and their names) is
     // allocated at once; a larger one grows as its bytes arrive, so that a length the server
     // declares costs nothing until it is sent.
