@@ -187,12 +187,17 @@ Status stat_entry(int root, const std::string& raw, Entry& out) {
   return Status::ok();
 }
 
+// A recursive listing keeps the names of the directories it has still to read: at most this
+// many bytes of them (a directory of a million subdirectories with 60-byte paths fits).
+constexpr std::size_t max_list_pending = std::size_t(64) << 20;
+
 Status list_dir(int root, const std::string& raw, bool recursive, bool follow, std::size_t chunk,
                 const std::function<bool(std::vector<Entry>&)>& emit, Stop stop,
                 const std::function<void(const std::string&, const Status&)>& unreadable) {
   const std::string path = normal(raw);
   if (auto s = check_path(path); !s) return s;
   std::vector<std::string> todo{""};  // directories still to read, relative to path
+  std::size_t todo_bytes = 0;         // their names' bytes, bounded: a peer shapes the tree
   std::set<std::pair<dev_t, ino_t>> seen;  // with follow: directories met, so a loop ends
   std::vector<Entry> out;
   out.reserve(std::min<std::size_t>(chunk, 1024));
@@ -200,6 +205,7 @@ Status list_dir(int root, const std::string& raw, bool recursive, bool follow, s
   while (!todo.empty()) {
     const std::string rel = std::move(todo.back());
     todo.pop_back();
+    todo_bytes -= rel.size();
     Fd fd;
     const std::string where = rel.empty() ? base : join(base, rel);
     if (auto s = files::open_beneath(root, where, O_RDONLY | O_DIRECTORY, 0, fd); !s) {
@@ -245,7 +251,16 @@ Status list_dir(int root, const std::string& raw, bool recursive, bool follow, s
       if (e.type == Type::symlink) {
         if (st = read_link(::dirfd(d), n, join(where, n), e.target); !st) break;
       }
-      if (recursive && e.type == Type::directory) subdirs.push_back(e.path);
+      if (recursive && e.type == Type::directory) {
+        if (todo_bytes + e.path.size() > max_list_pending) {
+          st = {errc::limit_exceeded, "more than " + std::to_string(max_list_pending >> 20) +
+                                          " MiB of directory names wait to be listed below " + quoted(base) +
+                                          ": list its parts one at a time"};
+          break;
+        }
+        todo_bytes += e.path.size();
+        subdirs.push_back(e.path);
+      }
       out.push_back(std::move(e));
       if (out.size() >= chunk) {
         if (!emit(out)) {
