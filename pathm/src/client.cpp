@@ -190,13 +190,13 @@ void Client::read_loop(xdsi::Channel& ch) {
     // allocated at once; a larger one grows as its bytes arrive, so that a length the server
     // declares costs nothing until it is sent.
     const std::size_t first = std::min<std::size_t>(h.length, std::size_t(block_size_) + (64u << 10));
-    if (first < h.length) return read_reply(ch, Buffer::make(first), 0, h.length);
+    if (first < h.length) return read_reply_in_parts(ch, Buffer::make(first), 0, h.length);
     auto buf = Buffer::make(h.length);
-    ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { reply_read(ch, buf, ec); });
+    ch.async_read_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { finish_reply(ch, buf, ec); });
   });
 }
 
-void Client::reply_read(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
+void Client::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
   if (code_ != errc::ok || closed_) return;
   if (ec) {
     auto f = read_failure(ch, ec, "server");
@@ -206,16 +206,16 @@ void Client::reply_read(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xd
   read_loop(ch);
 }
 
-void Client::read_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
+void Client::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
   auto part = buf->writable().subspan(have);
   ch.async_read_payload_part(part, [this, &ch, buf, total](const xdsi::ErrorCode& ec) {
-    if (ec || code_ != errc::ok || closed_) return reply_read(ch, buf, ec);
+    if (ec || code_ != errc::ok || closed_) return finish_reply(ch, buf, ec);
     if (buf->size < total) {
       auto bigger = Buffer::make(std::min(total, 2 * buf->size));
       std::memcpy(bigger->words.get(), buf->words.get(), buf->size);
-      return read_reply(ch, std::move(bigger), buf->size, total);
+      return read_reply_in_parts(ch, std::move(bigger), buf->size, total);
     }
-    ch.async_check_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { reply_read(ch, buf, ec); });
+    ch.async_check_payload(buf->writable(), [this, &ch, buf](const xdsi::ErrorCode& ec) { finish_reply(ch, buf, ec); });
   });
 }
 

@@ -212,8 +212,8 @@ private:
     OnReply on;
   };
   void read_loop(xdsi::Channel& ch);
-  void read_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total);
-  void reply_read(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec);
+  void read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total);
+  void finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec);
   void on_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
   void send(std::uint64_t id, Encoded e, OnReply on, bool many = false);
   std::uint64_t new_id() noexcept { return next_id_++; }

@@ -79,7 +79,8 @@ protected:
   void close_all() noexcept;
   void watch_disk();
   virtual void on_disk() = 0;
-  /// Stops the disk thread and waits for it (at most one read or write in progress).
+  /// Stops the disk thread and waits for it: for the read or write in progress (on a pipe or a
+  /// FIFO sink that nobody reads, that can be long).
   virtual void stop_disk() noexcept = 0;
   void touch() noexcept { last_activity_ = std::chrono::steady_clock::now(); }
   /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
