@@ -10,7 +10,7 @@
 #include "xdfs/client.hpp"
 #include "xdfs/server.hpp"
 #include "xdfs/xsec.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
 
 int main(int argc, char** argv) {
   if (argc != 3) {
@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     cfg.state_dir = state;
     cfg.listen = "127.0.0.1:0";
     cfg.log = [](const std::string&) {};  // a service would hand these to its own logger
-    xdfs::Server server(cfg, xdfs::xftsm::server_factory());
+    xdfs::Server server(cfg, xdfs::runtime::session_factory(xdfs::standard_modes()));
     std::thread listener([&] { server.run(); });
 
     xdfs::TransferOptions opt;

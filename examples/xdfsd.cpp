@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -10,7 +11,7 @@
 
 #include "cli.hpp"
 #include "xdfs/server.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
 
 namespace {
 
@@ -44,6 +45,7 @@ const char* usage =
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
+    "  --disable-mode MODE      refuse operations of MODE: upload, download or path (repeatable)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
     "  -h, --help               this text\n";
 
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
   xdfs::ServerConfig cfg;
   std::string port_file;
   bool print_key = false;
+  std::vector<std::string> disabled;  // modes refused (--disable-mode)
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -145,13 +148,21 @@ int main(int argc, char** argv) {
       cfg.path_workers = static_cast<unsigned>(*v);
     } else if (a == "--allow-memory-mode") {
       cfg.allow_memory_mode = true;
+    } else if (a == "--disable-mode") {
+      const std::string& m = value(i);
+      if (m != "upload" && m != "download" && m != "path") bad("--disable-mode takes upload, download or path");
+      disabled.push_back(m);
     } else {
       bad("unknown option '" + a + "' (see --help)");
     }
   }
   if (cfg.root.empty()) bad("--root DIR is required (see --help)");
   try {
-    xdfs::Server server(cfg, xdfs::xftsm::server_factory());
+    auto modes = xdfs::standard_modes();
+    std::erase_if(modes, [&](const xdfs::runtime::ModeEntry& e) {
+      return std::find(disabled.begin(), disabled.end(), xdfs::to_string(e.mode)) != disabled.end();
+    });
+    xdfs::Server server(cfg, xdfs::runtime::session_factory(std::move(modes)));
     if (print_key) {
       fmt::print("{}\n", xdfs::xsec::format_public(server.public_key()));
       return 0;

@@ -1,7 +1,12 @@
 // xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
 #include <fmt/core.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <chrono>
 #include <ctime>
@@ -13,20 +18,25 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/text.hpp"
 #include "xdfs/wire.hpp"
 
 namespace {
 
 const char* usage =
-    "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC DST\n"
+    "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
+    "       xduc [OPTIONS] --files-from FILE DST\n"
     "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
     "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum  xdfs://HOST[:PORT]/PATH ...\n"
     "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
     "       xduc keygen | pubkey\n"
-    "Copies one file; exactly one of SRC and DST is xdfs://HOST[:PORT]/PATH (default port 7721).\n"
-    "DST may be a local directory, '-' (standard output) or a device such as /dev/null.\n"
+    "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
+    "one server, and all of them travel over one session (its channels are set up once).\n"
+    "With one SRC, DST may be a local directory, '-' (standard output) or a device such as\n"
+    "/dev/null; with several, DST is a directory (remote: the files go into it).\n"
+    "  --files-from FILE      more SRCs, one a line ('-': standard input; empty lines and lines\n"
+    "                         starting with # are skipped); remote ones as xdfs:// URLs\n"
     "  -r, --recursive        copy a directory tree (files, empty directories, symlinks, modes,\n"
     "                         mtimes); as with rsync, SRC/ copies the contents of SRC into DST,\n"
     "                         SRC without the slash copies the directory itself into DST\n"
@@ -144,6 +154,146 @@ int report_error(const xdfs::Error& e, bool remote) {
   return e.code() == xdfs::errc::bad_argument ? 2 : 1;
 }
 
+
+// SRCs from a file, one a line ("-": standard input); empty lines and # comments are skipped.
+bool read_sources(const std::string& file, std::vector<std::string>& out, std::string& why) {
+  std::FILE* f = file == "-" ? stdin : std::fopen(file.c_str(), "r");
+  if (!f) {
+    why = "--files-from '" + shown(file) + "': " + std::strerror(errno);
+    return false;
+  }
+  char* line = nullptr;
+  std::size_t cap = 0;
+  ssize_t n;
+  std::size_t count = 0;
+  while ((n = ::getline(&line, &cap, f)) >= 0) {
+    std::string s(line, static_cast<std::size_t>(n));
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    if (s.empty() || s[0] == '#') continue;
+    if (++count > 10'000'000) {
+      why = "--files-from '" + shown(file) + "' names more than 10 million sources";
+      break;
+    }
+    out.push_back(std::move(s));
+  }
+  std::free(line);
+  if (f != stdin) std::fclose(f);
+  return why.empty();
+}
+
+// Several sources over one session: files as xFTSM transfers, directories (with -r) as tree
+// copies in path mode, switching modes on the same channels. A source that fails gets its line
+// and the others go on while the session does; the exit status says whether all went well.
+int copy_many(const std::vector<std::string>& sources, const std::string& dst, bool up, const xdfs::cli::Url& url,
+              const xdfs::TransferOptions& opt, xdfs::pathm::TreeOptions tree, bool recursive, bool quiet, bool json) {
+  const xdfs::Endpoint ep{url.host, url.port};
+  if (!up) {
+    struct stat sb {};
+    if (::stat(dst.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode))
+      bad("with several sources DST must be an existing directory ('" + shown(dst) + "' is not)");
+  }
+  std::vector<std::string> remote_paths;
+  for (const auto& s : sources) {
+    if (up) continue;
+    std::string why;
+    auto u = xdfs::cli::parse_url(s, why);
+    if (!u) bad(why);
+    if (u->host != url.host || u->port != url.port) bad("all remote paths of one command must be on the same server");
+    if (u->path.empty()) bad("'" + shown(s) + "' names no remote file");
+    remote_paths.push_back(u->path);
+  }
+  const bool tty = !quiet && ::isatty(STDERR_FILENO);
+  ProgressLine line;
+  xdfs::TransferOptions o = opt;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::uint64_t files = 0, trees = 0, bytes = 0, failed = 0, skipped = 0;
+  double setup = 0;
+  xdfs::Session session(ep, opt);
+  auto fail_line = [&](const std::string& what, const xdfs::Error& e, bool remote) {
+    line.end();
+    fmt::print(stderr, "xduc: {}: {}{}: {}\n", shown(what), xdfs::to_string(e.code()), remote ? " (server)" : "",
+               shown(e.context()));
+    ++failed;
+  };
+  std::size_t k = 0;
+  for (; k < sources.size() && !g_cancel.load(); ++k) {
+    const std::string& src = sources[k];
+    const std::string name = base_name(up ? src : remote_paths[k]);
+    if (tty) o.progress = [&line](const xdfs::Progress& p) { line.draw(p); };
+    try {
+      struct stat sb {};
+      const bool tree_source = up ? (::stat(src.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode)) : false;
+      if (tree_source && !recursive) throw xdfs::TransferError(xdfs::errc::is_directory, "'" + src + "' is a directory (-r copies trees)", false);
+      if (tree_source) {
+        const bool contents = src.back() == '/';
+        xdfs::RemoteFs fs(session);
+        auto r = fs->upload_tree(src, contents ? url.path : join_path(url.path, name), tree);
+        fs.close();
+        ++trees;
+        files += r.files;
+        bytes += r.bytes;
+        skipped += r.skipped;
+      } else {
+        xdfs::TransferResult r;
+        try {
+          r = up ? xdfs::upload(session, src, join_path(url.path, name), o)
+                 : xdfs::download(session, remote_paths[k], join_path(dst, name), o);
+        } catch (const xdfs::TransferError& e) {
+          // A remote directory: with -r it is a tree, copied in path mode on the same session.
+          if (up || !recursive || e.code() != xdfs::errc::is_directory || !session.usable()) throw;
+          xdfs::RemoteFs fs(session);
+          const bool contents = remote_paths[k].back() == '/';
+          auto t = fs->download_tree(remote_paths[k], contents ? dst : join_path(dst, name), tree);
+          fs.close();
+          ++trees;
+          files += t.files;
+          bytes += t.bytes;
+          skipped += t.skipped;
+          continue;
+        }
+        line.end();
+        if (files == 0 && trees == 0) setup = r.setup_seconds;
+        ++files;
+        bytes += r.bytes;
+      }
+    } catch (const xdfs::pathm::TreeError& e) {
+      line.end();
+      for (const auto& f : e.result().failures)
+        fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
+                   f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
+      files += e.result().files;
+      bytes += e.result().bytes;
+      ++failed;
+    } catch (const xdfs::TransferError& e) {
+      fail_line(src, e, e.remote());
+    } catch (const xdfs::Error& e) {
+      fail_line(src, e, false);
+    }
+    if (!session.usable()) {
+      ++k;
+      break;
+    }
+  }
+  session.close();
+  line.end();
+  const std::uint64_t not_tried = sources.size() - k;
+  if (not_tried) fmt::print(stderr, "xduc: {} source{} not copied: the session ended\n", not_tried, not_tried == 1 ? "" : "s");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (json) {
+    const double bps = secs > 0 ? static_cast<double>(bytes) / secs : 0;
+    fmt::print("{{\"direction\":\"{}\",\"sources\":{},\"files\":{},\"trees\":{},\"skipped\":{},\"failed\":{},"
+               "\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},\"setup_seconds\":{:.6f}}}\n",
+               up ? "upload" : "download", sources.size(), files, trees, skipped, failed + not_tried, bytes, secs, bps,
+               opt.channels, setup);
+  } else if (!quiet) {
+    fmt::print(stderr, "xduc: {} files{}, {} in {:.2f} s over one session{}\n", files,
+               trees ? fmt::format(" ({} trees)", trees) : std::string(), xdfs::cli::human_bytes(static_cast<double>(bytes)),
+               secs, failed + not_tried ? fmt::format(", {} sources not copied", failed + not_tried) : std::string());
+  }
+  if (g_cancel.load()) return 130;
+  return failed + not_tried ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,6 +304,7 @@ int main(int argc, char** argv) {
   bool parents = false;
   xdfs::pathm::TreeOptions tree;
   std::vector<std::string> positional;
+  std::string files_from;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -212,6 +363,8 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_uint(value(i), 1, 64);
       if (!v) bad("--workers takes a thread count from 1 to 64");
       tree.workers = static_cast<unsigned>(*v);
+    } else if (a == "--files-from") {
+      files_from = value(i);
     } else if (a == "-q" || a == "--quiet") {
       quiet = true;
     } else if (a == "--json") {
@@ -310,18 +463,31 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (positional.size() != 2) bad("expected SRC and DST (see --help)");
-  const std::string& src = positional[0];
-  const std::string& dst = positional[1];
+  if (positional.empty() || (positional.size() < 2 && files_from.empty()))
+    bad("expected SRC... DST (see --help)");
+  std::vector<std::string> sources(positional.begin(), positional.end() - 1);
+  if (!files_from.empty()) {
+    std::string why;
+    if (!read_sources(files_from, sources, why)) bad(why);
+    if (sources.empty()) bad("--files-from " + files_from + " names no source");
+  }
+  const std::string& dst = positional.back();
   const bool up = xdfs::cli::is_url(dst);
-  const bool down = xdfs::cli::is_url(src);
-  if (up == down) bad(up ? "both SRC and DST are remote; one must be local" : "one of SRC and DST must be an xdfs:// URL");
+  for (const auto& s : sources)
+    if (xdfs::cli::is_url(s) == up)
+      bad(up ? "'" + shown(s) + "' and DST are both remote; copy between a local and a remote side"
+             : "one of SRC and DST must be an xdfs:// URL ('" + shown(s) + "' and '" + shown(dst) + "' are both local)");
+  const bool down = !up;
   std::string why;
-  auto url = xdfs::cli::parse_url(up ? dst : src, why);
+  auto url = xdfs::cli::parse_url(up ? dst : sources[0], why);
   if (!url) bad(why);
+  if (!recursive && (tree.sync || tree.follow)) bad("--sync and --follow go with -r");
+  if (sources.size() > 1 || !files_from.empty())
+    return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json);
+  const std::string& src = sources[0];
   if (down && url->path.empty()) bad("'" + src + "' names no remote file");
   if (up && src == "-" && !opt.memory) bad("uploading from standard input is not supported; name a file");
-  if (!recursive && (tree.sync || tree.follow)) bad("--sync and --follow go with -r");
+
 
   if (recursive) {
     // rsync's rule: a trailing slash on SRC copies its contents, none copies the directory.

@@ -24,8 +24,8 @@
 
 #include <doctest/doctest.h>
 
-#include "xdfs/client.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
+#include "xdfs/xdfs.hpp"
 
 extern char** environ;
 
@@ -125,7 +125,7 @@ InProcessServer::InProcessServer(xdfs::ServerConfig cfg) {
     log_.push_back(line);
     grew_.notify_all();
   };
-  server_ = std::make_unique<xdfs::Server>(cfg, xdfs::xftsm::server_factory());
+  server_ = std::make_unique<xdfs::Server>(cfg, xdfs::runtime::session_factory(xdfs::standard_modes()));
   port_ = server_->port();
   thread_ = std::thread([this] { server_->run(); });
 }
@@ -389,7 +389,7 @@ void RawPeer::protect_with(const xdfs::wire::Opening& o, const xdfs::xsec::Key32
   guard_ = std::make_unique<xdfs::xsec::FrameProtector>(mode, cipher, send, recv);
   if (mode != xdfs::xsec::Protect::clear)
     blocks_ = std::make_unique<xdfs::xsec::BlockCrypto>(mode, cipher,
-                                                        xdfs::xsec::data_key(secret, blocks_client_to_server));
+                                                        xdfs::xsec::data_key(secret, blocks_client_to_server, 0));
 }
 
 bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id, int confirm_ms) {

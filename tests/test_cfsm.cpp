@@ -595,7 +595,7 @@ TEST_CASE("a failed or done machine refuses every further event") {
 
 TEST_SUITE("cfsm") {
 
-TEST_CASE("a real server's engine refuses an event its table does not allow (EOFT while it still sends)") {
+TEST_CASE("a real server's engine refuses an event its table does not allow (a confirming EOFR while it still sends)") {
   xt::TempDir root, local;
   xt::write_random_file(root / "f", 8 * 65536, 3);
   xt::XdfsdProcess d(root.path());
@@ -606,11 +606,11 @@ TEST_CASE("a real server's engine refuses an event its table does not allow (EOF
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
   REQUIRE(reply->first.event == xdfs::wire::Event::nego_reply);
-  // The right size, at the wrong time: only a receiver that has everything may say EOFT.
-  xdfs::wire::FrameHeader eoft;
-  eoft.event = xdfs::wire::Event::eoft;
-  eoft.offset = 8 * 65536;
-  c.send_frame(eoft);
+  // The right size, at the wrong time: only a receiver that has everything confirms (EOFR).
+  xdfs::wire::FrameHeader eofr;
+  eofr.event = xdfs::wire::Event::eofr;
+  eofr.offset = 8 * 65536;
+  c.send_frame(eofr);
   auto ex = c.read_exception();
   REQUIRE(ex.has_value());
   CHECK(ex->code == xdfs::errc::state_violation);
@@ -619,7 +619,7 @@ TEST_CASE("a real server's engine refuses an event its table does not allow (EOF
   CHECK(d.wait_for_log("status=error: state machine violation"));
 }
 
-TEST_CASE("a real client's engine refuses an event its table does not allow (a server's early EOFT)") {
+TEST_CASE("a real client's engine refuses an event its table does not allow (a server's early EOFR)") {
   xt::TempDir local;
   xt::RawServer srv;
   xt::write_random_file(local / "f", 4 << 20, 4);
@@ -627,10 +627,10 @@ TEST_CASE("a real client's engine refuses an event its table does not allow (a s
     auto c = srv.accept();
     if (!c) return;
     c->send_reply({0, 1 << 20, c->hello.nego.block_size});
-    xdfs::wire::FrameHeader eoft;
-    eoft.event = xdfs::wire::Event::eoft;
-    eoft.offset = c->hello.nego.file_size;
-    c->send_frame(eoft);
+    xdfs::wire::FrameHeader eofr;
+    eofr.event = xdfs::wire::Event::eofr;
+    eofr.offset = c->hello.nego.file_size;
+    c->send_frame(eofr);
     c->wait_closed();
   });
   auto r = xt::xduc({"-q", "--known-hosts", local / "kh", local / "f",

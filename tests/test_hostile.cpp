@@ -16,9 +16,9 @@
 #include <thread>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
 
 using xdfs::errc;
 using xdfs::Mode;
@@ -752,14 +752,14 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
   rfs.close();
 }
 
-TEST_CASE("path mode: an EOFT or NOOP carrying a payload is refused before it is acted on, by either side") {
+TEST_CASE("path mode: an EOFR or NOOP carrying a payload is refused before it is acted on, by either side") {
   // Such a frame's header is authenticated only by the tag after its payload: acting on the
-  // header at once would let anyone on the path end a session as if the client had.
+  // header at once would let anyone on the path end an operation as if the client had.
   xt::TempDir root, local;
   xdfs::ServerConfig cfg;
   cfg.root = root.path();
   xt::InProcessServer srv(cfg);
-  for (auto ev : {Event::eoft, Event::noop}) {
+  for (auto ev : {Event::eofr, Event::noop}) {
     CAPTURE(xdfs::wire::to_string(ev));
     xt::RawChannel c(srv.port());
     REQUIRE(c.establish(xt::make_hello(Mode::path, ".", 1)));
@@ -1141,7 +1141,7 @@ TEST_CASE("what a session moves never crosses the wire in the clear, and a seen 
   REQUIRE(done.has_value());
   while (done && done->first.event == Event::ack) done = victim.read_frame();
   REQUIRE(done.has_value());
-  CHECK(done->first.event == Event::eoft);
+  CHECK(done->first.event == Event::eofr);  // committed; the channel stays for the next operation
   CHECK(fs::file_size(root / "v") == (2u << 16));
 }
 
@@ -1167,7 +1167,7 @@ TEST_CASE("a handler that throws fails its own session only") {
     std::lock_guard g(mu);
     lines.push_back(l);
   };
-  auto real = xdfs::xftsm::server_factory();
+  auto real = xdfs::runtime::session_factory(xdfs::standard_modes());
   cfg.listen = "127.0.0.1:0";
   xdfs::Server server(cfg, [real](xdfs::runtime::SessionEnv& env) -> std::unique_ptr<xdfs::runtime::SessionHandler> {
     auto f = std::make_unique<Faulty>();

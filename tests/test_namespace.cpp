@@ -26,7 +26,7 @@
 #include <string>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 
 namespace fs = std::filesystem;
 using xdfs::errc;

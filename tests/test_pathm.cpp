@@ -17,10 +17,10 @@
 #include <thread>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/pathm/messages.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
 
 using xdfs::errc;
 namespace pm = xdfs::pathm;

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 
 using xdfs::Mode;
 using xdfs::wire::Event;

@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/xftsm/transfer.hpp"
 
@@ -324,7 +324,9 @@ TEST_CASE("frames that arrive a byte at a time are put together: an upload and a
   auto done = c.read_frame();
   while (done && done->first.event == xdfs::wire::Event::ack) done = c.read_frame();
   REQUIRE(done.has_value());
-  CHECK(done->first.event == xdfs::wire::Event::eoft);
+  // The server's EOFR: the file is committed and the channel stays for the next operation.
+  CHECK(done->first.event == xdfs::wire::Event::eofr);
+  CHECK(done->first.offset == data.size());
   CHECK(xt::read_file(root / "slow") == std::string(data.begin(), data.end()));
 
   xt::RawChannel p(d.port());

@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "support.hpp"
-#include "xdfs/client.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/xsec.hpp"
 
@@ -188,8 +188,9 @@ TEST_CASE("frame protection: each mode detects what it claims") {
 }
 
 TEST_CASE("block payloads: sealed on the disk thread, bound to their offset") {
-  const auto key = xs::data_key(xs::Key32{}, true);
-  CHECK(key != xs::data_key(xs::Key32{}, false));  // one key per direction
+  const auto key = xs::data_key(xs::Key32{}, true, 0);
+  CHECK(key != xs::data_key(xs::Key32{}, false, 0));  // one key per direction
+  CHECK(key != xs::data_key(xs::Key32{}, true, 1));   // and per transfer
   for (auto mode : {xs::Protect::integrity, xs::Protect::private_}) {
     for (auto cipher : {xs::Cipher::aes256gcm, xs::Cipher::chacha20poly1305}) {
       CAPTURE(xs::to_string(mode));
@@ -210,7 +211,7 @@ TEST_CASE("block payloads: sealed on the disk thread, bound to their offset") {
       CHECK_FALSE(rx.open(moved.data(), 5000, 0));
       auto shorter = slot;
       CHECK_FALSE(rx.open(shorter.data(), 4999, 65536));
-      xs::BlockCrypto other(mode, cipher, xs::data_key(xs::Key32{}, false));
+      xs::BlockCrypto other(mode, cipher, xs::data_key(xs::Key32{}, false, 0));
       auto wrong_key = slot;
       CHECK_FALSE(other.open(wrong_key.data(), 5000, 65536));
     }

@@ -23,8 +23,10 @@ struct Opening {
   joinNonce @6 :Data;            # join: the client's 32 fresh random bytes
 }
 
-# The transfer (the paper's Table 2, minus what the opening says): the payload of the client's
-# last Noise XX message, so it is encrypted and bound to the handshake in every protection mode.
+# An operation of the session (the paper's Table 2, minus what the opening says). The first is
+# the payload of the client's last Noise XX message, so it is encrypted and bound to the
+# handshake in every protection mode; each later one is a NEGO frame on every channel, protected
+# as every control frame is. Channel count, block size, TCP window and flags stay the session's.
 struct Negotiation {
   channelCount @0 :UInt32;       # n
   mode @1 :Mode;
@@ -34,6 +36,8 @@ struct Negotiation {
   extendedFlags @5 :UInt64;      # bit set of ExtendedFlag
   fileSize @6 :UInt64;           # upload: bytes the client will send
   window @7 :UInt64;             # download: bytes the client lets be unacknowledged
+  transfer @8 :UInt64;           # the operation's number in its session: 0 in the handshake, then
+                                 # strictly increasing; the data keys of an operation derive from it
 }
 
 # The server's answer on each channel once all n have joined.
@@ -49,4 +53,6 @@ struct ExceptionHeader {
   message @1 :Text;
   channelIndex @2 :UInt32;
   offset @3 :UInt64;
+  refused @4 :Bool;              # the operation asked for is refused; the session and its channels
+                                 # stay as they were, ready for the next one
 }

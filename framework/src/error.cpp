@@ -45,6 +45,7 @@ const char* to_string(errc e) noexcept {
     case errc::auth_failed: return "authentication failed";
     case errc::integrity_error: return "integrity check failed";
     case errc::insecure_key_file: return "insecure key file";
+    case errc::not_supported: return "not supported";
   }
   return "unknown error";
 }

@@ -38,15 +38,6 @@ using xdsi::ErrorCode;
 using xdsi::tcp;
 using Clock = std::chrono::steady_clock;
 
-std::string format_report(const SessionReport& r) {
-  const double rate = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0.0;
-  std::string line = fmt::format("session {} end peer={} mode={} path={} channels={} bytes={} seconds={:.3f} rate={:.1f}MB/s",
-                                 r.id.short_hex(), r.peer, to_string(r.mode), r.path, r.channels, r.bytes, r.seconds,
-                                 rate / 1e6);
-  if (r.code == errc::ok) return line + " status=ok";
-  return line + " status=error: " + to_string(r.code) + (r.message.empty() ? "" : ": " + r.message);
-}
-
 namespace {
 
 // Where a connection comes from, as the pending caps and the turns of handshake work count it:
@@ -755,16 +746,7 @@ std::string Server::Impl::check(const wire::Negotiation& n, errc& code) const {
   if (n.extended_flags & ~wire::known_flags) return fmt::format("unknown extended flags {:#x}", n.extended_flags);
   const bool memory = (n.extended_flags & wire::flag_memory) != 0;
   if (memory && !config.allow_memory_mode) return "memory mode is disabled on this server (xdfsd --allow-memory-mode)";
-  if (memory && n.mode == Mode::path) return "memory mode does not apply to path sessions";
-  if (n.mode == Mode::upload && config.max_file_size && n.file_size > config.max_file_size) {
-    code = errc::limit_exceeded;
-    return fmt::format("file size {} exceeds this server's limit of {} bytes", n.file_size, config.max_file_size);
-  }
-  if (auto s = files::check_relative_path(n.remote_path); !s) {
-    code = s.code;
-    return s.message;
-  }
-  return {};
+  return runtime::check_operation(config, n, true, code);
 }
 
 void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {

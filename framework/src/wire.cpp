@@ -178,6 +178,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setExtendedFlags(n.extended_flags);
   r.setFileSize(n.file_size);
   r.setWindow(n.window);
+  r.setTransfer(n.transfer);
   return to_bytes(msg);
 }
 
@@ -197,6 +198,7 @@ std::vector<std::uint8_t> encode(const ExceptionHeader& e) {
   r.setMessage(e.message);
   r.setChannelIndex(e.channel_index);
   r.setOffset(e.offset);
+  r.setRefused(e.refused);
   return to_bytes(msg);
 }
 
@@ -261,6 +263,7 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.extended_flags = r.getExtendedFlags();
     n.file_size = r.getFileSize();
     n.window = r.getWindow();
+    n.transfer = r.getTransfer();
     if (n.file_size > max_file_size || n.window > max_file_size) {
       set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
                        " exceeds the protocol's limit of 2^62 bytes");
@@ -296,6 +299,7 @@ std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b,
     e.message = text::escape({msg.cStr(), len});
     e.channel_index = r.getChannelIndex();
     e.offset = r.getOffset();
+    e.refused = r.getRefused();
     return e;
   });
 }

@@ -595,9 +595,11 @@ bool FrameProtector::open(const wire::HeaderBytes& header, std::span<std::uint8_
 
 namespace xdfs::xsec {
 
-Key32 data_key(const Key32& session_secret, bool client_to_server) {
+Key32 data_key(const Key32& session_secret, bool client_to_server, std::uint64_t transfer) {
   auto kdf = Botan::KDF::create_or_throw("HKDF(SHA-256)");
-  const std::string label = client_to_server ? "xdfs data c2s v1" : "xdfs data s2c v1";
+  // The label, then the transfer number in 8 big-endian bytes: one key per direction and operation.
+  std::string label = client_to_server ? "xdfs data c2s v2" : "xdfs data s2c v2";
+  for (int shift = 56; shift >= 0; shift -= 8) label.push_back(static_cast<char>((transfer >> shift) & 0xff));
   auto out = kdf->derive_key(32, session_secret.data(), session_secret.size(), nullptr, 0,
                              reinterpret_cast<const std::uint8_t*>(label.data()), label.size());
   Key32 k;
@@ -606,7 +608,7 @@ Key32 data_key(const Key32& session_secret, bool client_to_server) {
 }
 
 namespace {
-// A block is sealed once per session direction, so its offset is a unique nonce; the associated
+// A block is sealed once per operation and direction (its key), so its offset is a unique nonce; the associated
 // data binds offset and length.
 Nonce block_nonce(std::uint64_t offset) { return counter_nonce(offset, {'b', 'l', 'k', 0}); }
 std::array<std::uint8_t, 12> block_ad(std::uint64_t offset, std::uint32_t len) {

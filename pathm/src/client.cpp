@@ -122,13 +122,16 @@ Client::Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_
                std::chrono::milliseconds idle_timeout)
     : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout) {
   outstanding_.assign(channels_.size(), 0);
+  eofr_.assign(channels_.size(), false);
   last_ = Clock::now();
   for (auto& ch : channels_) read_loop(*ch);
 }
 
 Client::~Client() {
-  for (auto& ch : channels_)
-    if (ch) ch->close();
+  // Channels that did not end cleanly must not be read again on behalf of a client that is gone.
+  if (!ended_)
+    for (auto& ch : channels_)
+      if (ch) ch->close();
 }
 
 void Client::fail(errc code, const std::string& message, bool remote) {
@@ -152,11 +155,12 @@ void Client::fail(errc code, const std::string& message, bool remote) {
 
 void Client::check() const {
   if (code_ != errc::ok) throw Error(code_, message_);
+  if (closed_) throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
 
 void Client::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
-    if (code_ != errc::ok || closed_) return;
+    if (code_ != errc::ok || ended_) return;
     if (ec) {
       auto f = read_failure(ch, ec, "server");
       return fail(f.code, f.message, f.peer_gone);
@@ -178,6 +182,14 @@ void Client::read_loop(xdsi::Channel& ch) {
       if (h.length != 0) return fail(errc::protocol_error, "NOOP with a payload from the server", false);
       return read_loop(ch);
     }
+    if (h.event == wire::Event::eofr) {
+      // The server's answer to our EOFR: the operation is over on this channel, not read again.
+      if (!closed_ || h.length != 0 || eofr_[ch.index()])
+        return fail(errc::protocol_error, fmt::format("EOFR from the server on channel {} before the client ended", ch.index()), false);
+      eofr_[ch.index()] = true;
+      ++eofrs_;
+      return;
+    }
     if (h.event != wire::Event::xpathm)
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
@@ -197,7 +209,7 @@ void Client::read_loop(xdsi::Channel& ch) {
 }
 
 void Client::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
-  if (code_ != errc::ok || closed_) return;
+  if (code_ != errc::ok || ended_) return;
   if (ec) {
     auto f = read_failure(ch, ec, "server");
     return fail(f.code, f.message, f.peer_gone);
@@ -209,7 +221,7 @@ void Client::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const 
 void Client::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
   auto part = buf->writable().subspan(have);
   ch.async_read_payload_part(part, [this, &ch, buf, total](const xdsi::ErrorCode& ec) {
-    if (ec || code_ != errc::ok || closed_) return finish_reply(ch, buf, ec);
+    if (ec || code_ != errc::ok || ended_) return finish_reply(ch, buf, ec);
     if (buf->size < total) {
       auto bigger = Buffer::make(std::min(total, 2 * buf->size));
       std::memcpy(bigger->words.get(), buf->words.get(), buf->size);
@@ -408,28 +420,40 @@ void Client::put(std::vector<Entry> entries) {
     if (e.code != errc::ok) throw Error(e.code, e.message);
 }
 
-void Client::close() {
+bool Client::close() {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
-  if (closed_ || code_ != errc::ok) return;
+  if (closed_ || code_ != errc::ok) return ended_;
   closed_ = true;
-  wire::FrameHeader h;
-  h.event = wire::Event::eoft;
-  auto open = std::make_shared<unsigned>(0);
-  auto closed = std::make_shared<unsigned>(0);
-  // EOFT on every channel, each ahead of that channel's FIN (the lingering close starts once the
-  // EOFT has left): whichever channel the server reads first, it learns the session is over
-  // before it sees a channel close.
+  // EOFR on every channel: every request has its answer (calls are synchronous), so the server
+  // answers with EOFR on every channel and the channels are the session's again.
+  auto unsent = std::make_shared<std::size_t>(0);
   for (auto& c : channels_) {
-    if (!c || !c->open()) continue;
-    ++*open;
+    if (!c || !c->open()) return false;
+    wire::FrameHeader h;
+    h.event = wire::Event::eofr;
+    ++*unsent;
     auto* ch = c.get();
-    ch->send(h, std::vector<std::uint8_t>{}, [ch, closed](const xdsi::ErrorCode&) {
-      ch->linger_close([closed] { ++*closed; });
+    ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent](const xdsi::ErrorCode& ec) {
+      --*unsent;
+      if (ec && code_ == errc::ok)
+        fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch->index(), ec.message()), true);
     });
   }
   io_.restart();
-  const auto until = Clock::now() + std::chrono::seconds(2);
-  while (*closed < *open && Clock::now() < until) io_.run_one_for(std::chrono::milliseconds(100));
+  const auto until = Clock::now() + idle_timeout_;
+  while (code_ == errc::ok && (eofrs_ < channels_.size() || *unsent > 0)) {
+    if (Clock::now() >= until) {
+      fail(errc::timeout, fmt::format("the server did not end the path operation within {} ms", idle_timeout_.count()),
+           false);
+      break;
+    }
+    io_.run_one_for(std::chrono::milliseconds(100));
+  }
+  // What is left of the failure's goodbye leaves before the caller goes on.
+  while (*unsent > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
+  }
+  ended_ = code_ == errc::ok;
+  return ended_;
 }
 
 void Client::keep_alive() {

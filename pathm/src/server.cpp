@@ -136,7 +136,7 @@ void Server::read_loop(xdsi::Channel& ch) {
     if (h.event != wire::Event::noop || (sending_ == 0 && parked_.empty())) last_ = Clock::now();
     // A frame with a payload is not authenticated until its tag, after the payload: one that
     // should have none is refused before it is acted on.
-    if ((h.event == wire::Event::eoft || h.event == wire::Event::noop) && h.length != 0)
+    if ((h.event == wire::Event::eofr || h.event == wire::Event::noop) && h.length != 0)
       return fail(errc::protocol_error, fmt::format("{} with a payload", wire::to_string(h.event)), false, true);
     switch (h.event) {
       case wire::Event::xpathm: {
@@ -147,22 +147,14 @@ void Server::read_loop(xdsi::Channel& ch) {
                       false, true);
         return admit(ch, h);
       }
-      case wire::Event::eoft: {
-        // The client is done: every request has its answer. Close quietly.
-        finished_ = true;
-        watchdog_.cancel();
-        retry_.cancel();
-        shared_->stopped = true;
-        writer_.discard_all();  // large files it left unfinished
-        for (auto& c : channels_)
-          if (c && c->open()) c->linger_close([] {});
-        linger_.expires_after(std::chrono::seconds(2));
-        linger_.async_wait([this](const xdsi::ErrorCode&) {
-          for (auto& c : channels_)
-            if (c) c->close();
-        });
-        done_(errc::ok, "", false);
-        return;
+      case wire::Event::eofr: {
+        // The client ends the path operation on this channel (it has every answer): the
+        // channel is not read again in this operation.
+        if (eofr_[ch.index()])
+          return fail(errc::protocol_error, fmt::format("EOFR twice on channel {}", ch.index()), false, true);
+        eofr_[ch.index()] = true;
+        ++eofrs_;
+        return maybe_end();
       }
       case wire::Event::noop: return read_loop(ch);
       case wire::Event::exception: {
@@ -252,7 +244,33 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
     if (ec && ec != boost::asio::error::operation_aborted && !finished_)
       fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch->index(), ec.message()), true, false);
     if (sent) sent();
+    maybe_end();
   });
+}
+
+// The client ended the operation on every channel: once every request it sent is answered and
+// the answers have left, EOFR goes back on every channel, and the channels are the session's
+// again. Files the client left unfinished are discarded.
+void Server::maybe_end() {
+  if (finished_ || eofrs_ != channels_.size() || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
+  finished_ = true;
+  watchdog_.cancel();
+  retry_.cancel();
+  shared_->stopped = true;
+  shared_->cv.notify_all();
+  writer_.discard_all();
+  auto left = std::make_shared<std::size_t>(channels_.size());
+  auto failed = std::make_shared<bool>(false);
+  for (auto& c : channels_) {
+    wire::FrameHeader h;
+    h.event = wire::Event::eofr;
+    c->send(h, std::vector<std::uint8_t>{}, [this, left, failed](const xdsi::ErrorCode& ec) {
+      if (ec) *failed = true;
+      if (--*left != 0) return;
+      if (*failed) return done_(errc::peer_aborted, "client closed a channel as the path operation ended", true);
+      done_(errc::ok, "", false);
+    });
+  }
 }
 
 // On a worker: decode, do the file-system work, and hand the replies to the network thread. A

@@ -95,7 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const auto plain = block;
       block.resize(len + 16);
       for (auto mode : {xs::Protect::integrity, xs::Protect::private_}) {
-        xs::BlockCrypto c(mode, xs::Cipher::aes256gcm, xs::data_key(xs::Key32{}, true));
+        xs::BlockCrypto c(mode, xs::Cipher::aes256gcm, xs::data_key(xs::Key32{}, true, 0));
         auto b = block;
         std::copy(plain.begin(), plain.end(), b.begin());
         c.seal(b.data(), len, off);

@@ -1,5 +1,5 @@
 // libFuzzer harness for a whole server session: the real xFTSM and path modes (the handler
-// xdfsd runs, from xftsm::server_factory), given authenticated channels whose keys a handshake
+// xdfsd runs: the framework session over the standard modes), given authenticated channels whose keys a handshake
 // would have produced, then fed an arbitrary sequence of frames: sealed so that they pass the
 // MACs (the fuzzer reaches the logic behind them), or corrupted on purpose, or not frames at all.
 //
@@ -33,7 +33,7 @@
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/server.hpp"
 #include "xdfs/wire.hpp"
-#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xdfs.hpp"
 #include "xdfs/xsec.hpp"
 
 namespace {
@@ -199,9 +199,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The client's ends of the channels, keyed as a handshake would have keyed them.
   std::vector<std::unique_ptr<xs::FrameProtector>> seal;
   xs::BlockCrypto blocks(protect == xs::Protect::clear ? xs::Protect::integrity : protect, xs::Cipher::aes256gcm,
-                         xs::data_key(env.session_secret, true));
+                         xs::data_key(env.session_secret, true, 0));
   {
-    auto handler = xdfs::xftsm::server_factory()(env);
+    auto handler = xdfs::runtime::session_factory(xdfs::standard_modes())(env);
     for (std::uint32_t i = 0; i < n; ++i) {
       int sv[2];
       if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) != 0) std::abort();

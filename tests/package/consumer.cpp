@@ -2,7 +2,7 @@
 #include <xdfs/client.hpp>
 #include <xdfs/server.hpp>
 #include <xdfs/xsec.hpp>
-#include <xdfs/xftsm/server_mode.hpp>
+#include <xdfs/xdfs.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   cfg.state_dir = state;
   cfg.listen = "127.0.0.1:0";
   cfg.log = [](const std::string&) {};
-  xdfs::Server server(cfg, xdfs::xftsm::server_factory());
+  xdfs::Server server(cfg, xdfs::runtime::session_factory(xdfs::standard_modes()));
   std::thread t([&] { server.run(); });
   auto r = xdfs::upload(argv[2], {"127.0.0.1", server.port()}, "copy", {});
   server.stop();

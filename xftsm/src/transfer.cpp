@@ -89,12 +89,18 @@ void Engine::fail(errc code, const std::string& message, bool from_peer, bool te
 }
 
 void Engine::finish_ok() {
+  // The operation ended on every channel: nothing of it is left to read or send there, and the
+  // channels stay open for the session's next operation.
   watchdog_.cancel();
   ErrorCode ignored;
   wake_.cancel(ignored);
   stop_disk();
-  close_all();
   host_.finished(errc::ok, {}, false);
+}
+
+std::string Engine::unexpected(const xdsi::Channel& ch, const FrameHeader& h) const {
+  return std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(ch.index()) +
+         " in state " + to_string(machine_.state());
 }
 
 void Engine::close_all() noexcept {
@@ -171,7 +177,8 @@ void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
 
 Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
                const TransferParams& p, piod::Source source)
-    : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0) {
+    : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0),
+      confirmed_(channels.size(), false) {
   ready_.reserve(pipe_.slots());
 }
 
@@ -236,6 +243,7 @@ void Sender::pump() {
               touch();
               pipe_.to_disk(piod::Block{b.slot, 0, 0});  // slot goes back for read-ahead
               if (fire(Event::block_sent)) pump();
+              maybe_finish();
             });
   }
   if (ready_head_ == ready_.size()) {
@@ -249,8 +257,12 @@ void Sender::pump() {
       FrameHeader h;
       h.event = wire::Event::eofr;
       h.offset = source_.size;
+      ++eofr_unsent_;
       ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
-        if (ec) channel_error(*c, ec);
+        --eofr_unsent_;
+        if (machine_.finished()) return;
+        if (ec) return channel_error(*c, ec);
+        maybe_finish();
       });
     }
   }
@@ -283,19 +295,32 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
       if (!fire(Event::ack_received)) return;
       pump();
       return read_loop(ch);
-    case wire::Event::eoft:
+    case wire::Event::eofr:
+      // The receiver committed the file: its last word on this channel, which is done with
+      // this transfer (it is not read again until the next operation).
+      // Only a receiver that has everything confirms: the table allows it in draining alone.
+      if (!machine_.find(Event::committed)) return (void)fire(Event::committed);
       if (h.length != 0 || h.offset != source_.size)
         return fail(errc::size_mismatch,
                     "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(source_.size),
                     false, true);
+      if (confirmed_[ch.index()]) return fail(errc::protocol_error, unexpected(ch, h) + " twice", false, true);
+      confirmed_[ch.index()] = true;
       done_bytes_ = source_.size;
-      if (!fire(Event::committed)) return;
-      return finish_ok();
+      touch();
+      ++confirmations_;
+      return maybe_finish();
     default:
-      return fail(errc::protocol_error,
-                  std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(ch.index()),
-                  false, true);
+      return fail(errc::protocol_error, unexpected(ch, h), false, true);
   }
+}
+
+// Done when the receiver confirmed on every channel and everything this side queued has left.
+void Sender::maybe_finish() {
+  if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0) return;
+  for (auto q : inflight_)
+    if (q != 0) return;
+  if (fire(Event::committed)) finish_ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -341,16 +366,14 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   if (h.event == wire::Event::eofr) {
     if (h.length != 0 || eofr_[idx])
       return fail(errc::protocol_error, "duplicate or malformed EOFR on channel " + std::to_string(idx), false, true);
+    // The sender's last word on this channel: it is not read again in this transfer.
     eofr_[idx] = true;
     ++eofr_count_;
     touch();
     maybe_complete();
-    if (!machine_.finished() && !committing_) read_loop(ch);
     return;
   }
-  if (h.event != params_.data_event)
-    return fail(errc::protocol_error,
-                std::string("unexpected ") + wire::to_string(h.event) + " on channel " + std::to_string(idx), false, true);
+  if (h.event != params_.data_event) return fail(errc::protocol_error, unexpected(ch, h), false, true);
   // The header is not authenticated until its frame's tag, after the payload, has been checked:
   // only its length is used before that, as a bound on what to read into a slot. What it says
   // (which block, whether it came before) is judged once the frame is known to be the peer's.
@@ -427,10 +450,12 @@ void Receiver::maybe_ack() {
   h.event = wire::Event::ack;
   h.offset = acked_sent_;
   auto& ch = *channels_.front();
+  ++acks_unsent_;
   ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& ec) {
+    --acks_unsent_;
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
-    fire(Event::ack_sent);
+    if (fire(Event::ack_sent)) maybe_finish();
   });
 }
 
@@ -448,17 +473,26 @@ void Receiver::maybe_complete() {
   // All slots are back, so the disk thread is idle: stop it before the file is made final.
   writer_.reset();
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
-  auto remaining = std::make_shared<std::size_t>(channels_.size());
+  // EOFR back on every channel, with the bytes committed: this side is done with the transfer
+  // there, and the channel is ready for the session's next operation.
   for (auto& ch : channels_) {
     FrameHeader h;
-    h.event = wire::Event::eoft;
+    h.event = wire::Event::eofr;
     h.offset = params_.file_size;
-    ch->send(h, std::vector<std::uint8_t>{}, [this, remaining](const xdsi::ErrorCode& ec) {
+    ++eofr_unsent_;
+    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+      --eofr_unsent_;
       if (machine_.finished()) return;
-      // The file is committed; a peer that hangs up before reading EOFT changes nothing here.
-      if (--*remaining == 0 && fire(Event::committed)) finish_ok();
+      if (ec) return channel_error(*c, ec);
+      maybe_finish();
     });
   }
+}
+
+// Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
+void Receiver::maybe_finish() {
+  if (machine_.finished() || !committing_ || eofr_unsent_ != 0 || acks_unsent_ != 0 || writer_) return;
+  if (fire(Event::committed)) finish_ok();
 }
 
 }  // namespace xdfs::xftsm

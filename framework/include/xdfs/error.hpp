@@ -36,10 +36,11 @@ enum class errc : std::uint32_t {
   auth_failed = 22,          ///< a key was not accepted (unknown client, unknown or changed server, bad join proof)
   integrity_error = 23,      ///< a frame failed its check: modified, replayed, reordered or dropped
   insecure_key_file = 24,    ///< a private key file others can read
+  not_supported = 25,        ///< the server does not offer what was asked (a mode it disabled)
 };
 
 /// The highest code defined; wire codes above it are unknown.
-inline constexpr errc last_errc = errc::insecure_key_file;
+inline constexpr errc last_errc = errc::not_supported;
 
 const std::error_category& category() noexcept;
 

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "xdfs/budget.hpp"
 #include "xdfs/error.hpp"
@@ -69,17 +71,19 @@ struct ServerConfig {
   std::function<void(const std::string&)> log;
 };
 
-/// What a finished session reports; the runtime logs it as the session's end line.
+/// What a finished session (or one operation of it) reports; the runtime logs it as an end line.
 struct SessionReport {
   SessionId id;
   std::string peer;
-  Mode mode = Mode::upload;
+  Mode mode = Mode::upload;   ///< of the first operation (the session's), or of this operation
   std::string path;
   unsigned channels = 0;
   std::uint64_t bytes = 0;
   double seconds = 0;
   errc code = errc::ok;
   std::string message;
+  std::uint64_t operations = 1;  ///< the session's operations (a session's end line shows it when > 1)
+  std::optional<std::uint64_t> operation;  ///< set: this is the end line of that operation
 };
 
 namespace runtime {
@@ -127,6 +131,73 @@ public:
 };
 
 using HandlerFactory = std::function<std::unique_ptr<SessionHandler>(SessionEnv& env)>;
+
+// ---------------------------------------------------------------------------------------------
+// Modes. A session is who and which n channels; a mode is what those channels carry for one
+// operation. The session (framework) admits the operation, makes it with its mode's factory, and
+// takes the channels back when it ended on every one (EOFR both ways) for the next.
+
+/// Given to an operation; lives as long as it.
+struct OperationEnv {
+  boost::asio::io_context& io;
+  const ServerConfig& config;
+  int root_fd;                   ///< what the client may see
+  SessionId id;
+  std::string peer;
+  std::string tag;               ///< names temporary files (run mark and session)
+  const wire::Opening& opening;  ///< protection level and cipher
+  wire::Negotiation nego;        ///< this operation (checked against the limits and the client's rights)
+  Client client;
+  xsec::Key32 session_secret{};  ///< xsec::data_key(session_secret, direction, nego.transfer)
+  MemoryBudget& budget;
+  xdsi::ChannelList& channels;   ///< all n, each with nothing of this operation read or sent yet
+  std::function<void(const std::string&)> log;
+};
+
+/// How an operation ended.
+struct OperationResult {
+  errc code = errc::ok;
+  std::string message;
+  bool from_peer = false;
+  /// Refused before it started: nothing was sent on the channels, the session answers every
+  /// channel with the refusal and stays ready for the next operation.
+  bool refused = false;
+  /// It ended on every channel (EOFR both ways, nothing of it left to read or send): the
+  /// channels are ready for the next operation. Otherwise the operation has told the peer and
+  /// is closing the channels, and the session ends.
+  bool reusable = false;
+};
+
+/// One operation of a mode. All calls arrive on the session's thread.
+class Operation {
+public:
+  virtual ~Operation() = default;
+  /// Opens what it needs and answers on every channel (a NEGO_REPLY), or reports a refusal.
+  virtual void start() = 0;
+  /// The server stops or a handler threw: fail now, remove partial files, tell the peer.
+  virtual void abort(errc code, const std::string& message) = 0;
+  /// Bytes moved so far (for the end line).
+  virtual std::uint64_t bytes() const noexcept = 0;
+};
+
+/// Called once by an operation when it has ended (on the session's thread).
+using OperationDone = std::function<void(OperationResult)>;
+using OperationFactory = std::function<std::unique_ptr<Operation>(OperationEnv& env, OperationDone done)>;
+
+/// The modes a server offers: what each Mode of a negotiation runs. A mode not listed is
+/// refused ("disabled on this server").
+struct ModeEntry {
+  Mode mode;
+  OperationFactory make;
+};
+using Modes = std::vector<ModeEntry>;
+
+/// The framework's session over these modes: what Server takes.
+HandlerFactory session_factory(Modes modes);
+
+/// Whether a negotiated operation fits the server's limits and the client's rights; the
+/// reason otherwise (empty if it fits), with its code.
+std::string check_operation(const ServerConfig& config, const wire::Negotiation& n, bool write, errc& code);
 
 }  // namespace runtime
 

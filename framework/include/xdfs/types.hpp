@@ -9,7 +9,7 @@
 namespace xdfs {
 
 /// Protocol version spoken by this build (2: the negotiation travels inside the handshake).
-inline constexpr std::uint16_t protocol_version = 2;
+inline constexpr std::uint16_t protocol_version = 3;
 
 /// A session's 16-byte random identifier, the same on all of its channels.
 struct SessionId {

@@ -39,13 +39,14 @@ bool check_text(std::string_view text, const char* what, std::string* why);
 
 /// The paper's channel events (Table 3), plus the control frames xDFS needs around them.
 enum class Event : std::uint8_t {
-  nego = 1,       ///< the channel's opening (Cap'n Proto Opening); the negotiation rides in the handshake
-  nego_reply = 2, ///< server accepts the session (Cap'n Proto NegotiationReply)
+  nego = 1,       ///< the channel's opening (Cap'n Proto Opening); later, the next operation (Negotiation)
+  nego_reply = 2, ///< server accepts an operation (Cap'n Proto NegotiationReply)
   xftsmu = 3,     ///< file block, client to server
   xftsmd = 4,     ///< file block, server to client
   xpathm = 5,     ///< path operation (reserved for path mode)
-  eofr = 6,       ///< no more blocks on this channel; channel stays open for reuse
-  eoft = 7,       ///< the transfer is complete and committed; the session ends
+  eofr = 6,       ///< this side's part of the operation ends on this channel, which stays for the next
+                  ///< (sender: no more blocks; receiver: the file is committed, offset = its bytes)
+  eoft = 7,       ///< client: the session ends; the channels close
   noop = 8,       ///< keep-alive
   conm = 9,       ///< continue in the current channel state
   zxdfs = 10,     ///< zero-copy negotiation (reserved)
@@ -70,7 +71,7 @@ struct FrameHeader {
   Event event = Event::noop;
   std::uint8_t flags = 0;
   std::uint32_t length = 0;   ///< payload bytes following the header
-  std::uint64_t offset = 0;   ///< file offset (data), byte count (ack, eoft)
+  std::uint64_t offset = 0;   ///< file offset (data), byte count (ack, eofr)
   std::uint64_t aux = 0;      ///< reserved, zero
 };
 
@@ -104,8 +105,11 @@ struct Opening {
 /// Largest opening payload: the fields above encode in about 100 bytes.
 inline constexpr std::uint32_t max_opening_payload = 512;
 
-/// The transfer (the paper's Table 2 without the opening's fields). It is the payload of the
-/// client's last Noise XX message: encrypted, and bound into the handshake's transcript.
+/// An operation of the session (the paper's Table 2 without the opening's fields). The first is
+/// the payload of the client's last Noise XX message: encrypted, and bound into the handshake's
+/// transcript. Each later one is a NEGO frame sent on every channel once the previous operation
+/// ended on it (EOFR both ways); channel_count, block_size, tcp_window and extended_flags must
+/// stay those of the first.
 struct Negotiation {
   std::uint32_t channel_count = 1;
   Mode mode = Mode::upload;
@@ -115,6 +119,9 @@ struct Negotiation {
   std::uint64_t extended_flags = 0;
   std::uint64_t file_size = 0;  ///< upload: size of the file the client sends
   std::uint64_t window = 0;     ///< download: unacknowledged bytes the client accepts
+  /// The operation's number: 0 for the first, then strictly increasing. Its data keys derive
+  /// from the session secret and this number, so no two operations share a block nonce.
+  std::uint64_t transfer = 0;
   bool operator==(const Negotiation&) const = default;
 };
 
@@ -137,6 +144,9 @@ struct ExceptionHeader {
   std::string message;
   std::uint32_t channel_index = 0;
   std::uint64_t offset = 0;
+  /// The answer to an operation's negotiation, on every channel: that operation is refused, the
+  /// session and its channels stay ready for the next. Otherwise the session ends.
+  bool refused = false;
   bool operator==(const ExceptionHeader&) const = default;
 };
 

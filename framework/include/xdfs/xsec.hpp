@@ -166,8 +166,10 @@ JoinKeys derive_join_keys(const Key32& session_secret, std::span<const std::uint
 Key32 join_proof(const JoinKeys& k, const char* side, std::span<const std::uint8_t> client_nonce,
                  std::span<const std::uint8_t> server_nonce);
 bool equal_constant_time(std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) noexcept;
-/// The key that protects block payloads in one direction of a session.
-Key32 data_key(const Key32& session_secret, bool client_to_server);
+/// The key that protects block payloads in one direction of one operation of a session: each
+/// (transfer, direction) pair has its own key, and within it a block's offset is its nonce, sealed
+/// once; so no (key, nonce) pair is ever used twice in a session.
+Key32 data_key(const Key32& session_secret, bool client_to_server, std::uint64_t transfer);
 
 /// Seals and opens block payloads on a disk thread (integrity: GMAC tag; private: AEAD).
 class BlockCrypto final : public piod::BlockSealer {

@@ -67,10 +67,12 @@ struct ServerParams {
   std::uint64_t max_file_size = 0;
 };
 
-/// Serves path requests on a root directory until the client ends the session (EOFT).
+/// Serves path requests on a root directory until the client ends the operation (EOFR on every
+/// channel, answered with EOFR on every channel once every request is answered).
 class Server {
 public:
-  /// done(ok) when the client ends the session, done(code) on the first failure.
+  /// done(ok) when the operation ended cleanly (the channels are ready for the session's next),
+  /// done(code) on the first failure (the peer was told; the channels close).
   using Done = std::function<void(errc, const std::string&, bool from_peer)>;
   Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done);
   ~Server();
@@ -92,6 +94,7 @@ private:
   void send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent = {});
   void fail(errc code, const std::string& message, bool from_peer, bool tell);
   void resume();
+  void maybe_end();
   void arm_watchdog();
   // Requests read but not answered yet: a few per worker keep them busy; more would only hold
   // memory (a get may answer with two blocks).
@@ -122,6 +125,8 @@ private:
   bool retry_armed_ = false;
   std::chrono::steady_clock::time_point last_;
   bool finished_ = false;
+  std::vector<bool> eofr_ = std::vector<bool>(channels_.size(), false);  // per channel: the client ended there
+  std::size_t eofrs_ = 0;
   WorkPool pool_;  // last: joined first
 };
 
@@ -192,8 +197,10 @@ public:
   /// The tree at remote becomes local; local is made if missing.
   TreeResult download_tree(const std::string& remote, const std::string& local, const TreeOptions& o);
 
-  /// Ends the session: EOFT on every channel, then closes them.
-  void close();
+  /// Ends the path operation: EOFR on every channel, then waits for the server's on every
+  /// channel. True if it ended cleanly (the channels are ready for the session's next
+  /// operation); false if the session failed (its channels are closed or closing).
+  bool close();
   /// Tells the server that an idle session is still wanted (a NOOP frame), so that its idle
   /// timeout does not end it. Does nothing while a call is running or after the session ended.
   /// Safe from another thread: RemoteFs calls it on a timer.
@@ -239,7 +246,10 @@ private:
   errc code_ = errc::ok;
   std::string message_;
   bool remote_ = false;
-  bool closed_ = false;
+  bool closed_ = false;   // close() was called: no more requests
+  bool ended_ = false;    // the operation ended cleanly on every channel
+  std::vector<bool> eofr_;  // per channel: the server's EOFR arrived
+  std::size_t eofrs_ = 0;
   std::chrono::steady_clock::time_point last_;
   std::recursive_mutex call_mu_;  // one call at a time (trees call stat, list and mkdir inside)
 };

@@ -1,11 +1,11 @@
-// xFTSM on the server: upload and download sessions under the server runtime.
+// xFTSM on the server: file uploads and downloads as operations of the framework's sessions.
 #pragma once
 
 #include "xdfs/server.hpp"
 
 namespace xdfs::xftsm {
 
-/// The factory xdfsd plugs into xdfs::Server: one xFTSM session per session GUID.
-runtime::HandlerFactory server_factory();
+/// The two modes (upload, download) a server adds to its runtime::Modes.
+runtime::Modes server_modes();
 
 }  // namespace xdfs::xftsm

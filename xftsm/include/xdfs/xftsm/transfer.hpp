@@ -83,6 +83,8 @@ protected:
   /// FIFO sink that nobody reads, that can be long).
   virtual void stop_disk() noexcept = 0;
   void touch() noexcept { last_activity_ = std::chrono::steady_clock::now(); }
+  /// "unexpected EVENT on channel i in state S", for a frame the transfer does not take.
+  std::string unexpected(const xdsi::Channel& ch, const wire::FrameHeader& h) const;
   /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
   bool handle_common(xdsi::Channel& ch, const wire::FrameHeader& h);
   void channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec);
@@ -129,6 +131,10 @@ private:
   std::uint64_t queued_ = 0;             // bytes handed to channels
   std::uint64_t acked_ = 0;
   bool all_sent_ = false;
+  std::size_t eofr_unsent_ = 0;          // EOFRs queued and not written yet
+  std::vector<bool> confirmed_;          // per channel: the receiver's EOFR arrived
+  std::size_t confirmations_ = 0;
+  void maybe_finish();
 };
 
 /// Receives one file (or into a memory sink) from all channels.
@@ -165,6 +171,9 @@ private:
   std::uint64_t acked_sent_ = 0;
   std::uint64_t ack_every_ = 0;
   bool committing_ = false;
+  std::size_t eofr_unsent_ = 0;          // confirmations queued and not written yet
+  std::size_t acks_unsent_ = 0;
+  void maybe_finish();
 };
 
 }  // namespace xdfs::xftsm

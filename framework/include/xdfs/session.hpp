@@ -1,0 +1,119 @@
+// The client's side of an xDFS session: who, and on which n channels.
+//
+// A Session connects its n channels, authenticates them (Noise XX on the first, the cheap join
+// on the others) and then carries operations one after another: each is negotiated on every
+// channel, run by a mode (an xFTSM file transfer, a path-mode session, ...) on the session's
+// channels and event loop, and ended on every channel with EOFR both ways, after which the
+// channels are ready for the next. close() ends the session (EOFT on every channel).
+//
+// The session knows no mode: a mode calls begin() with its operation's negotiation, runs its
+// engine on io() and channels(), and reports the end with end_operation().
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "xdfs/error.hpp"
+#include "xdfs/wire.hpp"
+#include "xdfs/xdsi.hpp"
+#include "xdfs/xsec.hpp"
+
+namespace xdfs {
+
+struct Endpoint {
+  std::string host = "127.0.0.1";
+  std::uint16_t port = 7721;
+};
+
+/// What every session needs, whatever its operations.
+struct SessionOptions {
+  unsigned channels = 1;                 ///< n parallel TCP channels
+  std::uint32_t block_size = 1u << 20;   ///< bytes per block
+  std::uint32_t tcp_window = 0;          ///< SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
+  std::chrono::milliseconds connect_timeout{15000};  ///< connect + negotiation of an operation
+  std::chrono::milliseconds idle_timeout{60000};     ///< no progress this long fails the operation
+  /// RemoteFs: while no call runs, a keep-alive this often, so that the server's idle timeout
+  /// (xdfsd --idle-timeout, 60 s by default) does not end the session; 0 = none.
+  std::chrono::milliseconds keep_alive{20000};
+  /// xSec: how frames are protected (every channel is authenticated in every mode).
+  xsec::Protect protect = xsec::Protect::private_;
+  /// This client's private key; empty: <config>/id_x25519, made on first use (mode 0600).
+  /// <config> is $XDFS_CONFIG_DIR, else $XDG_CONFIG_HOME/xdfs, else ~/.config/xdfs.
+  std::string identity_file;
+  /// Pinned server keys; empty: <config>/known_hosts.
+  std::string known_hosts_file;
+  /// Refuse a server whose key is not pinned yet (default: pin it on first use, with a notice).
+  bool strict_host_key = false;
+  /// One-line notices for the user (a new key made, a server key pinned).
+  std::function<void(const std::string&)> notice;
+  /// Set to true from any thread (a signal handler too) to cancel; partial files are removed.
+  const std::atomic<bool>* cancel = nullptr;
+  /// Memory-to-memory benchmark sessions (no file at the server; it must allow them).
+  bool memory = false;
+};
+
+/// A failed operation or session; remote() tells whether the server reported the error.
+class TransferError : public Error {
+public:
+  TransferError(errc code, const std::string& context, bool remote) : Error(code, context), remote_(remote) {}
+  bool remote() const noexcept { return remote_; }
+
+private:
+  bool remote_;
+};
+
+class Session {
+public:
+  /// Does not connect yet: the first begin() does.
+  Session(const Endpoint& server, const SessionOptions& options);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  /// Starts an operation and blocks until the server accepted it on every channel (its reply)
+  /// or refused it. The first call connects and authenticates the n channels and negotiates
+  /// inside the handshake; later ones send the negotiation on every channel. The session fills
+  /// in channel_count, block_size, tcp_window, extended_flags and the transfer number. A refusal
+  /// throws TransferError and leaves the session ready for the next operation; any other
+  /// failure throws and leaves it closed.
+  wire::NegotiationReply begin(wire::Negotiation op);
+  /// The running operation ended. ok: it ended on every channel (EOFR both ways) and the
+  /// channels are ready for the next; otherwise the mode has told the peer and the session is
+  /// over.
+  void end_operation(bool ok);
+  /// Ends the session: EOFT on every channel, then closes them. Idempotent; never throws.
+  void close() noexcept;
+
+  /// Whether another operation may begin.
+  bool usable() const noexcept;
+  /// Whether the channels are connected and authenticated (an operation ran or runs).
+  bool opened() const noexcept;
+  boost::asio::io_context& io() noexcept;
+  xdsi::ChannelList& channels() noexcept;
+  const SessionOptions& options() const noexcept;
+  const Endpoint& endpoint() const noexcept;
+  xsec::Protect protect() const noexcept;
+  xsec::Cipher cipher() const noexcept;
+  /// The key that protects the blocks of the current operation in one direction.
+  xsec::Key32 data_key(bool client_to_server) const;
+  /// The number of the current (or last) operation.
+  std::uint64_t transfer() const noexcept;
+  /// Seconds from the first connect until the first operation was accepted on every channel.
+  double setup_seconds() const noexcept;
+  /// Operations begun so far (accepted or refused).
+  std::uint64_t operations() const noexcept;
+  /// A name for the session in temporary file names (its id, short).
+  std::string tag() const;
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace xdfs

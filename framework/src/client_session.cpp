@@ -1,0 +1,415 @@
+#include "xdfs/session.hpp"
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <fmt/core.h>
+
+#include <optional>
+
+#include "xdfs/types.hpp"
+
+namespace xdfs {
+
+using xdsi::ErrorCode;
+using xdsi::tcp;
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// What the session is doing between the calls of its user.
+enum class Phase { idle, negotiating, operating, ready, closed };
+}  // namespace
+
+struct Session::Impl {
+  Impl(const Endpoint& ep, const SessionOptions& opt) : endpoint(ep), opt(opt), resolver(io), deadline(io) {
+    opening.session = SessionId::random();
+    base.channel_count = opt.channels;
+    base.block_size = opt.block_size;
+    base.tcp_window = opt.tcp_window;
+    if (opt.memory) base.extended_flags |= wire::flag_memory;
+  }
+
+  boost::asio::io_context io{1};
+  Endpoint endpoint;
+  SessionOptions opt;
+  tcp::resolver resolver;
+  tcp::resolver::results_type results;
+  boost::asio::steady_timer deadline;
+  wire::Opening opening;   // what every channel says first (each with its own index and nonce)
+  wire::Negotiation base;  // the session's part of every operation's negotiation
+  wire::Negotiation nego;  // the operation being negotiated
+  xsec::KeyPair identity;
+  std::string known_hosts_path;
+  xsec::Key32 secret{};
+  xdsi::ChannelList channels;
+  Phase phase = Phase::idle;
+  bool connected = false;     // all n channels authenticated once
+  unsigned secured = 0;
+  unsigned answered = 0;      // channels that answered the operation's negotiation
+  unsigned refusals = 0;
+  std::optional<wire::NegotiationReply> reply;
+  std::optional<wire::ExceptionHeader> refusal;
+  // The negotiation's outcome when it is not a reply: the error, and whether the server said it.
+  bool failed = false;
+  errc code = errc::ok;
+  std::string message;
+  bool remote = false;
+  std::uint64_t ops = 0;
+  Clock::time_point start;
+  double setup = 0;
+
+  void check_options() {
+    if (opt.channels == 0) throw TransferError(errc::bad_argument, "channel count must be at least 1", false);
+    if (opt.block_size < wire::min_block_size || opt.block_size > wire::max_block_size)
+      throw TransferError(errc::bad_argument,
+                          fmt::format("block size {} is outside {}..{}", opt.block_size, wire::min_block_size,
+                                      wire::max_block_size),
+                          false);
+  }
+
+  wire::NegotiationReply begin(wire::Negotiation op) {
+    if (phase == Phase::closed) throw TransferError(errc::bad_argument, "the session is closed", false);
+    if (phase == Phase::negotiating || phase == Phase::operating)
+      throw TransferError(errc::bad_argument, "an operation is still running in this session", false);
+    if (op.remote_path.size() > wire::max_path_bytes)
+      throw TransferError(errc::bad_argument, "remote path longer than 4096 bytes", false);
+    op.channel_count = base.channel_count;
+    op.block_size = base.block_size;
+    op.tcp_window = base.tcp_window;
+    op.extended_flags = base.extended_flags;
+    op.transfer = ops++;
+    nego = std::move(op);
+    answered = refusals = 0;
+    reply.reset();
+    refusal.reset();
+    failed = false;
+    phase = Phase::negotiating;
+    io.restart();
+    arm_deadline();
+    if (!connected)
+      open();
+    else
+      renegotiate();
+    while (!failed && !reply && !(refusal && answered == base.channel_count) && io.run_one()) {
+    }
+    deadline.cancel();
+    io.poll();
+    if (failed || (!reply && !refusal)) {
+      if (!failed) fail(errc::internal, "the session's event loop stopped", false);
+      shut();
+      throw TransferError(code, message, remote);
+    }
+    if (refusal) {
+      phase = Phase::ready;
+      throw TransferError(refusal->code, refusal->message, true);
+    }
+    phase = Phase::operating;
+    if (!connected) {
+      connected = true;
+      setup = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+    return *reply;
+  }
+
+  void arm_deadline() {
+    const auto until = Clock::now() + opt.connect_timeout;
+    tick(until);
+  }
+
+  // The connect deadline, and the user's cancel, while an operation is negotiated.
+  void tick(Clock::time_point until) {
+    deadline.expires_after(std::chrono::milliseconds(100));
+    deadline.async_wait([this, until](const ErrorCode& ec) {
+      if (ec || phase != Phase::negotiating || failed) return;
+      if (opt.cancel && opt.cancel->load()) return fail(errc::cancelled, "cancelled by the user", false);
+      if (Clock::now() >= until)
+        return fail(errc::timeout,
+                    fmt::format("{}:{} did not accept the {} within {} ms", endpoint.host, endpoint.port,
+                                connected ? "operation" : "session", opt.connect_timeout.count()),
+                    false);
+      tick(until);
+    });
+  }
+
+  void fail(errc c, const std::string& m, bool r) {
+    if (failed) return;
+    failed = true;
+    code = c;
+    message = m;
+    remote = r;
+    resolver.cancel();
+    for (auto& ch : channels)
+      if (ch) ch->close();
+  }
+
+  void shut() noexcept {
+    phase = Phase::closed;
+    deadline.cancel();
+    for (auto& ch : channels)
+      if (ch) ch->close();
+    try {
+      io.restart();
+      io.poll();
+    } catch (...) {
+    }
+  }
+
+  // The first operation: connect, authenticate, negotiate inside the handshake.
+  void open() {
+    check_options();
+    const std::string dir = xsec::default_config_dir();
+    const std::string id_path = opt.identity_file.empty() ? dir + "/id_x25519" : opt.identity_file;
+    known_hosts_path = opt.known_hosts_file.empty() ? dir + "/known_hosts" : opt.known_hosts_file;
+    try {
+      bool created = false;
+      identity = xsec::load_or_create_key(id_path, &created);
+      if (created && opt.notice)
+        opt.notice("made a new client key " + xsec::fingerprint(identity.public_key) + " in " + id_path);
+    } catch (const Error& e) {
+      return fail(e.code(), e.context(), false);
+    }
+    opening.protect = static_cast<std::uint8_t>(opt.protect);
+    opening.cipher = static_cast<std::uint8_t>(xsec::preferred_cipher());
+    start = Clock::now();
+    resolver.async_resolve(endpoint.host, std::to_string(endpoint.port),
+                           [this](const ErrorCode& ec, tcp::resolver::results_type r) {
+                             if (failed) return;
+                             if (ec)
+                               return fail(errc::connection_failed,
+                                           "cannot resolve '" + endpoint.host + "': " + ec.message(), false);
+                             results = r;
+                             channels.resize(opt.channels);
+                             connect(0);
+                           });
+  }
+
+  void connect(std::uint32_t i) {
+    channels[i] = std::make_unique<xdsi::Channel>(tcp::socket(io), i);
+    auto& ch = *channels[i];
+    boost::asio::async_connect(ch.socket(), results, [this, &ch](const ErrorCode& ec, const tcp::endpoint&) {
+      if (failed) return;
+      if (ec) {
+        const errc c = ec == boost::asio::error::connection_refused ? errc::connection_refused : errc::connection_failed;
+        return fail(c, fmt::format("{}:{}: {}", endpoint.host, endpoint.port, ec.message()), false);
+      }
+      on_connected(ch);
+    });
+  }
+
+  // Each channel opens with the preamble and its opening in the clear; channel 0 then runs Noise
+  // XX and sends the negotiation inside it (once the server's key checked out), the others join.
+  void on_connected(xdsi::Channel& ch) {
+    xdsi::SocketOptions so;
+    so.tcp_window = opt.tcp_window;
+    xdsi::apply(ch.socket(), so);
+    auto o = opening;
+    o.channel_index = ch.index();
+    o.join = ch.index() != 0;
+    if (o.join) {
+      o.join_nonce.resize(32);
+      xsec::random_fill(o.join_nonce);
+    }
+    auto payload = wire::encode(o);
+    wire::FrameHeader h;
+    h.event = wire::Event::nego;
+    h.length = static_cast<std::uint32_t>(payload.size());
+    auto pre = wire::encode_preamble();
+    auto hb = wire::encode(h);
+    std::vector<std::uint8_t> bytes(pre.size() + hb.size() + payload.size());
+    auto at = std::copy(pre.begin(), pre.end(), bytes.begin());
+    at = std::copy(hb.begin(), hb.end(), at);
+    std::copy(payload.begin(), payload.end(), at);
+    std::vector<std::uint8_t> sent = bytes;
+    ch.send_raw(std::move(bytes), [this, &ch](const ErrorCode& ec) {
+      if (ec) channel_lost(ch, ec);
+    });
+    const auto mode = static_cast<xsec::Protect>(opening.protect);
+    const auto c = static_cast<xsec::Cipher>(opening.cipher);
+    if (!o.join) {
+      xsec::client_establish(ch, std::move(sent), identity, mode, c, wire::encode(nego),
+                             [this](const xsec::Key32& k) { return check_server(k); },
+                             [this, &ch](xsec::HandshakeResult r) {
+                               if (failed) return;
+                               if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
+                               secret = r.session_secret;
+                               on_secured(ch);
+                               for (std::uint32_t i = 1; i < opt.channels; ++i) connect(i);
+                             });
+    } else {
+      xsec::client_join(ch, std::move(sent), o.join_nonce, secret, mode, c, [this, &ch](xsec::HandshakeResult r) {
+        if (failed) return;
+        if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
+        on_secured(ch);
+      });
+    }
+  }
+
+  void on_secured(xdsi::Channel& ch) {
+    ++secured;
+    read_answer(ch);
+  }
+
+  // Known hosts: trust on first use (with a notice) unless strict; a changed key is refused.
+  xsec::HandshakeResult check_server(const xsec::Key32& key) {
+    xsec::HandshakeResult r;
+    const std::string where = endpoint.host + ":" + std::to_string(endpoint.port);
+    xsec::KnownHosts hosts(known_hosts_path);
+    auto pinned = hosts.lookup(where);
+    if (pinned && *pinned == key) return r;
+    r.code = errc::auth_failed;
+    if (pinned) {
+      r.message = "the server key of " + where + " changed: pinned " + xsec::fingerprint(*pinned) + ", offered " +
+                  xsec::fingerprint(key) + "; if that is expected, remove its line from " + known_hosts_path;
+      return r;
+    }
+    if (opt.strict_host_key) {
+      r.message = "unknown server key " + xsec::fingerprint(key) + " for " + where +
+                  " (--strict-host-key: add it to " + known_hosts_path + " first)";
+      return r;
+    }
+    try {
+      hosts.add(where, key);
+    } catch (const Error& e) {
+      r.message = e.what();
+      return r;
+    }
+    if (opt.notice) opt.notice("new server " + where + " with key " + xsec::fingerprint(key) + " pinned in " + known_hosts_path);
+    return xsec::HandshakeResult{};
+  }
+
+  // A later operation: its negotiation on every channel, then one answer from each.
+  void renegotiate() {
+    auto payload = wire::encode(nego);
+    for (auto& ch : channels) {
+      auto* c = ch.get();
+      c->send_control(wire::Event::nego, payload, [this, c](const ErrorCode& ec) {
+        if (ec) channel_lost(*c, ec);
+      });
+      read_answer(*c);
+    }
+  }
+
+  // One frame per channel answers an operation: its reply, or an exception that refuses it
+  // (the session goes on) or ends the session.
+  void read_answer(xdsi::Channel& ch) {
+    ch.async_read_header([this, &ch](const ErrorCode& ec, const wire::FrameHeader& h) {
+      if (failed) return;
+      if (ec == boost::system::errc::protocol_error)
+        return fail(errc::protocol_error, "server sent " + ch.last_error_text(), false);
+      if (ec == xdsi::integrity_failure)
+        return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), false);
+      if (ec) return channel_lost(ch, ec);
+      if (h.event != wire::Event::nego_reply && h.event != wire::Event::exception)
+        return fail(errc::protocol_error,
+                    std::string("server answered the negotiation with ") + wire::to_string(h.event), false);
+      if (h.length > wire::max_control_payload)
+        return fail(errc::protocol_error, "oversized answer to the negotiation", false);
+      auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
+      ch.async_read_payload(*buf, [this, &ch, buf, ev = h.event](const ErrorCode& ec) {
+        if (failed) return;
+        if (ec == xdsi::integrity_failure)
+          return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), false);
+        if (ec) return channel_lost(ch, ec);
+        on_answer(ev, *buf);
+      });
+    });
+  }
+
+  void on_answer(wire::Event ev, const std::vector<std::uint8_t>& payload) {
+    std::string why;
+    if (ev == wire::Event::exception) {
+      auto ex = wire::decode_exception(payload, &why);
+      if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false);
+      if (!ex->refused || reply) return fail(ex->code, ex->message, true);
+      refusal = *ex;
+      ++answered;
+      return;
+    }
+    auto r = wire::decode_reply(payload, &why);
+    if (!r) return fail(errc::protocol_error, "bad negotiation reply: " + why, false);
+    if (refusal) return fail(errc::protocol_error, "the server both refused and accepted the operation", false);
+    if (r->block_size != nego.block_size || (pending_reply && !(*pending_reply == *r)))
+      return fail(errc::protocol_error, "negotiation replies disagree", false);
+    pending_reply = *r;
+    if (++answered == base.channel_count) reply = pending_reply;
+  }
+
+  void channel_lost(xdsi::Channel& ch, const ErrorCode& ec) {
+    if (ec == boost::asio::error::operation_aborted || failed) return;
+    fail(errc::peer_aborted, fmt::format("server closed channel {} during negotiation ({})", ch.index(), ec.message()),
+         true);
+  }
+
+  void close() noexcept {
+    if (phase == Phase::closed) return;
+    const bool tell = phase == Phase::ready && connected;
+    phase = Phase::closed;
+    if (tell) {
+      try {
+        // EOFT on every channel: the session ends. Wait (briefly) for it to leave, then close.
+        unsigned left = 0;
+        for (auto& ch : channels) {
+          if (!ch || !ch->open()) continue;
+          ++left;
+          wire::FrameHeader h;
+          h.event = wire::Event::eoft;
+          ch->send(h, std::vector<std::uint8_t>{}, [&left](const ErrorCode&) { --left; });
+        }
+        io.restart();
+        deadline.expires_after(std::chrono::seconds(2));
+        bool late = false;
+        deadline.async_wait([&late](const ErrorCode& ec) {
+          if (!ec) late = true;
+        });
+        while (left > 0 && !late && io.run_one()) {
+        }
+        deadline.cancel();
+      } catch (...) {
+      }
+    }
+    shut();
+  }
+
+  std::optional<wire::NegotiationReply> pending_reply;
+};
+
+Session::Session(const Endpoint& server, const SessionOptions& options) : impl_(std::make_unique<Impl>(server, options)) {}
+
+Session::~Session() { close(); }
+
+wire::NegotiationReply Session::begin(wire::Negotiation op) {
+  impl_->pending_reply.reset();
+  return impl_->begin(std::move(op));
+}
+
+void Session::end_operation(bool ok) {
+  auto& d = *impl_;
+  if (d.phase != Phase::operating) return;
+  if (ok) {
+    d.phase = Phase::ready;
+    d.io.restart();
+    d.io.poll();  // completions that are ready (cancelled timers) run before the mode goes
+    return;
+  }
+  d.shut();
+}
+
+void Session::close() noexcept { impl_->close(); }
+
+bool Session::usable() const noexcept { return impl_->phase == Phase::idle || impl_->phase == Phase::ready; }
+bool Session::opened() const noexcept { return impl_->connected; }
+boost::asio::io_context& Session::io() noexcept { return impl_->io; }
+xdsi::ChannelList& Session::channels() noexcept { return impl_->channels; }
+const SessionOptions& Session::options() const noexcept { return impl_->opt; }
+const Endpoint& Session::endpoint() const noexcept { return impl_->endpoint; }
+xsec::Protect Session::protect() const noexcept { return static_cast<xsec::Protect>(impl_->opening.protect); }
+xsec::Cipher Session::cipher() const noexcept { return static_cast<xsec::Cipher>(impl_->opening.cipher); }
+xsec::Key32 Session::data_key(bool client_to_server) const {
+  return xsec::data_key(impl_->secret, client_to_server, impl_->nego.transfer);
+}
+std::uint64_t Session::transfer() const noexcept { return impl_->nego.transfer; }
+double Session::setup_seconds() const noexcept { return impl_->setup; }
+std::uint64_t Session::operations() const noexcept { return impl_->ops; }
+std::string Session::tag() const { return impl_->opening.session.short_hex(); }
+
+}  // namespace xdfs

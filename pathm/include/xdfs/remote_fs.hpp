@@ -1,0 +1,51 @@
+// Remote file operations and directory trees over a session (path mode, xPathM).
+//
+//   xdfs::RemoteFs fs({"server", 7721}, opt);
+//   fs->mkdir("incoming/run7", true);
+//   fs->upload_tree("results/", "incoming/run7", {});
+//   fs.close();
+//
+// or as one operation of a session that carries others before and after it:
+//
+//   xdfs::Session s({"server", 7721}, opt);
+//   xdfs::upload(s, "big.iso", "incoming/", opt);   // xFTSM
+//   { xdfs::RemoteFs fs(s); fs->stat("incoming/big.iso"); }
+//   s.close();
+#pragma once
+
+#include <memory>
+
+#include "xdfs/pathm/engine.hpp"
+#include "xdfs/session.hpp"
+
+namespace xdfs {
+
+/// A path-mode operation: remote file operations and whole directory trees over n channels,
+/// many requests outstanding at once.
+///
+/// The constructor starts the operation (and, with an endpoint, opens a session of its own);
+/// every call then blocks until its answer (or throws xdfs::Error). Paths are relative to the
+/// server's root. Calls are serialized; between them a background thread sends keep-alives
+/// (SessionOptions::keep_alive), so an idle RemoteFs stays connected until close().
+class RemoteFs {
+public:
+  /// A session of its own.
+  explicit RemoteFs(const Endpoint& server, const SessionOptions& options = {});
+  /// A path operation of `session` (opened by this if it is not yet); the session stays the
+  /// caller's and, once this is closed, carries the next operation.
+  explicit RemoteFs(Session& session);
+  ~RemoteFs();
+  RemoteFs(const RemoteFs&) = delete;
+  RemoteFs& operator=(const RemoteFs&) = delete;
+  pathm::Client* operator->();
+  pathm::Client& client();
+  /// Ends the path operation cleanly (and the session, if it is this one's own). Also done by
+  /// the destructor.
+  void close();
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace xdfs

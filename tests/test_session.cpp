@@ -1,0 +1,352 @@
+// One session, many operations: reusable channels, mode switching, per-transfer keys, and what
+// a peer that breaks the session's rules gets. Real xdfsd and xduc processes, real sockets.
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+
+#include <regex>
+#include <set>
+#include <string>
+
+#include "support.hpp"
+#include "xdfs/xdfs.hpp"
+
+using xdfs::errc;
+using xdfs::Mode;
+using xdfs::wire::Event;
+
+namespace {
+
+std::string url(const xt::XdfsdProcess& d, const std::string& path) {
+  return "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/" + path;
+}
+
+std::size_t count(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+xdfs::TransferOptions options(unsigned channels) {
+  xdfs::TransferOptions o;
+  o.channels = channels;
+  o.block_size = 64 * 1024;
+  return o;
+}
+
+void make_dir(const std::string& p) { REQUIRE(::mkdir(p.c_str(), 0755) == 0); }
+
+}  // namespace
+
+TEST_SUITE("session") {
+
+TEST_CASE("xduc copies several sources up and down over one session, a tree among them") {
+  xt::TempDir root, local, back;
+  xt::XdfsdProcess d(root.path());
+  xt::write_random_file(local / "a.bin", (3 << 20) + 5, 1);
+  xt::write_random_file(local / "b.bin", 0, 2);
+  xt::write_random_file(local / "c.bin", 700000, 3);
+  make_dir(local / "photos");
+  make_dir(local / "photos/2026");
+  xt::write_random_file(local / "photos/2026/x.jpg", 123456, 4);
+  xt::write_random_file(local / "photos/y.jpg", 99, 5);
+  make_dir(root / "in");
+  auto up = xt::xduc({"-q", "-r", "-p", "4", "--json", local / "a.bin", local / "b.bin", local / "photos",
+                      local / "c.bin", url(d, "in/")});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  CHECK(xt::files_equal(local / "a.bin", root / "in/a.bin"));
+  CHECK(xt::files_equal(local / "b.bin", root / "in/b.bin"));
+  CHECK(xt::files_equal(local / "c.bin", root / "in/c.bin"));
+  CHECK(xt::files_equal(local / "photos/2026/x.jpg", root / "in/photos/2026/x.jpg"));
+  CHECK(xt::files_equal(local / "photos/y.jpg", root / "in/photos/y.jpg"));
+  CHECK(up.out.find("\"sources\":4,\"files\":5,\"trees\":1") != std::string::npos);
+  // One session: one start line with its first operation, the others as operations of it.
+  REQUIRE(d.wait_for_log("ops=4"));
+  CHECK(count(d.log(), " start peer=") == 1);
+  CHECK(count(d.log(), " start op=") == 3);
+  CHECK(d.log().find("op 2 end peer=") != std::string::npos);  // the tree, in path mode
+  CHECK(d.log().find("mode=path") != std::string::npos);
+
+  // Downloads likewise, the sources from a file (and a directory among them with -r).
+  xt::write_file(local / "list", "# what to fetch\n" + url(d, "in/a.bin") + "\n\n" + url(d, "in/c.bin") + "\n" +
+                                     url(d, "in/photos") + "\n" + url(d, "in/b.bin") + "\n");
+  auto down = xt::xduc({"-q", "-r", "-p", "3", "--files-from", local / "list", back.path()});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "a.bin", back / "a.bin"));
+  CHECK(xt::files_equal(local / "b.bin", back / "b.bin"));
+  CHECK(xt::files_equal(local / "c.bin", back / "c.bin"));
+  CHECK(xt::files_equal(local / "photos/2026/x.jpg", back / "photos/2026/x.jpg"));
+  xt::check_no_partials(back.path());
+  xt::check_no_partials(root.path());
+}
+
+TEST_CASE("a source that fails is reported and the others still travel on the same session") {
+  xt::TempDir root, local, back;
+  xt::XdfsdProcess d(root.path());
+  xt::write_random_file(root / "one", 100000, 1);
+  xt::write_random_file(root / "three", 200000, 3);
+  make_dir(root / "dir");
+  auto r = xt::xduc({"-q", "-p", "2", url(d, "one"), url(d, "missing"), url(d, "dir"), url(d, "three"), back.path()});
+  CHECK(r.status == 1);
+  CHECK(r.err.find("missing: no such file (server)") != std::string::npos);
+  CHECK(r.err.find("dir: is a directory (server)") != std::string::npos);
+  CHECK(xt::files_equal(root / "one", back / "one"));
+  CHECK(xt::files_equal(root / "three", back / "three"));
+  CHECK_FALSE(xt::exists(back / "missing"));
+  xt::check_no_partials(back.path());
+  // The refusals left the session ready: one session did it all.
+  REQUIRE(d.wait_for_log("ops=4"));
+  CHECK(count(d.log(), " start peer=") == 1);
+  CHECK(d.log().find("refused operation 1 mode=download path=missing") != std::string::npos);
+}
+
+TEST_CASE("the library: one session carries uploads, downloads and path operations, switching modes") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  auto o = options(4);
+  for (auto protect : {xdfs::xsec::Protect::clear, xdfs::xsec::Protect::integrity, xdfs::xsec::Protect::private_}) {
+    CAPTURE(static_cast<int>(protect));
+    o.protect = protect;
+    xdfs::Session s({"127.0.0.1", d.port()}, o);
+    xt::write_random_file(local / "f", 1 << 20, 7);
+    auto r1 = xdfs::upload(s, local / "f", "f", o);
+    CHECK(r1.bytes == 1u << 20);
+    CHECK(s.transfer() == 0);
+    {
+      xdfs::RemoteFs fs(s);
+      CHECK(fs->stat("f").size == 1u << 20);
+      fs->rename("f", "g");
+    }
+    CHECK(s.transfer() == 1);
+    // The same file up again under the old name: a second transfer, new keys (the same offsets
+    // as before, never the same nonce under the same key).
+    xdfs::upload(s, local / "f", "f", o);
+    CHECK(s.transfer() == 2);
+    ::unlink((local / "g").c_str());
+    xdfs::download(s, "g", local / "g", o);
+    CHECK(xt::files_equal(local / "f", local / "g"));
+    CHECK(xt::files_equal(local / "f", root / "f"));
+    // A refused operation leaves the session usable.
+    CHECK(xt::error_of([&] { xdfs::download(s, "nope", local / "nope", o); }) == errc::no_such_file);
+    CHECK(s.usable());
+    xdfs::download(s, "f", local / "f2", o);
+    CHECK(xt::files_equal(local / "f", local / "f2"));
+    s.close();
+    ::unlink((local / "f2").c_str());
+    ::unlink((root / "g").c_str());
+    ::unlink((root / "f").c_str());
+  }
+  CHECK(d.wait_for_log("ops=6"));
+}
+
+TEST_CASE("a session's set-up is paid once: later operations take no handshake") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  auto o = options(64);
+  xt::write_random_file(local / "f", 4096, 1);
+  xdfs::Session s({"127.0.0.1", d.port()}, o);
+  auto first = xdfs::upload(s, local / "f", "f", o);
+  CHECK(first.channels == 64);
+  CHECK(s.setup_seconds() > 0);
+  for (int i = 0; i < 5; ++i) xdfs::upload(s, local / "f", "f" + std::to_string(i), o);
+  s.close();
+  // Every channel connected and authenticated once: the server saw 64, not 6 x 64.
+  REQUIRE(d.wait_for_log("ops=6"));
+  CHECK(count(d.log(), " start peer=") == 1);
+}
+
+TEST_CASE("per-transfer keys: no (key, nonce) pair repeats across transfers and directions") {
+  // A block's nonce is its offset; its key is the transfer's and direction's. Over many
+  // transfers of the same offsets both ways, every (key, nonce) pair is distinct.
+  xdfs::xsec::Key32 secret{};
+  secret[3] = 9;
+  std::set<std::pair<xdfs::xsec::Key32, std::uint64_t>> seen;
+  std::size_t uses = 0;
+  for (std::uint64_t transfer = 0; transfer < 64; ++transfer)
+    for (bool c2s : {true, false}) {
+      const auto key = xdfs::xsec::data_key(secret, c2s, transfer);
+      for (std::uint64_t offset = 0; offset < (8u << 20); offset += 1u << 20) {
+        seen.insert({key, offset});
+        ++uses;
+      }
+    }
+  CHECK(seen.size() == uses);
+  // And sealing the same bytes at the same offset in two transfers gives different tags.
+  std::vector<std::uint8_t> a(4096 + 16, 1), b(4096 + 16, 1);
+  xdfs::xsec::BlockCrypto t0(xdfs::xsec::Protect::private_, xdfs::xsec::Cipher::aes256gcm,
+                             xdfs::xsec::data_key(secret, true, 0));
+  xdfs::xsec::BlockCrypto t1(xdfs::xsec::Protect::private_, xdfs::xsec::Cipher::aes256gcm,
+                             xdfs::xsec::data_key(secret, true, 1));
+  t0.seal(a.data(), 4096, 0);
+  t1.seal(b.data(), 4096, 0);
+  CHECK(a != b);
+  // The receiver of transfer 1 refuses a block sealed for transfer 0 (a replay across transfers).
+  CHECK_FALSE(t1.open(a.data(), 4096, 0));
+}
+
+}  // TEST_SUITE("session")
+
+namespace {
+
+// A raw client's next operation: its negotiation as a NEGO frame on a channel.
+void send_nego(xt::RawPeer& c, const xdfs::wire::Negotiation& n) {
+  auto payload = xdfs::wire::encode(n);
+  xdfs::wire::FrameHeader h;
+  h.event = Event::nego;
+  h.length = static_cast<std::uint32_t>(payload.size());
+  c.send_frame(h, payload);
+}
+
+void send_eofr(xt::RawPeer& c, std::uint64_t size) {
+  xdfs::wire::FrameHeader h;
+  h.event = Event::eofr;
+  h.offset = size;
+  c.send_frame(h);
+}
+
+// Reads until the server's answer to an operation's negotiation on this channel.
+std::optional<xt::Frame> answer(xt::RawPeer& c) { return c.read_frame(); }
+
+// Sends a whole small upload's blocks and EOFR on one channel, then reads until the server's EOFR.
+bool upload_on(xt::RawPeer& c, const std::vector<std::uint8_t>& data, std::uint32_t bs) {
+  for (std::uint64_t off = 0; off < data.size(); off += bs)
+    c.send_block(Event::xftsmu, off,
+                 std::vector<std::uint8_t>(data.begin() + static_cast<long>(off),
+                                           data.begin() + static_cast<long>(std::min<std::uint64_t>(off + bs, data.size()))));
+  send_eofr(c, data.size());
+  for (auto f = c.read_frame(); f; f = c.read_frame())
+    if (f->first.event == Event::eofr) return f->first.offset == data.size();
+    else if (f->first.event != Event::ack) return false;
+  return false;
+}
+
+}  // namespace
+
+TEST_SUITE("session") {
+
+TEST_CASE("bad input: a new operation while a transfer runs is refused naming state and event; earlier work stays") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path());
+  const auto a = xt::random_bytes(100000, 1);
+  auto h = xt::make_hello(Mode::upload, "a", 1, a.size());
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(upload_on(c, a, h.nego.block_size));
+  // Operation 1: an upload of b, cut after one block by a switch to path mode.
+  auto n = h.nego;
+  n.transfer = 1;
+  n.remote_path = "b";
+  n.file_size = 300000;
+  send_nego(c, n);
+  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  c.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(h.nego.block_size, 7));
+  auto sw = h.nego;
+  sw.transfer = 2;
+  sw.mode = Mode::path;
+  sw.remote_path = ".";
+  send_nego(c, sw);
+  auto ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->code == errc::protocol_error);
+  CHECK(ex->message.find("unexpected NEGO on channel 0 in state transferring") != std::string::npos);
+  CHECK(c.wait_closed());
+  CHECK(xt::read_file(root / "a") == std::string(a.begin(), a.end()));
+  CHECK_FALSE(xt::exists(root / "b"));
+  xt::check_no_partials(root.path());
+  CHECK(d.wait_for_log("status=error: protocol error"));
+}
+
+TEST_CASE("bad input: EOFR on fewer than n channels, then a new operation, fails the session; earlier work stays") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path());
+  const std::uint32_t bs = 64 * 1024;
+  const auto a = xt::random_bytes(4 * bs, 2);
+  auto h = xt::make_hello(Mode::upload, "a", 2, a.size());
+  xt::RawChannel c0(d.port()), c1(d.port());
+  REQUIRE(c0.establish(h));
+  REQUIRE(c1.join(h, 1, c0.session_secret()));
+  REQUIRE(answer(c0)->first.event == Event::nego_reply);
+  REQUIRE(answer(c1)->first.event == Event::nego_reply);
+  // Operation 0 in two halves, one per channel.
+  std::vector<std::uint8_t> first(a.begin(), a.begin() + 2 * bs), second(a.begin() + 2 * bs, a.end());
+  c0.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(a.begin(), a.begin() + bs));
+  c0.send_block(Event::xftsmu, bs, std::vector<std::uint8_t>(a.begin() + bs, a.begin() + 2 * bs));
+  c1.send_block(Event::xftsmu, 2 * bs, std::vector<std::uint8_t>(a.begin() + 2 * bs, a.begin() + 3 * bs));
+  c1.send_block(Event::xftsmu, 3 * bs, std::vector<std::uint8_t>(a.begin() + 3 * bs, a.end()));
+  send_eofr(c0, a.size());
+  send_eofr(c1, a.size());
+  for (auto* c : {&c0, &c1}) {
+    auto f = c->read_frame();
+    while (f && f->first.event == Event::ack) f = c->read_frame();
+    REQUIRE(f.has_value());
+    CHECK(f->first.event == Event::eofr);
+  }
+  // Operation 1: blocks on both, EOFR on channel 0 only, then the next operation on both.
+  auto n = h.nego;
+  n.transfer = 1;
+  n.remote_path = "b";
+  n.file_size = 2 * bs;
+  send_nego(c0, n);
+  send_nego(c1, n);
+  REQUIRE(answer(c0)->first.event == Event::nego_reply);
+  REQUIRE(answer(c1)->first.event == Event::nego_reply);
+  c0.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(bs, 1));
+  c1.send_block(Event::xftsmu, bs, std::vector<std::uint8_t>(bs, 2));
+  send_eofr(c0, 2 * bs);
+  n.transfer = 2;
+  n.remote_path = "c";
+  send_nego(c0, n);
+  send_nego(c1, n);
+  auto ex = c1.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->message.find("unexpected NEGO on channel 1 in state transferring") != std::string::npos);
+  CHECK(xt::read_file(root / "a") == std::string(a.begin(), a.end()));
+  CHECK_FALSE(xt::exists(root / "b"));
+  CHECK_FALSE(xt::exists(root / "c"));
+  xt::check_no_partials(root.path());
+}
+
+TEST_CASE("bad input: a reused transfer number and a disabled mode are refused; the session goes on") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path(), {"--disable-mode", "path"});
+  const auto a = xt::random_bytes(70000, 3);
+  auto h = xt::make_hello(Mode::upload, "a", 1, a.size());
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(upload_on(c, a, h.nego.block_size));
+  auto n = h.nego;
+  n.remote_path = "again";  // transfer 0 once more: its keys and nonces were used
+  send_nego(c, n);
+  auto ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->refused);
+  CHECK(ex->message.find("NEGO of operation 0 refused in state ready: transfer number 0 is not above the last one") !=
+        std::string::npos);
+  n.transfer = 5;
+  n.mode = Mode::path;
+  n.remote_path = ".";
+  send_nego(c, n);
+  ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->refused);
+  CHECK(ex->code == errc::not_supported);
+  CHECK(ex->message.find("mode path is disabled on this server") != std::string::npos);
+  // Still a session: the next upload goes through.
+  n.transfer = 6;
+  n.mode = Mode::upload;
+  n.remote_path = "b";
+  send_nego(c, n);
+  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(upload_on(c, a, h.nego.block_size));
+  CHECK(xt::read_file(root / "b") == std::string(a.begin(), a.end()));
+  CHECK_FALSE(xt::exists(root / "again"));
+  // A client's path session is refused from the start, with the reason.
+  xt::TempDir local;
+  auto r = xt::xduc({"-q", "ls", url(d, "")});
+  CHECK(r.status == 1);
+  CHECK(r.err.find("not supported (server)") != std::string::npos);
+  CHECK(r.err.find("mode path is disabled on this server") != std::string::npos);
+}
+
+}  // TEST_SUITE("session")

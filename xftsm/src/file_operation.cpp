@@ -1,0 +1,238 @@
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+
+#include <boost/asio/steady_timer.hpp>
+#include <fmt/core.h>
+
+#include <chrono>
+#include <map>
+
+#include "xdfs/files.hpp"
+#include "xdfs/xsec.hpp"
+#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+#include "xdfs/xftsm/transfer.hpp"
+
+namespace xdfs::xftsm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a session waits for memory for its ring before it gives up (a client waits 15 s for
+// the server's answer by default).
+constexpr std::chrono::milliseconds memory_wait{10000};
+
+// One file transfer, upload or download, on a session's channels.
+class FileOperation final : public runtime::Operation, public TransferHost {
+public:
+  FileOperation(runtime::OperationEnv& env, runtime::OperationDone done)
+      : env_(env),
+        nego_(env.nego),
+        done_(std::move(done)),
+        machine_(env.nego.mode == Mode::upload ? Role::server_upload : Role::server_download),
+        ring_wait_(env.io) {}
+
+  void start() override {
+    // The channels joined this operation (its negotiation came on all n): the table opens it.
+    if (machine_.fire(Event::channel_joined) != Action::register_session ||
+        machine_.fire(Event::all_joined) != Action::open_and_reply)
+      return refuse(errc::state_violation, machine_.why());
+    open_and_reply();
+  }
+
+  void abort(errc code, const std::string& message) override {
+    if (sender_) return sender_->abort(code, message);
+    if (receiver_) return receiver_->abort(code, message);
+    // Still opening (waiting for memory): the peer hears why and the channels close.
+    if (machine_.finished()) return;
+    (void)machine_.fire(Event::local_error);
+    ring_wait_.cancel();
+    pending_.discard();
+    tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger(), std::chrono::milliseconds(2000));
+    done_(runtime::OperationResult{code, message, false, false, false});
+  }
+
+  std::uint64_t bytes() const noexcept override {
+    return sender_ ? sender_->bytes_done() : receiver_ ? receiver_->bytes_done() : 0;
+  }
+
+  files::Status commit() override {
+    if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
+    return pending_.commit(nego_.file_size, env_.config.fsync);
+  }
+
+  void finished(errc code, const std::string& message, bool from_peer) override {
+    if (code != errc::ok) pending_.discard();
+    // Success leaves every channel clear (EOFR both ways); a failure told the peer and closes them.
+    done_(runtime::OperationResult{code, message, from_peer, false, code == errc::ok});
+  }
+
+private:
+  int root_fd() const noexcept { return env_.root_fd; }
+
+  // The block protection of this session's data direction (none in clear mode).
+  xsec::BlockCrypto* crypto() {
+    const auto mode = static_cast<xsec::Protect>(env_.opening.protect);
+    if (mode == xsec::Protect::clear) return nullptr;
+    if (!block_crypto_)
+      block_crypto_ = std::make_unique<xsec::BlockCrypto>(mode, static_cast<xsec::Cipher>(env_.opening.cipher),
+                                                          xsec::data_key(env_.session_secret, nego_.mode == Mode::upload, nego_.transfer));
+    return block_crypto_.get();
+  }
+
+  // The ring this session gets: what it asks for while memory is plentiful; when it is getting
+  // short, a quarter of what is left (the sessions that come next get some too), never below two
+  // slots, which still overlap disk and network. False when not even that fits.
+  bool reserve_ring(TransferParams& p) {
+    const std::size_t per_slot = std::size_t(p.block_size) + piod::slot_tag_room;
+    const std::size_t used = env_.budget.used(), limit = env_.budget.limit();
+    const std::size_t free = used < limit ? limit - used : 0;
+    std::uint32_t want = pool_slots(p);
+    if (std::size_t(want) * per_slot * 4 > free)
+      want = static_cast<std::uint32_t>(std::max<std::size_t>(2, std::min<std::size_t>(want, free / 4 / per_slot)));
+    for (std::uint32_t slots = want;; slots = std::max<std::uint32_t>(2, slots / 2)) {
+      if (auto r = Reservation::take(&env_.budget, slots * per_slot)) {
+        ring_ = std::move(*r);
+        p.slots = slots;
+        return true;
+      }
+      if (slots <= 2) return false;
+    }
+  }
+
+  // Starts the engine once its ring is reserved: a receiver into sink, or a sender from source.
+  // When memory for even the smallest ring is taken, the session waits for other sessions to
+  // give some back (they end every second or so under load), then gives up with a clear error.
+  void start_engine(TransferParams p, std::optional<piod::Sink> sink, std::optional<piod::Source> source) {
+    if (machine_.finished()) return;
+    if (!reserve_ring(p)) {
+      const auto now = Clock::now();
+      if (waiting_since_ == Clock::time_point{}) waiting_since_ = now;
+      if (now - waiting_since_ > memory_wait)
+        return refuse(errc::limit_exceeded,
+                          fmt::format("the server's memory for transfers ({} MiB) stayed in use by other sessions "
+                                      "for {} s; try again later",
+                                      env_.budget.limit() >> 20, memory_wait.count() / 1000));
+      ring_wait_.expires_after(std::chrono::milliseconds(50));
+      ring_wait_.async_wait([this, p, sink, source](const xdsi::ErrorCode& ec) {
+        if (!ec) start_engine(p, sink, source);
+      });
+      return;
+    }
+    wire::NegotiationReply reply;
+    reply.block_size = nego_.block_size;
+    if (sink) {
+      receiver_ = std::make_unique<Receiver>(env_.io, machine_, env_.channels, *this, p, *sink);
+      reply.window = receiver_->window();
+      send_reply(reply);
+      receiver_->start();
+    } else {
+      reply.file_size = p.file_size;
+      sender_ = std::make_unique<Sender>(env_.io, machine_, env_.channels, *this, p, *source);
+      send_reply(reply);
+      sender_->start();
+    }
+  }
+
+  void open_and_reply() {
+    env_.log(fmt::format("session {} start{} peer={} mode={} path={} channels={} block={} protect={} client={}",
+                         env_.id.short_hex(), nego_.transfer ? fmt::format(" op={}", nego_.transfer) : std::string(),
+                         env_.peer, to_string(nego_.mode), nego_.remote_path, nego_.channel_count, nego_.block_size,
+                         xsec::to_string(static_cast<xsec::Protect>(env_.opening.protect)), env_.client.fingerprint));
+    TransferParams p;
+    p.block_size = nego_.block_size;
+    p.slots = static_cast<std::uint32_t>(std::max<std::size_t>(env_.config.ring_bytes / nego_.block_size, 4));
+    p.idle_timeout = env_.config.idle_timeout;
+    const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
+    if (nego_.mode == Mode::upload && memory) {
+      p.file_size = nego_.file_size;
+      p.data_event = wire::Event::xftsmu;
+      start_engine(p, piod::Sink{-1, true, true, crypto()}, std::nullopt);
+    } else if (nego_.mode == Mode::download && memory) {
+      if (nego_.window < nego_.block_size)
+        return refuse(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window));
+      p.file_size = nego_.file_size;
+      p.window = nego_.window;
+      p.data_event = wire::Event::xftsmd;
+      start_engine(p, std::nullopt, piod::Source{-1, p.file_size, true, crypto()});
+    } else if (nego_.mode == Mode::upload) {
+      auto [dir, name] = files::split_parent(nego_.remote_path);
+      files::Fd dirfd;
+      if (auto st = files::open_beneath(root_fd(), dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
+        return refuse(st.code, st.message);
+      if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.tag, pending_); !st)
+        return refuse(st.code, st.message);
+      // Without a size limit of its own the server takes what the file system can hold: an
+      // upload that cannot fit is refused now, not when the disk is full.
+      if (env_.config.max_file_size == 0)
+        if (auto st = files::check_room(pending_.dir(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
+          return refuse(st.code, st.message);
+      p.file_size = nego_.file_size;
+      p.data_event = wire::Event::xftsmu;
+      start_engine(p, piod::Sink{pending_.fd(), true, false, crypto()}, std::nullopt);
+    } else {
+      if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, source_); !st)
+        return refuse(st.code, st.message);
+      struct stat sb {};
+      if (::fstat(source_.get(), &sb) != 0)
+        return refuse(errc_from_errno(errno), "stat '" + nego_.remote_path + "'");
+      if (S_ISDIR(sb.st_mode)) return refuse(errc::is_directory, "'" + nego_.remote_path + "' is a directory");
+      if (!S_ISREG(sb.st_mode))
+        return refuse(errc::not_regular_file, "'" + nego_.remote_path + "' is not a regular file");
+      if (nego_.window < nego_.block_size)
+        return refuse(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window));
+      p.file_size = static_cast<std::uint64_t>(sb.st_size);
+      p.window = nego_.window;
+      p.data_event = wire::Event::xftsmd;
+      start_engine(p, std::nullopt, piod::Source{source_.get(), p.file_size, false, crypto()});
+    }
+  }
+
+  void send_reply(const wire::NegotiationReply& reply) {
+    auto payload = wire::encode(reply);
+    for (auto& ch : env_.channels) ch->send_control(wire::Event::nego_reply, payload);
+  }
+
+  // The transfer cannot start (no such file, no memory, ...): nothing was sent, the session
+  // refuses it on every channel and stays ready for the next operation.
+  void refuse(errc code, const std::string& message) {
+    if (machine_.finished()) return;
+    (void)machine_.fire(Event::local_error);
+    ring_wait_.cancel();
+    pending_.discard();
+    done_(runtime::OperationResult{code, message, false, true, true});
+  }
+
+  boost::asio::steady_timer& linger() {
+    if (!linger_timer_) linger_timer_.emplace(env_.io);
+    return *linger_timer_;
+  }
+
+  runtime::OperationEnv& env_;
+  wire::Negotiation nego_;
+  runtime::OperationDone done_;
+  Machine machine_;
+  boost::asio::steady_timer ring_wait_;   // memory for the ring was short: look again
+  std::optional<boost::asio::steady_timer> linger_timer_;
+  Clock::time_point waiting_since_{};
+  files::PendingFile pending_;
+  files::Fd source_;
+  std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
+  Reservation ring_;                                 // the engine's pool, in the server's memory budget
+  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<Receiver> receiver_;
+};
+
+}  // namespace
+
+runtime::Modes server_modes() {
+  auto make = [](runtime::OperationEnv& env, runtime::OperationDone done) -> std::unique_ptr<runtime::Operation> {
+    return std::make_unique<FileOperation>(env, std::move(done));
+  };
+  return {runtime::ModeEntry{Mode::upload, make}, runtime::ModeEntry{Mode::download, make}};
+}
+
+}  // namespace xdfs::xftsm
