@@ -350,3 +350,46 @@ TEST_CASE("bad input: a reused transfer number and a disabled mode are refused; 
 }
 
 }  // TEST_SUITE("session")
+
+#include "xdfs/detail/session_fsm.hpp"
+
+TEST_SUITE("session") {
+
+TEST_CASE("the session tables: every row is reachable from idle, final states have no rows, and a refused event is named") {
+  namespace sf = xdfs::session_fsm;
+  for (auto side : {sf::Side::server, sf::Side::client}) {
+    CAPTURE(sf::to_string(side));
+    const auto rows = sf::table(side);
+    // Reachability over the table's own graph: every row's source state can be reached.
+    std::set<sf::State> reached{sf::State::idle};
+    for (bool grew = true; grew;) {
+      grew = false;
+      for (const auto& t : rows)
+        if (reached.count(t.from) && reached.insert(t.to).second) grew = true;
+    }
+    for (const auto& t : rows) {
+      CHECK(reached.count(t.from) == 1);
+      CHECK(t.from != sf::State::done);
+      CHECK(t.from != sf::State::failed);
+      // Deterministic: one row per (state, event).
+      std::size_t same = 0;
+      for (const auto& u : rows) same += u.from == t.from && u.on == t.on;
+      CHECK(same == 1);
+    }
+    CHECK(reached.count(sf::State::done) == 1);
+    CHECK(reached.count(sf::State::failed) == 1);
+  }
+  sf::Machine m(sf::Side::server);
+  CHECK(m.fire(sf::Event::channel_joined) == sf::Action::register_session);
+  CHECK(m.fire(sf::Event::all_joined) == sf::Action::start_operation);
+  CHECK(m.fire(sf::Event::operation_ended) == sf::Action::await_next);
+  CHECK_FALSE(m.fire(sf::Event::operation_ended).has_value());  // nothing runs in ready
+  CHECK(m.why() == "session-server: event operation_ended is not allowed in state ready");
+  CHECK(m.state() == sf::State::ready);
+  CHECK(m.fire(sf::Event::operation_asked) == sf::Action::start_operation);
+  CHECK(m.fire(sf::Event::operation_refused) == sf::Action::refuse_operation);
+  CHECK(m.fire(sf::Event::end_asked) == sf::Action::finish);
+  CHECK(m.finished());
+}
+
+}  // TEST_SUITE("session")

@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "xdfs/detail/session_fsm.hpp"
 #include "xdfs/types.hpp"
 
 namespace xdfs {
@@ -16,8 +17,9 @@ using xdsi::tcp;
 namespace {
 using Clock = std::chrono::steady_clock;
 
-// What the session is doing between the calls of its user.
-enum class Phase { idle, negotiating, operating, ready, closed };
+using session_fsm::Action;
+using session_fsm::Event;
+using session_fsm::State;
 }  // namespace
 
 struct Session::Impl {
@@ -42,7 +44,8 @@ struct Session::Impl {
   std::string known_hosts_path;
   xsec::Key32 secret{};
   xdsi::ChannelList channels;
-  Phase phase = Phase::idle;
+  session_fsm::Machine machine{session_fsm::Side::client};
+  bool closed = false;        // close() ran (or the session failed): nothing more
   bool connected = false;     // all n channels authenticated once
   unsigned secured = 0;
   unsigned answered = 0;      // channels that answered the operation's negotiation
@@ -68,9 +71,11 @@ struct Session::Impl {
   }
 
   wire::NegotiationReply begin(wire::Negotiation op) {
-    if (phase == Phase::closed) throw TransferError(errc::bad_argument, "the session is closed", false);
-    if (phase == Phase::negotiating || phase == Phase::operating)
-      throw TransferError(errc::bad_argument, "an operation is still running in this session", false);
+    if (closed || !machine.find(Event::begin))
+      throw TransferError(errc::bad_argument,
+                          closed || machine.finished() ? std::string("the session is closed")
+                                                       : "an operation is still running in this session",
+                          false);
     if (op.remote_path.size() > wire::max_path_bytes)
       throw TransferError(errc::bad_argument, "remote path longer than 4096 bytes", false);
     op.channel_count = base.channel_count;
@@ -83,10 +88,10 @@ struct Session::Impl {
     reply.reset();
     refusal.reset();
     failed = false;
-    phase = Phase::negotiating;
+    const auto action = machine.fire(Event::begin);
     io.restart();
     arm_deadline();
-    if (!connected)
+    if (action == Action::connect_channels)
       open();
     else
       renegotiate();
@@ -96,14 +101,18 @@ struct Session::Impl {
     io.poll();
     if (failed || (!reply && !refusal)) {
       if (!failed) fail(errc::internal, "the session's event loop stopped", false);
+      (void)machine.fire(code == errc::timeout ? Event::timeout : remote ? Event::peer_exception : Event::local_error);
       shut();
       throw TransferError(code, message, remote);
     }
     if (refusal) {
-      phase = Phase::ready;
+      if (machine.fire(Event::refused) != Action::report_refusal) throw TransferError(errc::state_violation, machine.why(), false);
       throw TransferError(refusal->code, refusal->message, true);
     }
-    phase = Phase::operating;
+    if (machine.fire(Event::accepted) != Action::start_operation) {
+      shut();
+      throw TransferError(errc::state_violation, machine.why(), false);
+    }
     if (!connected) {
       connected = true;
       setup = std::chrono::duration<double>(Clock::now() - start).count();
@@ -120,7 +129,7 @@ struct Session::Impl {
   void tick(Clock::time_point until) {
     deadline.expires_after(std::chrono::milliseconds(100));
     deadline.async_wait([this, until](const ErrorCode& ec) {
-      if (ec || phase != Phase::negotiating || failed) return;
+      if (ec || machine.state() != State::negotiating || failed) return;
       if (opt.cancel && opt.cancel->load()) return fail(errc::cancelled, "cancelled by the user", false);
       if (Clock::now() >= until)
         return fail(errc::timeout,
@@ -143,7 +152,7 @@ struct Session::Impl {
   }
 
   void shut() noexcept {
-    phase = Phase::closed;
+    closed = true;
     deadline.cancel();
     for (auto& ch : channels)
       if (ch) ch->close();
@@ -341,9 +350,11 @@ struct Session::Impl {
   }
 
   void close() noexcept {
-    if (phase == Phase::closed) return;
-    const bool tell = phase == Phase::ready && connected;
-    phase = Phase::closed;
+    if (closed) return;
+    // The table: from ready, the end is told (EOFT on every channel); before any operation
+    // there is nothing to tell; anywhere else the channels just close.
+    const bool tell = machine.fire(Event::end_asked) == Action::finish && connected;
+    closed = true;
     if (tell) {
       try {
         // EOFT on every channel: the session ends. Wait (briefly) for it to leave, then close.
@@ -384,9 +395,8 @@ wire::NegotiationReply Session::begin(wire::Negotiation op) {
 
 void Session::end_operation(bool ok) {
   auto& d = *impl_;
-  if (d.phase != Phase::operating) return;
-  if (ok) {
-    d.phase = Phase::ready;
+  if (d.machine.state() != State::operating) return;
+  if (d.machine.fire(ok ? Event::operation_ended : Event::operation_failed) && ok) {
     d.io.restart();
     d.io.poll();  // completions that are ready (cancelled timers) run before the mode goes
     return;
@@ -396,7 +406,7 @@ void Session::end_operation(bool ok) {
 
 void Session::close() noexcept { impl_->close(); }
 
-bool Session::usable() const noexcept { return impl_->phase == Phase::idle || impl_->phase == Phase::ready; }
+bool Session::usable() const noexcept { return !impl_->closed && impl_->machine.find(Event::begin) != nullptr; }
 bool Session::opened() const noexcept { return impl_->connected; }
 boost::asio::io_context& Session::io() noexcept { return impl_->io; }
 xdsi::ChannelList& Session::channels() noexcept { return impl_->channels; }

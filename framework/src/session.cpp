@@ -15,6 +15,7 @@
 #include <optional>
 #include <utility>
 
+#include "xdfs/detail/session_fsm.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/server.hpp"
 
@@ -37,19 +38,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using xdsi::ErrorCode;
 
-enum class Phase { idle, joining, operating, ready, done, failed };
-
-const char* to_string(Phase p) {
-  switch (p) {
-    case Phase::idle: return "idle";
-    case Phase::joining: return "joining";
-    case Phase::operating: return "operating";
-    case Phase::ready: return "ready";
-    case Phase::done: return "done";
-    case Phase::failed: return "failed";
-  }
-  return "?";
-}
+using session_fsm::Action;
+using session_fsm::Event;
+using session_fsm::State;
 
 class Session final : public SessionHandler {
 public:
@@ -59,7 +50,7 @@ public:
   void add_channel(std::unique_ptr<xdsi::Channel> ch) override {
     const auto idx = ch->index();
     const auto n = env_.nego.channel_count;
-    if (phase_ != Phase::idle && phase_ != Phase::joining)
+    if (!machine_.find(Event::channel_joined))
       return refuse_channel(std::move(ch), errc::bad_channel,
                             fmt::format("session {} already has its {} channels", env_.id.short_hex(), n));
     if (idx >= n || (idx < channels_.size() && channels_[idx]))
@@ -68,23 +59,21 @@ public:
     xdsi::SocketOptions opts;
     opts.tcp_window = std::min(env_.nego.tcp_window, env_.config.max_tcp_window);
     xdsi::apply(ch->socket(), opts);
-    if (phase_ == Phase::idle) {
+    if (machine_.fire(Event::channel_joined) == Action::register_session) {
       // Channel 0 (Noise XX) registers the session; the others have until the join timeout.
-      phase_ = Phase::joining;
       channels_.resize(n);
       join_timer_.expires_after(env_.config.join_timeout);
       join_timer_.async_wait([this](const ErrorCode& ec) {
-        if (ec || phase_ != Phase::joining) return;
-        fail(errc::timeout,
+        if (ec || machine_.state() != State::joining) return;
+        fail(Event::timeout, errc::timeout,
              fmt::format("only {} of {} channels arrived within {} ms", joined_, env_.nego.channel_count,
-                         env_.config.join_timeout.count()),
-             true);
+                         env_.config.join_timeout.count()));
       });
     }
     channels_[idx] = std::move(ch);
     if (++joined_ < n) return watch(*channels_[idx]);
     join_timer_.cancel();
-    start_operation(env_.nego);
+    if (machine_.fire(Event::all_joined) == Action::start_operation) start_operation(env_.nego);
   }
 
   void shutdown() override { stop(errc::shutting_down, "server is stopping"); }
@@ -92,23 +81,23 @@ public:
 
 private:
   void stop(errc code, const std::string& message) {
-    if (phase_ == Phase::operating && op_) return op_->abort(code, message);
-    fail(code, message, true);
+    if (machine_.state() == State::operating && op_) return op_->abort(code, message);
+    fail(Event::local_error, code, message);
   }
 
   // While the session waits for its other channels, the client sends nothing on those it has:
   // a channel that closes (or talks) then ends the session at once instead of at the join timeout.
   void watch(xdsi::Channel& ch) {
     ch.socket().async_wait(xdsi::tcp::socket::wait_read, [this, &ch](const ErrorCode& ec) {
-      if (ec || phase_ != Phase::joining) return;
+      if (ec || machine_.state() != State::joining) return;
       char b;
       const auto got = ::recv(ch.socket().native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return watch(ch);
       if (got > 0)
-        return fail(errc::protocol_error, fmt::format("channel {} sent a frame before the session started", ch.index()),
-                    true);
-      fail(errc::peer_aborted,
-           fmt::format("channel {} closed while the session waited for its other channels", ch.index()), true);
+        return fail(Event::local_error, errc::protocol_error,
+                    fmt::format("channel {} sent a frame before the session started", ch.index()));
+      fail(Event::peer_left, errc::peer_aborted,
+           fmt::format("channel {} closed while the session waited for its other channels", ch.index()));
     });
   }
 
@@ -152,14 +141,13 @@ private:
     errc code = errc::ok;
     if (auto why = check(n, code); !why.empty())
       return refuse_operation(n, code, fmt::format("NEGO of operation {} refused in state {}: {}", n.transfer,
-                                                   to_string(phase_), why));
+                                                   session_fsm::to_string(asked_in_), why));
     last_transfer_ = n.transfer;
     ++ops_;
     if (ops_ == 1) {
       first_mode_ = n.mode;
       first_path_ = n.remote_path;
     }
-    phase_ = Phase::operating;
     op_nego_ = n;
     op_start_ = Clock::now();
     op_env_.emplace(OperationEnv{env_.io, env_.config, env_.root_fd, env_.id, env_.peer, env_.tag, env_.opening, n,
@@ -176,7 +164,7 @@ private:
   }
 
   void on_operation_done(OperationResult r) {
-    if (phase_ != Phase::operating) return;
+    if (machine_.state() != State::operating) return;
     const std::uint64_t bytes = op_ ? op_->bytes() : 0;
     total_bytes_ += bytes;
     // The operation may still be on the stack: one that ended cleanly goes once the loop is
@@ -202,18 +190,21 @@ private:
       if (first_report_) env_.log(format_report(*std::exchange(first_report_, std::nullopt)));
       env_.log(format_report(line));
     }
-    if (!r.reusable) {
-      phase_ = r.code == errc::ok ? Phase::done : Phase::failed;
+    if (r.code != errc::ok || !r.reusable) {
+      // The mode told the peer (or, ending well, closes the channels): the session is over.
+      (void)machine_.fire(Event::operation_failed);
       if (r.code == errc::ok)
         for (auto& ch : channels_)
           if (ch) ch->close();
       return report();
     }
-    await_next();
+    if (machine_.fire(Event::operation_ended) == Action::await_next) await_next();
   }
 
   // A refused operation: every channel hears why, and the session waits for the next one.
   void refuse_operation(const wire::Negotiation& n, errc code, const std::string& message) {
+    if (machine_.fire(Event::operation_refused) != Action::refuse_operation)
+      return fail(Event::local_error, errc::state_violation, machine_.why());
     env_.log(fmt::format("session {} refused operation {} mode={} path={}: {}: {}", env_.id.short_hex(), n.transfer,
                          xdfs::to_string(n.mode), n.remote_path, xdfs::to_string(code), message));
     last_code_ = code;
@@ -228,7 +219,6 @@ private:
 
   // Between operations: one frame from each channel decides what comes next.
   void await_next() {
-    phase_ = Phase::ready;
     next_.assign(channels_.size(), Next{});
     answered_ = 0;
     arm_idle();
@@ -244,34 +234,33 @@ private:
   void arm_idle() {
     idle_.expires_after(env_.config.idle_timeout);
     idle_.async_wait([this](const ErrorCode& ec) {
-      if (ec || phase_ != Phase::ready) return;
-      fail(errc::timeout,
-           fmt::format("no next operation and no end of the session for {} s", env_.config.idle_timeout.count() / 1000),
-           true);
+      if (ec || machine_.state() != State::ready) return;
+      fail(Event::timeout, errc::timeout,
+           fmt::format("no next operation and no end of the session for {} s", env_.config.idle_timeout.count() / 1000));
     });
   }
 
   void read_next(xdsi::Channel& ch) {
     ch.async_read_header([this, &ch](const ErrorCode& ec, const wire::FrameHeader& h) {
-      if (phase_ != Phase::ready) return;
+      if (machine_.state() != State::ready) return;
       if (ec) return lost(ch, ec);
       auto& slot = next_[ch.index()];
       if (slot.got)
-        return fail(errc::protocol_error, fmt::format("channel {} sent a second frame in state ready", ch.index()), true);
+        return fail(Event::local_error, errc::protocol_error,
+                    fmt::format("channel {} sent a second frame in state ready", ch.index()));
       switch (h.event) {
         case wire::Event::eoft:
-          if (h.length != 0) return fail(errc::protocol_error, "EOFT with a payload", true);
+          if (h.length != 0) return fail(Event::local_error, errc::protocol_error, "EOFT with a payload");
           slot.got = slot.end = true;
           return next_arrived();
         case wire::Event::nego: {
           if (h.length > wire::max_negotiation_payload)
-            return fail(errc::protocol_error,
+            return fail(Event::local_error, errc::protocol_error,
                         fmt::format("negotiation of {} bytes on channel {} (at most {})", h.length, ch.index(),
-                                    wire::max_negotiation_payload),
-                        true);
+                                    wire::max_negotiation_payload));
           slot.nego.resize(h.length);
           return ch.async_read_payload(slot.nego, [this, &ch](const ErrorCode& ec) {
-            if (phase_ != Phase::ready) return;
+            if (machine_.state() != State::ready) return;
             if (ec) return lost(ch, ec);
             next_[ch.index()].got = true;
             next_arrived();
@@ -280,24 +269,24 @@ private:
         case wire::Event::exception:
           return read_exception(ch, h.length);
         default:
-          return fail(errc::protocol_error,
-                      fmt::format("{} on channel {} in state ready: only the next operation's NEGO or EOFT may come",
-                                  wire::to_string(h.event), ch.index()),
-                      true);
+          return fail(Event::local_error, errc::protocol_error,
+                      fmt::format("unexpected {} on channel {} in state ready: only the next operation's NEGO or EOFT may come",
+                                  wire::to_string(h.event), ch.index()));
       }
     });
   }
 
   void read_exception(xdsi::Channel& ch, std::uint32_t length) {
-    if (length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", true);
+    if (length > wire::max_control_payload)
+      return fail(Event::local_error, errc::protocol_error, "oversized exception header");
     auto buf = std::make_shared<std::vector<std::uint8_t>>(length);
     ch.async_read_payload(*buf, [this, &ch, buf](const ErrorCode& ec) {
-      if (phase_ != Phase::ready) return;
+      if (machine_.state() != State::ready) return;
       if (ec) return lost(ch, ec);
       std::string why;
       auto ex = wire::decode_exception(*buf, &why);
-      if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, true);
-      fail(ex->code, ex->message, false);
+      if (!ex) return fail(Event::local_error, errc::protocol_error, "bad exception header: " + why);
+      fail(Event::peer_exception, ex->code, ex->message);
     });
   }
 
@@ -305,10 +294,10 @@ private:
   void lost(xdsi::Channel& ch, const ErrorCode& ec) {
     if (ec == boost::asio::error::operation_aborted) return;
     if (ec == boost::system::errc::protocol_error)
-      return fail(errc::protocol_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), true);
+      return fail(Event::local_error, errc::protocol_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
     if (ec == xdsi::integrity_failure)
-      return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), true);
-    end_session();
+      return fail(Event::local_error, errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
+    end_session(Event::peer_left);
   }
 
   void next_arrived() {
@@ -316,34 +305,36 @@ private:
     idle_.cancel();
     std::size_t ends = 0;
     for (const auto& s : next_) ends += s.end;
-    if (ends == next_.size()) return end_session();
+    if (ends == next_.size()) return end_session(Event::end_asked);
     if (ends != 0)
-      return fail(errc::protocol_error,
+      return fail(Event::local_error, errc::protocol_error,
                   fmt::format("{} of {} channels ended the session (EOFT) and the others asked for an operation", ends,
-                              next_.size()),
-                  true);
+                              next_.size()));
     for (const auto& s : next_)
       if (s.nego != next_.front().nego)
-        return fail(errc::protocol_error, "the channels disagree on the next operation", true);
+        return fail(Event::local_error, errc::protocol_error, "the channels disagree on the next operation");
     std::string why;
     auto n = wire::decode_negotiation(next_.front().nego, &why);
-    if (!n) return fail(errc::protocol_error, "negotiation: " + why, true);
-    start_operation(std::move(*n));
+    if (!n) return fail(Event::local_error, errc::protocol_error, "negotiation: " + why);
+    asked_in_ = machine_.state();
+    if (machine_.fire(Event::operation_asked) == Action::start_operation) start_operation(std::move(*n));
   }
 
   // The client ended the session (EOFT on every channel, or it closed them between operations).
-  void end_session() {
-    if (phase_ == Phase::done || phase_ == Phase::failed) return;
-    phase_ = Phase::done;
+  void end_session(Event why) {
+    if (machine_.fire(why) != Action::finish) return;
     idle_.cancel();
     for (auto& ch : channels_)
       if (ch) ch->close();
     report();
   }
 
-  void fail(errc code, const std::string& message, bool tell) {
-    if (phase_ == Phase::done || phase_ == Phase::failed) return;
-    phase_ = Phase::failed;
+  // The session fails outside an operation: the table's abort tells the peer (unless the peer
+  // said it first) and closes the channels.
+  void fail(Event ev, errc code, const std::string& message) {
+    if (machine_.finished()) return;
+    if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
+    const bool tell = ev != Event::peer_exception;
     join_timer_.cancel();
     idle_.cancel();
     last_code_ = code;
@@ -380,7 +371,7 @@ private:
     r.mode = ops_ ? first_mode_ : env_.nego.mode;
     r.path = ops_ ? first_path_ : env_.nego.remote_path;
     r.channels = env_.nego.channel_count;
-    r.bytes = total_bytes_ + (phase_ == Phase::operating && op_ ? op_->bytes() : 0);
+    r.bytes = total_bytes_ + (machine_.state() == State::operating && op_ ? op_->bytes() : 0);
     r.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     r.code = last_code_;
     r.message = last_message_;
@@ -390,7 +381,8 @@ private:
 
   SessionEnv& env_;
   std::shared_ptr<const Modes> modes_;
-  Phase phase_ = Phase::idle;
+  session_fsm::Machine machine_{session_fsm::Side::server};
+  State asked_in_ = State::joining;  // where the operation being started was asked for
   xdsi::ChannelList channels_;                            // authenticated channels by index
   std::vector<std::unique_ptr<xdsi::Channel>> leaving_;   // refused channels saying goodbye
   unsigned joined_ = 0;
