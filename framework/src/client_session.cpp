@@ -48,6 +48,9 @@ struct Session::Impl {
   bool closed = false;        // close() ran (or the session failed): nothing more
   bool connected = false;     // all n channels authenticated once
   unsigned secured = 0;
+  std::uint32_t next_join = 1;  // the next channel to connect
+  // Channels joining at once (connecting and proving the session secret).
+  static constexpr std::uint32_t max_joining = 16;
   unsigned answered = 0;      // channels that answered the operation's negotiation
   unsigned refusals = 0;
   std::optional<wire::NegotiationReply> reply;
@@ -242,13 +245,18 @@ struct Session::Impl {
                                if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
                                secret = r.session_secret;
                                on_secured(ch);
-                               for (std::uint32_t i = 1; i < opt.channels; ++i) connect(i);
+                               // The others join a few at a time: a server counts connections
+                               // still proving themselves per source address (xdfsd's default
+                               // is 64), so 255 at once would push each other out.
+                               next_join = 1;
+                               while (next_join < opt.channels && next_join <= max_joining) connect(next_join++);
                              });
     } else {
       xsec::client_join(ch, std::move(sent), o.join_nonce, secret, mode, c, [this, &ch](xsec::HandshakeResult r) {
         if (failed) return;
         if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
         on_secured(ch);
+        if (next_join < opt.channels) connect(next_join++);
       });
     }
   }
