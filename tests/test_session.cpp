@@ -395,3 +395,46 @@ TEST_CASE("the session tables: every row is reachable from idle, final states ha
 }
 
 }  // TEST_SUITE("session")
+
+TEST_SUITE("session") {
+
+TEST_CASE("bad input: after a refused first operation, the session's own parameters still cannot change") {
+  // A refusal leaves the session ready; the next NEGO must still keep the block size, channel
+  // count, window and flags the server admitted (a block size of 0 once divided by zero).
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  auto h = xt::make_hello(Mode::download, "missing", 1);
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  auto ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->refused);
+  CHECK(ex->code == errc::no_such_file);
+  for (int k = 0; k < 3; ++k) {
+    auto n = h.nego;
+    n.transfer = 1 + static_cast<std::uint64_t>(k);
+    n.remote_path = "x";
+    n.mode = Mode::upload;
+    n.file_size = 10;
+    if (k == 0) n.block_size = 0;
+    if (k == 1) n.extended_flags = xdfs::wire::flag_memory;  // this server does not allow memory mode
+    if (k == 2) n.block_size = 0xffffffc0u;
+    send_nego(c, n);
+    ex = c.read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->refused);
+    CHECK_MESSAGE(ex->message.find("are the session's and cannot change") != std::string::npos, ex->message);
+  }
+  // A transfer number used by a refused operation is used.
+  auto n = h.nego;
+  n.transfer = 3;
+  n.remote_path = "y";
+  send_nego(c, n);
+  ex = c.read_exception();
+  REQUIRE(ex.has_value());
+  CHECK(ex->message.find("transfer number 3 is not above the last one (3)") != std::string::npos);
+  CHECK(d.alive());
+  xt::check_serving(d.port(), root.path(), local.path());
+}
+
+}  // TEST_SUITE("session")

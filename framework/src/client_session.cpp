@@ -109,6 +109,8 @@ struct Session::Impl {
       throw TransferError(code, message, remote);
     }
     if (refusal) {
+      if (!connected) setup = std::chrono::duration<double>(Clock::now() - start).count();
+      connected = true;  // the channels are up: a later operation negotiates on them
       if (machine.fire(Event::refused) != Action::report_refusal) throw TransferError(errc::state_violation, machine.why(), false);
       throw TransferError(refusal->code, refusal->message, true);
     }
@@ -337,7 +339,9 @@ struct Session::Impl {
     if (ev == wire::Event::exception) {
       auto ex = wire::decode_exception(payload, &why);
       if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false);
-      if (!ex->refused || reply) return fail(ex->code, ex->message, true);
+      // A refusal must come on every channel; one after a reply on another channel is a bad answer.
+      if (!ex->refused) return fail(ex->code, ex->message, true);
+      if (pending_reply) return fail(errc::protocol_error, "the server both accepted and refused the operation", false);
       refusal = *ex;
       ++answered;
       return;
@@ -366,13 +370,13 @@ struct Session::Impl {
     if (tell) {
       try {
         // EOFT on every channel: the session ends. Wait (briefly) for it to leave, then close.
-        unsigned left = 0;
+        auto left = std::make_shared<unsigned>(0);
         for (auto& ch : channels) {
           if (!ch || !ch->open()) continue;
-          ++left;
+          ++*left;
           wire::FrameHeader h;
           h.event = wire::Event::eoft;
-          ch->send(h, std::vector<std::uint8_t>{}, [&left](const ErrorCode&) { --left; });
+          ch->send(h, std::vector<std::uint8_t>{}, [left](const ErrorCode&) { --*left; });
         }
         io.restart();
         deadline.expires_after(std::chrono::seconds(2));
@@ -380,7 +384,7 @@ struct Session::Impl {
         deadline.async_wait([&late](const ErrorCode& ec) {
           if (!ec) late = true;
         });
-        while (left > 0 && !late && io.run_one()) {
+        while (*left > 0 && !late && io.run_one()) {
         }
         deadline.cancel();
       } catch (...) {

@@ -117,17 +117,20 @@ private:
   }
 
   // What makes an operation unacceptable here, whatever its mode does with it: the reason, or "".
-  std::string check(const wire::Negotiation& n, errc& code) const {
+  // Every operation, refused ones too, takes its transfer number: a later one must be above it.
+  std::string check(const wire::Negotiation& n, errc& code) {
     code = errc::bad_argument;
+    // The session's own parameters were checked against the server's limits when the session
+    // was admitted (the first negotiation, env_.nego); no operation may change them.
+    if (numbered_ && n.transfer <= last_transfer_)
+      return fmt::format("transfer number {} is not above the last one ({}): each operation has its own", n.transfer,
+                         last_transfer_);
+    numbered_ = true;
+    last_transfer_ = n.transfer;
     const auto& first = env_.nego;
-    if (ops_ > 0) {
-      if (n.channel_count != first.channel_count || n.block_size != first.block_size ||
-          n.tcp_window != first.tcp_window || n.extended_flags != first.extended_flags)
-        return "channel count, block size, TCP window and flags are the session's and cannot change";
-      if (n.transfer <= last_transfer_)
-        return fmt::format("transfer number {} is not above the last one ({}): each operation has its own", n.transfer,
-                           last_transfer_);
-    }
+    if (n.channel_count != first.channel_count || n.block_size != first.block_size ||
+        n.tcp_window != first.tcp_window || n.extended_flags != first.extended_flags)
+      return "channel count, block size, TCP window and flags are the session's and cannot change";
     if (auto why = check_operation(env_.config, n, env_.client.write, code); !why.empty()) return why;
     code = errc::not_supported;
     for (const auto& m : *modes_)
@@ -142,7 +145,6 @@ private:
     if (auto why = check(n, code); !why.empty())
       return refuse_operation(n, code, fmt::format("NEGO of operation {} refused in state {}: {}", n.transfer,
                                                    session_fsm::to_string(asked_in_), why));
-    last_transfer_ = n.transfer;
     ++ops_;
     if (ops_ == 1) {
       first_mode_ = n.mode;
@@ -160,7 +162,19 @@ private:
     } catch (const std::exception& e) {
       return on_operation_done(OperationResult{errc::internal, e.what(), false, true, false});
     }
-    op_->start();
+    try {
+      op_->start();
+    } catch (const std::exception& e) {
+      // Nothing of it may be running: the session ends, telling the client why. The operation
+      // stays until the session goes (its handlers may still be queued).
+      previous_ = std::move(op_);
+      (void)machine_.fire(Event::operation_failed);
+      last_code_ = errc::internal;
+      last_message_ = std::string("starting the operation: ") + e.what();
+      xdfs::xdsi::tell_and_close(channels_, wire::ExceptionHeader{errc::internal, last_message_, 0, 0}, linger_,
+                                 std::chrono::milliseconds(2000));
+      report();
+    }
   }
 
   void on_operation_done(OperationResult r) {
@@ -205,16 +219,33 @@ private:
   void refuse_operation(const wire::Negotiation& n, errc code, const std::string& message) {
     if (machine_.fire(Event::operation_refused) != Action::refuse_operation)
       return fail(Event::local_error, errc::state_violation, machine_.why());
-    env_.log(fmt::format("session {} refused operation {} mode={} path={}: {}: {}", env_.id.short_hex(), n.transfer,
-                         xdfs::to_string(n.mode), n.remote_path, xdfs::to_string(code), message));
+    // A client may ask for missing files all day: its refusals are logged up to a point.
+    if (refused_ < max_logged_refusals)
+      env_.log(fmt::format("session {} refused operation {} mode={} path={}: {}: {}", env_.id.short_hex(), n.transfer,
+                           xdfs::to_string(n.mode), n.remote_path, xdfs::to_string(code), message));
+    else if (refused_ == max_logged_refusals)
+      env_.log(fmt::format("session {}: further refused operations are not logged", env_.id.short_hex()));
     last_code_ = code;
     last_message_ = message;
+    ++refused_;
+    // The next operation is read only once the refusal has left on every channel: a client that
+    // asks again and again without reading holds one refusal per channel, not a queue of them.
+    // The idle timer covers one that never reads it.
+    arm_idle();
     wire::ExceptionHeader ex{code, message, 0, 0, true};
     auto payload = wire::encode(ex);
+    auto left = std::make_shared<std::size_t>(channels_.size());
     for (auto& ch : channels_)
-      if (ch) ch->send_control(wire::Event::exception, payload);
-    ++refused_;
-    await_next();
+      ch->send_control(wire::Event::exception, payload, [this, left](const ErrorCode& ec) {
+        if (machine_.state() != State::ready) return;
+        if (ec) return lost_on_send(ec);
+        if (--*left == 0) await_next();
+      });
+  }
+
+  void lost_on_send(const ErrorCode& ec) {
+    if (ec == boost::asio::error::operation_aborted) return;
+    end_session(Event::peer_left);
   }
 
   // Between operations: one frame from each channel decides what comes next.
@@ -400,6 +431,8 @@ private:
   std::uint64_t ops_ = 0;
   std::uint64_t refused_ = 0;
   std::uint64_t last_transfer_ = 0;
+  bool numbered_ = false;  // an operation has taken a transfer number
+  static constexpr std::uint64_t max_logged_refusals = 16;
   std::uint64_t total_bytes_ = 0;
   Mode first_mode_ = Mode::upload;
   std::string first_path_;
@@ -413,7 +446,15 @@ private:
 
 std::string check_operation(const ServerConfig& config, const wire::Negotiation& n, bool write, errc& code) {
   code = errc::bad_argument;
+  // The session's parameters, again: an operation never runs on values the server did not allow.
+  if (n.channel_count == 0 || n.channel_count > config.max_channels)
+    return fmt::format("n = {} channels (this server allows 1..{})", n.channel_count, config.max_channels);
+  if (n.block_size < wire::min_block_size || n.block_size > config.max_block_size ||
+      n.block_size > wire::max_block_size)
+    return fmt::format("block size {} is outside {}..{}", n.block_size, wire::min_block_size, config.max_block_size);
+  if (n.extended_flags & ~wire::known_flags) return fmt::format("unknown extended flags {:#x}", n.extended_flags);
   const bool memory = (n.extended_flags & wire::flag_memory) != 0;
+  if (memory && !config.allow_memory_mode) return "memory mode is disabled on this server (xdfsd --allow-memory-mode)";
   if (memory && n.mode == Mode::path) return "memory mode does not apply to path sessions";
   if (n.mode == Mode::upload && config.max_file_size && n.file_size > config.max_file_size) {
     code = errc::limit_exceeded;

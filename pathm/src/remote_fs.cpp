@@ -22,10 +22,21 @@ struct RemoteFs::Impl {
     n.remote_path = ".";
     const auto reply = session->begin(n);
     const auto& opt = session->options();
-    client = std::make_unique<pathm::Client>(session->io(), session->channels(), reply.block_size, opt.cancel,
-                                             opt.idle_timeout);
-    if (opt.keep_alive.count() > 0) {
-      keeper = std::thread([this, every = opt.keep_alive] {
+    try {
+      client = std::make_unique<pathm::Client>(session->io(), session->channels(), reply.block_size, opt.cancel,
+                                               opt.idle_timeout);
+      if (opt.keep_alive.count() > 0) start_keeper(opt.keep_alive);
+    } catch (...) {
+      // The session closes its channels while the client (whose reads they hold) still exists.
+      session->end_operation(false);
+      client.reset();
+      throw;
+    }
+  }
+
+  void start_keeper(std::chrono::milliseconds every) {
+    {
+      keeper = std::thread([this, every] {
         std::unique_lock lk(mu);
         while (!cv.wait_for(lk, every, [this] { return stopping; })) {
           lk.unlock();
@@ -70,7 +81,12 @@ pathm::Client& RemoteFs::client() { return *impl_->client; }
 void RemoteFs::close() {
   if (!impl_->client) return;
   impl_->stop_keeper();
-  const bool ok = impl_->client->close();
+  bool ok = false;
+  try {
+    ok = impl_->client->close();
+  } catch (...) {
+    // A handler threw while the operation ended: the session is over (below).
+  }
   // The session takes its channels back (or closes them) while the client still exists: what
   // the loop still holds for it runs first.
   impl_->session->end_operation(ok);

@@ -252,22 +252,32 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
 // the answers have left, EOFR goes back on every channel, and the channels are the session's
 // again. Files the client left unfinished are discarded.
 void Server::maybe_end() {
-  if (finished_ || eofrs_ != channels_.size() || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
-  finished_ = true;
+  if (finished_ || ending_ || eofrs_ != channels_.size() || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
+  ending_ = true;
   watchdog_.cancel();
   retry_.cancel();
   shared_->stopped = true;
   shared_->cv.notify_all();
   writer_.discard_all();
+  // A client that does not read the EOFRs (its window closed) must not hold the session: they
+  // have the idle timeout to leave, then the operation fails like any other.
+  linger_.expires_after(p_.idle_timeout);
+  linger_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec || finished_) return;
+    fail(errc::timeout,
+         fmt::format("the client did not read the end of the path operation for {} ms", p_.idle_timeout.count()), false,
+         false);
+  });
   auto left = std::make_shared<std::size_t>(channels_.size());
-  auto failed = std::make_shared<bool>(false);
   for (auto& c : channels_) {
     wire::FrameHeader h;
     h.event = wire::Event::eofr;
-    c->send(h, std::vector<std::uint8_t>{}, [this, left, failed](const xdsi::ErrorCode& ec) {
-      if (ec) *failed = true;
+    c->send(h, std::vector<std::uint8_t>{}, [this, left](const xdsi::ErrorCode& ec) {
+      if (finished_) return;
+      if (ec) return fail(errc::peer_aborted, "client closed a channel as the path operation ended", true, false);
       if (--*left != 0) return;
-      if (*failed) return done_(errc::peer_aborted, "client closed a channel as the path operation ended", true);
+      finished_ = true;
+      linger_.cancel();
       done_(errc::ok, "", false);
     });
   }

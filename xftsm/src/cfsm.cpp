@@ -78,7 +78,8 @@ constexpr Transition server_download[] = {
     XDFS_SENDER_ROWS,
 };
 
-// Path mode, client: once accepted, requests flow until the client ends the session (EOFT: committed).
+// Path mode, client: once accepted, requests flow until the client ends the operation (EOFR on every
+// channel, answered by the server's EOFR on every channel: committed).
 constexpr Transition client_path[] = {
     {S::idle, E::start, S::connecting, A::connect_channels},
     {S::connecting, E::connected, S::negotiating, A::none},
@@ -89,7 +90,8 @@ constexpr Transition client_path[] = {
     XDFS_FAILURES(S::transferring),
 };
 
-// Path mode, server: answers requests until the client's EOFT (committed).
+// Path mode, server: answers requests until the client's EOFR on every channel; its own EOFRs in
+// answer have left (committed).
 constexpr Transition server_path[] = {
     {S::idle, E::channel_joined, S::joining, A::register_session},
     {S::joining, E::channel_joined, S::joining, A::add_channel},

@@ -125,6 +125,7 @@ private:
   bool retry_armed_ = false;
   std::chrono::steady_clock::time_point last_;
   bool finished_ = false;
+  bool ending_ = false;   // every channel ended; the EOFRs in answer are on their way
   std::vector<bool> eofr_ = std::vector<bool>(channels_.size(), false);  // per channel: the client ended there
   std::size_t eofrs_ = 0;
   WorkPool pool_;  // last: joined first
