@@ -43,7 +43,7 @@ enum class Event : std::uint8_t {
   ack_sent,         ///< receiver: an acknowledgement left
   all_sent,         ///< sender: every block is out and EOFR went on every channel
   all_received,     ///< receiver: EOFR on every channel and every byte accounted for
-  committed,        ///< receiver: the file is renamed into place (or the sink is flushed); sender: EOFT arrived
+  committed,        ///< receiver: the file is final and its EOFRs left; sender: the receiver's EOFR came on every channel
   peer_exception,   ///< an exception header arrived
   local_error,      ///< this side failed (disk, bad frame, state violation)
   channel_lost,     ///< a channel closed or reset before the end
@@ -64,7 +64,7 @@ enum class Action : std::uint8_t {
   send_ack,          ///< receiver: send a cumulative acknowledgement
   open_window,       ///< sender: acknowledged bytes free window room
   send_eofr,         ///< sender: end of blocks on every channel
-  commit,            ///< receiver: flush, check the size, rename into place, send EOFT
+  commit,            ///< receiver: flush, check the size, rename into place, EOFR on every channel
   finish,            ///< close the channels, report success
   abort,             ///< discard any partial file, tell the peer, close the channels
   serve_path,        ///< path mode: client starts sending path requests; server starts answering them
