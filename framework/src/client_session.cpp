@@ -31,6 +31,7 @@ struct Session::Impl {
     if (opt.memory) base.extended_flags |= wire::flag_memory;
   }
 
+  piod::PoolCache pools;  // outlives every transfer of the session
   boost::asio::io_context io{1};
   Endpoint endpoint;
   SessionOptions opt;
@@ -433,5 +434,6 @@ std::uint64_t Session::transfer() const noexcept { return impl_->nego.transfer; 
 double Session::setup_seconds() const noexcept { return impl_->setup; }
 std::uint64_t Session::operations() const noexcept { return impl_->ops; }
 std::string Session::tag() const { return impl_->opening.session.short_hex(); }
+piod::PoolCache& Session::pool_cache() noexcept { return impl_->pools; }
 
 }  // namespace xdfs

@@ -46,9 +46,23 @@ DiskIo& DiskIo::system() noexcept {
   return real;
 }
 
-BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
-    : block_size_(block_size), slots_(slots), memory_(nullptr, PoolDeleter{0}), forth_(slots), back_(slots) {
-  const std::size_t bytes = static_cast<std::size_t>(block_size + slot_tag_room) * slots;
+PoolMemory PoolCache::take(std::size_t bytes) noexcept {
+  if (kept_ && kept_.get_deleter().bytes >= bytes) return std::move(kept_);
+  kept_.reset();
+  return PoolMemory(nullptr, PoolDeleter{0});
+}
+
+void PoolCache::give(PoolMemory pool) noexcept {
+  if (pool && (!kept_ || pool.get_deleter().bytes >= kept_.get_deleter().bytes)) kept_ = std::move(pool);
+}
+
+BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* cache)
+    : block_size_(block_size), slots_(slots), cache_(cache), memory_(nullptr, PoolDeleter{0}), forth_(slots), back_(slots) {
+  const std::size_t bytes = (static_cast<std::size_t>(block_size) + slot_tag_room) * slots;
+  if (cache_) {
+    memory_ = cache_->take(bytes);
+    if (memory_) return;
+  }
   // Anonymous pages: page-aligned, zero-filled (memory sources send defined bytes) and faulted
   // in only when a slot is first used, so a small transfer never pays for the whole pool.
   // A pool of 2 MiB or more is aligned to 2 MiB and asks for transparent huge pages: every
@@ -71,7 +85,9 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots)
   memory_ = std::unique_ptr<std::uint8_t, PoolDeleter>(p, PoolDeleter{bytes});
 }
 
-BlockPipe::~BlockPipe() = default;
+BlockPipe::~BlockPipe() {
+  if (cache_) cache_->give(std::move(memory_));
+}
 
 namespace {
 long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value) noexcept {

@@ -177,6 +177,7 @@ private:
     p.block_size = session_.options().block_size;
     p.slots = slots_;
     p.idle_timeout = session_.options().idle_timeout;
+    if (!memory_) p.pools = &session_.pool_cache();  // a memory source sends a slot's bytes as they are
     auto& io = session_.io();
     auto& channels = session_.channels();
     if (action == Action::start_sending) {

@@ -49,7 +49,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       channels_(channels),
       host_(host),
       params_(p),
-      pipe_(p.block_size, pool_slots(p)),
+      pipe_(p.block_size, pool_slots(p), p.pools),
       wake_(io, dup_or_throw(pipe_.net_wake().fd())),
       watchdog_(io),
       linger_(io),

@@ -154,10 +154,26 @@ struct PoolDeleter {
   void operator()(std::uint8_t* p) const noexcept;
 };
 
+using PoolMemory = std::unique_ptr<std::uint8_t, PoolDeleter>;
+
+/// A block pool kept between transfers of one session (on its thread only): the next pipe that
+/// fits in it takes it instead of mapping (and faulting in) fresh memory. Not for memory-mode
+/// sessions, whose sources send a slot's bytes as they are.
+class PoolCache {
+public:
+  /// The kept pool if it holds at least `bytes`, else nothing (and the kept one is freed).
+  PoolMemory take(std::size_t bytes) noexcept;
+  void give(PoolMemory pool) noexcept;
+
+private:
+  PoolMemory kept_{nullptr, PoolDeleter{0}};
+};
+
 /// The shared state between one network thread and one disk thread.
 class BlockPipe {
 public:
-  BlockPipe(std::uint32_t block_size, std::uint32_t slots);
+  /// With a cache, the pool comes from it when it fits, and goes back to it at the end.
+  BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* cache = nullptr);
   ~BlockPipe();
   BlockPipe(const BlockPipe&) = delete;
   BlockPipe& operator=(const BlockPipe&) = delete;
@@ -200,7 +216,8 @@ public:
 private:
   std::uint32_t block_size_;
   std::uint32_t slots_;
-  std::unique_ptr<std::uint8_t, PoolDeleter> memory_;
+  PoolCache* cache_;
+  PoolMemory memory_;
   SpscRing<Block> forth_;  // net -> disk
   SpscRing<Block> back_;   // disk -> net
   std::atomic<std::uint32_t> disk_seq_{0};

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "xdfs/error.hpp"
+#include "xdfs/piod.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
 #include "xdfs/xsec.hpp"
@@ -110,6 +111,8 @@ public:
   std::uint64_t operations() const noexcept;
   /// A name for the session in temporary file names (its id, short).
   std::string tag() const;
+  /// Block pools kept between the session's transfers (fresh memory costs a fault per page).
+  piod::PoolCache& pool_cache() noexcept;
 
 private:
   struct Impl;

@@ -51,6 +51,9 @@ struct TransferParams {
   std::chrono::milliseconds idle_timeout{60000};
   /// How long a failing side waits for its exception header to leave before closing.
   std::chrono::milliseconds linger{2000};
+  /// Where the pool comes from and goes back to (a session's, between its transfers); null:
+  /// a fresh one.
+  piod::PoolCache* pools = nullptr;
 };
 
 /// Slots an engine's pool gets for these parameters: no more than the file has blocks (a small
