@@ -722,3 +722,27 @@ TEST_CASE("disk threads stop and join when idle") {
 }
 
 }  // TEST_SUITE("piod")
+
+TEST_SUITE("piod") {
+
+TEST_CASE("a pool cache hands a session's next pipe the last pool when it fits, and a fresh one when not") {
+  xdfs::piod::PoolCache cache;
+  std::uint8_t* first = nullptr;
+  {
+    xdfs::piod::BlockPipe p(64 * 1024, 8, &cache);
+    first = p.slot_data(0);
+    p.slot_data(7)[0] = 42;  // used
+  }
+  {
+    xdfs::piod::BlockPipe q(64 * 1024, 4, &cache);  // smaller: fits in the kept pool
+    CHECK(q.slot_data(0) == first);
+  }
+  {
+    xdfs::piod::BlockPipe r(64 * 1024, 16, &cache);  // larger: the kept pool goes, a fresh one comes
+    CHECK(r.slot_data(15)[0] == 0);
+  }
+  xdfs::piod::BlockPipe fresh(64 * 1024, 8);  // without a cache: always fresh, zero-filled
+  CHECK(fresh.slot_data(7)[0] == 0);
+}
+
+}  // TEST_SUITE("piod")
