@@ -13,7 +13,7 @@
 #include <unordered_set>
 
 #include "read_failure.hpp"
-#include "xdfs/pathm/engine.hpp"
+#include "xdfs/pathm/path_client.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 
@@ -118,7 +118,7 @@ std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std
 
 }  // namespace
 
-Client::Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
+PathClient::PathClient(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
                std::chrono::milliseconds idle_timeout)
     : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout) {
   outstanding_.assign(channels_.size(), 0);
@@ -127,14 +127,14 @@ Client::Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_
   for (auto& ch : channels_) read_loop(*ch);
 }
 
-Client::~Client() {
+PathClient::~PathClient() {
   // Channels that did not end cleanly must not be read again on behalf of a client that is gone.
   if (!ended_)
     for (auto& ch : channels_)
       if (ch) ch->close();
 }
 
-void Client::fail(errc code, const std::string& message, bool remote) {
+void PathClient::fail(errc code, const std::string& message, bool remote) {
   if (code_ != errc::ok) return;
   code_ = code;
   message_ = message;
@@ -153,12 +153,12 @@ void Client::fail(errc code, const std::string& message, bool remote) {
   }
 }
 
-void Client::check() const {
+void PathClient::check() const {
   if (code_ != errc::ok) throw Error(code_, message_);
   if (closed_) throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
 
-void Client::read_loop(xdsi::Channel& ch) {
+void PathClient::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (code_ != errc::ok || ended_) return;
     if (ec) {
@@ -208,7 +208,7 @@ void Client::read_loop(xdsi::Channel& ch) {
   });
 }
 
-void Client::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
+void PathClient::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
   if (code_ != errc::ok || ended_) return;
   if (ec) {
     auto f = read_failure(ch, ec, "server");
@@ -218,7 +218,7 @@ void Client::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const 
   read_loop(ch);
 }
 
-void Client::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
+void PathClient::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
   auto part = buf->writable().subspan(have);
   ch.async_read_payload_part(part, [this, &ch, buf, total](const xdsi::ErrorCode& ec) {
     if (ec || code_ != errc::ok || ended_) return finish_reply(ch, buf, ec);
@@ -231,7 +231,7 @@ void Client::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf,
   });
 }
 
-void Client::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
+void PathClient::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
   last_ = Clock::now();
   std::string why;
   auto r = decode_reply(buf->bytes(), &why);
@@ -258,14 +258,14 @@ void Client::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
   }
 }
 
-std::string Client::remote_join(const std::string& base, const std::string& rel) const {
+std::string PathClient::remote_join(const std::string& base, const std::string& rel) const {
   std::string b = base;
   while (!b.empty() && b.back() == '/') b.pop_back();
   if (b.empty() || b == ".") return rel.empty() ? "." : rel;
   return rel.empty() || rel == "." ? b : b + "/" + rel;
 }
 
-void Client::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
+void PathClient::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
   if (code_ != errc::ok) return;
   std::size_t best = 0;
   for (std::size_t i = 1; i < channels_.size(); ++i)
@@ -283,7 +283,7 @@ void Client::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
   });
 }
 
-void Client::wait(const std::function<bool()>& done) {
+void PathClient::wait(const std::function<bool()>& done) {
   io_.restart();
   last_ = Clock::now();
   while (code_ == errc::ok && !done()) {
@@ -304,7 +304,7 @@ void Client::wait(const std::function<bool()>& done) {
   check();
 }
 
-Reply Client::call(Request r) {
+Reply PathClient::call(Request r) {
   check();
   r.id = new_id();
   std::optional<Reply> out;
@@ -320,7 +320,7 @@ Reply Client::call(Request r) {
   return std::move(*out);
 }
 
-Entry Client::stat(const std::string& path) {
+Entry PathClient::stat(const std::string& path) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::stat;
@@ -330,7 +330,7 @@ Entry Client::stat(const std::string& path) {
   return rep.entries[0];
 }
 
-std::size_t Client::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
+std::size_t PathClient::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   Request r;
@@ -371,7 +371,7 @@ std::size_t Client::list(const std::string& path, bool recursive, const std::fun
   return chunks;
 }
 
-void Client::mkdir(const std::string& path, bool parents) {
+void PathClient::mkdir(const std::string& path, bool parents) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::mkdir;
@@ -380,7 +380,7 @@ void Client::mkdir(const std::string& path, bool parents) {
   call(std::move(r));
 }
 
-void Client::remove(const std::string& path, bool recursive) {
+void PathClient::remove(const std::string& path, bool recursive) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::remove;
@@ -389,7 +389,7 @@ void Client::remove(const std::string& path, bool recursive) {
   call(std::move(r));
 }
 
-void Client::rename(const std::string& from, const std::string& to) {
+void PathClient::rename(const std::string& from, const std::string& to) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::rename;
@@ -398,7 +398,7 @@ void Client::rename(const std::string& from, const std::string& to) {
   call(std::move(r));
 }
 
-std::string Client::checksum(const std::string& path, std::uint64_t offset, std::uint64_t length) {
+std::string PathClient::checksum(const std::string& path, std::uint64_t offset, std::uint64_t length) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::checksum;
@@ -410,7 +410,7 @@ std::string Client::checksum(const std::string& path, std::uint64_t offset, std:
   return hex(rep.digest);
 }
 
-void Client::put(std::vector<Entry> entries) {
+void PathClient::put(std::vector<Entry> entries) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   Request r;
   r.op = Op::put;
@@ -420,7 +420,7 @@ void Client::put(std::vector<Entry> entries) {
     if (e.code != errc::ok) throw Error(e.code, e.message);
 }
 
-bool Client::close() {
+bool PathClient::close() {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   if (closed_ || code_ != errc::ok) return ended_;
   closed_ = true;
@@ -456,7 +456,7 @@ bool Client::close() {
   return ended_;
 }
 
-void Client::keep_alive() {
+void PathClient::keep_alive() {
   std::unique_lock<std::recursive_mutex> one_call(call_mu_, std::try_to_lock);
   if (!one_call.owns_lock() || closed_ || code_ != errc::ok || channels_.empty() || !channels_[0] ||
       !channels_[0]->open())
@@ -486,7 +486,7 @@ TreeError::TreeError(TreeResult r)
 
 // For the files at `which`: does the local copy (under local_root) hash the same as the remote
 // one (under remote)? Up to 64 checksum requests are outstanding while local hashing goes on.
-std::vector<bool> Client::same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
+std::vector<bool> PathClient::same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
                                        const std::vector<std::size_t>& which) {
   std::vector<bool> equal(files.size(), false);
   std::size_t answered = 0, next = 0;
@@ -639,7 +639,7 @@ public:
   ListingBound(const TreeOptions& o, const std::string& remote) : max_(o.max_listing), remote_(remote) {}
   void add(const Entry& e) {
     bytes_ += sizeof(Entry) + e.path.size() + e.target.size() + e.message.size();
-    if (max_ && bytes_ > max_)  // ends the session (Client::on_reply), so the server stops too
+    if (max_ && bytes_ > max_)  // ends the session (PathClient::on_reply), so the server stops too
       throw Error(errc::limit_exceeded, fmt::format("the listing of '{}' from the server exceeds {} bytes of memory "
                                                     "(--max-listing)",
                                                     remote_, max_));
@@ -661,7 +661,7 @@ std::size_t window_of(const TreeOptions& o, std::uint32_t block, std::size_t cha
 // Drops from v what the destination already has (with sync): same size and mtime, or with
 // --checksum (files only) same size and same SHA-256; a symlink with the same target.
 // at_destination gives the destination's entry for a path (type `other` when it has none).
-void Client::keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& o, int local_root,
+void PathClient::keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& o, int local_root,
                           const std::string& remote, const std::function<Entry(const Entry&)>& at_destination,
                           std::uint64_t& skipped) {
   const bool by_content = files && o.checksum;
@@ -691,7 +691,7 @@ void Client::keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& 
   v = std::move(out);
 }
 
-TreeResult Client::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
+TreeResult PathClient::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;
@@ -844,7 +844,7 @@ TreeResult Client::upload_tree(const std::string& local, const std::string& remo
   return p.finish();
 }
 
-TreeResult Client::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
+TreeResult PathClient::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;

@@ -1,6 +1,6 @@
 #include <fmt/core.h>
 
-#include "xdfs/pathm/engine.hpp"
+#include "xdfs/detail/path_server.hpp"
 #include "xdfs/pathm/server_mode.hpp"
 #include "xdfs/xsec.hpp"
 
@@ -27,7 +27,7 @@ public:
     pp.idle_timeout = env_.config.idle_timeout;
     pp.budget = &env_.budget;
     pp.max_file_size = env_.config.max_file_size;
-    server_ = std::make_unique<Server>(env_.io, env_.channels, env_.root_fd, pp,
+    server_ = std::make_unique<PathServer>(env_.io, env_.channels, env_.root_fd, pp,
                                        [this](errc code, const std::string& message, bool from_peer) {
                                          done_(runtime::OperationResult{code, message, from_peer, false, code == errc::ok});
                                        });
@@ -47,7 +47,7 @@ public:
 private:
   runtime::OperationEnv& env_;
   runtime::OperationDone done_;
-  std::unique_ptr<Server> server_;
+  std::unique_ptr<PathServer> server_;
 };
 
 }  // namespace

@@ -9,7 +9,7 @@ namespace xdfs {
 struct RemoteFs::Impl {
   std::unique_ptr<Session> own;
   Session* session = nullptr;
-  std::unique_ptr<pathm::Client> client;
+  std::unique_ptr<pathm::PathClient> client;
   // Keep-alives between calls.
   std::thread keeper;
   std::mutex mu;
@@ -23,7 +23,7 @@ struct RemoteFs::Impl {
     const auto reply = session->begin(n);
     const auto& opt = session->options();
     try {
-      client = std::make_unique<pathm::Client>(session->io(), session->channels(), reply.block_size, opt.cancel,
+      client = std::make_unique<pathm::PathClient>(session->io(), session->channels(), reply.block_size, opt.cancel,
                                                opt.idle_timeout);
       if (opt.keep_alive.count() > 0) start_keeper(opt.keep_alive);
     } catch (...) {
@@ -75,8 +75,8 @@ RemoteFs::~RemoteFs() {
   }
 }
 
-pathm::Client* RemoteFs::operator->() { return impl_->client.get(); }
-pathm::Client& RemoteFs::client() { return *impl_->client; }
+pathm::PathClient* RemoteFs::operator->() { return impl_->client.get(); }
+pathm::PathClient& RemoteFs::client() { return *impl_->client; }
 
 void RemoteFs::close() {
   if (!impl_->client) return;

@@ -5,7 +5,7 @@
 #include <condition_variable>
 
 #include "read_failure.hpp"
-#include "xdfs/pathm/engine.hpp"
+#include "xdfs/detail/path_server.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -46,7 +46,7 @@ Encoded error_reply(std::uint64_t id, const Status& st) {
 }  // namespace
 
 // What workers share with the network thread; workers reach the server only through it.
-struct Server::Shared {
+struct PathServer::Shared {
   std::mutex mu;
   std::condition_variable cv;
   int unsent = 0;                                // listing chunks queued, not yet sent
@@ -78,7 +78,7 @@ std::size_t chunk_estimate(const std::vector<Entry>& chunk) {
 
 }  // namespace
 
-Server::Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done)
+PathServer::PathServer(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done)
     : io_(io),
       channels_(channels),
       root_(root),
@@ -98,20 +98,20 @@ Server::Server(asio::io_context& io, ChannelList& channels, int root, const Serv
         });
       }) {}
 
-Server::~Server() {
+PathServer::~PathServer() {
   shared_->stopped = true;
   shared_->cv.notify_all();
   if (p_.budget) p_.budget->wake_all();
   pool_.stop();
 }
 
-void Server::start() {
+void PathServer::start() {
   last_ = Clock::now();
   arm_watchdog();
   for (auto& ch : channels_) read_loop(*ch);
 }
 
-void Server::arm_watchdog() {
+void PathServer::arm_watchdog() {
   watchdog_.expires_after(std::chrono::milliseconds(500));
   watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
     if (ec || finished_) return;
@@ -124,7 +124,7 @@ void Server::arm_watchdog() {
   });
 }
 
-void Server::read_loop(xdsi::Channel& ch) {
+void PathServer::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (finished_) return;
     if (ec) {
@@ -177,7 +177,7 @@ void Server::read_loop(xdsi::Channel& ch) {
   });
 }
 
-void Server::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
+void PathServer::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
   // The session's bound: what its workers hold and its replies not yet sent. The channel parks
   // with the header read and the payload not: nothing of it is in memory yet.
   if (busy_ >= max_busy() || (inflight_ > 0 && inflight_ + h.length > limit_)) {
@@ -212,7 +212,7 @@ void Server::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
   });
 }
 
-void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held) {
+void PathServer::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held) {
   ++busy_;
   ++requests_;
   last_ = Clock::now();
@@ -220,14 +220,14 @@ void Server::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held hel
   read_loop(ch);  // the next header; whether its payload is read then is admit's call
 }
 
-void Server::resume() {
+void PathServer::resume() {
   if (finished_) return;
   auto parked = std::move(parked_);
   parked_.clear();
   for (const auto& p : parked) admit(*p.ch, p.h);  // in order; what still does not fit parks again
 }
 
-void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent) {
+void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent) {
   if (finished_ || !ch->open()) {
     if (sent) sent();
     return;
@@ -251,7 +251,7 @@ void Server::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent
 // The client ended the operation on every channel: once every request it sent is answered and
 // the answers have left, EOFR goes back on every channel, and the channels are the session's
 // again. Files the client left unfinished are discarded.
-void Server::maybe_end() {
+void PathServer::maybe_end() {
   if (finished_ || ending_ || eofrs_ != channels_.size() || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
   ending_ = true;
   watchdog_.cancel();
@@ -285,7 +285,7 @@ void Server::maybe_end() {
 
 // On a worker: decode, do the file-system work, and hand the replies to the network thread. A
 // throw here fails this session with its reason.
-void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held) {
+void PathServer::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held) {
   try {
     answer(ch, buf, held);
   } catch (const std::exception& e) {
@@ -296,7 +296,7 @@ void Server::execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held) 
   }
 }
 
-void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held) {
+void PathServer::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held) {
   std::weak_ptr<Shared> alive = shared_;
   const std::size_t cost = buf->size;
   // A request counts against the limits until its reply has left: a client that asks for
@@ -505,9 +505,9 @@ void Server::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held)
   post(encode(rep), reply_held);
 }
 
-void Server::abort(errc code, const std::string& message) { fail(code, message, false, true); }
+void PathServer::abort(errc code, const std::string& message) { fail(code, message, false, true); }
 
-void Server::fail(errc code, const std::string& message, bool from_peer, bool tell) {
+void PathServer::fail(errc code, const std::string& message, bool from_peer, bool tell) {
   if (finished_) return;
   finished_ = true;
   watchdog_.cancel();

@@ -15,7 +15,7 @@
 
 #include <memory>
 
-#include "xdfs/pathm/engine.hpp"
+#include "xdfs/pathm/path_client.hpp"
 #include "xdfs/session.hpp"
 
 namespace xdfs {
@@ -37,8 +37,8 @@ public:
   ~RemoteFs();
   RemoteFs(const RemoteFs&) = delete;
   RemoteFs& operator=(const RemoteFs&) = delete;
-  pathm::Client* operator->();
-  pathm::Client& client();
+  pathm::PathClient* operator->();
+  pathm::PathClient& client();
   /// Ends the path operation cleanly (and the session, if it is this one's own). Also done by
   /// the destructor.
   void close();

@@ -1,11 +1,9 @@
-// xPathM over a session's n channels: the server that answers path requests, and the client
-// that sends them, many outstanding on every channel, and matches replies by request id.
+// xPathM on the client: the engine that sends a path operation's requests over a session's n
+// channels, many outstanding on every channel, matches replies by request id, and copies whole
+// trees. RemoteFs (xdfs/remote_fs.hpp) gives it a session; its calls are the API.
 //
-// Both run on the session's network thread. Neither does file-system work there: requests (on
-// the server) and batches of files (on the client) go to a bounded WorkPool, and what a worker
-// produces comes back to the network thread to be sent. How many request bytes may be
-// outstanding is bounded at both ends: the client keeps a window, and the server stops reading a
-// channel while its workers hold more than their share.
+// Batches of files go to a bounded WorkPool, never the network thread; the request bytes
+// outstanding are bounded by a window.
 #pragma once
 
 #include <boost/asio/io_context.hpp>
@@ -26,110 +24,13 @@
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/pathm/pool.hpp"
 #include "xdfs/xdsi.hpp"
+#include "xdfs/error.hpp"
+#include "xdfs/pathm/buffer.hpp"
 
 namespace xdfs::pathm {
 
 namespace asio = boost::asio;
 using xdsi::ChannelList;
-
-/// Largest xPathM message a session with this block size accepts: one block of file bytes plus
-/// room for the entries' names.
-inline std::size_t max_message(std::uint32_t block_size) { return std::size_t(block_size) + (4u << 20); }
-
-/// A received message: word-aligned bytes that decoded entries point into.
-struct Buffer {
-  std::unique_ptr<std::uint64_t[]> words;
-  std::size_t size = 0;
-  /// Room for `size` bytes, not cleared (a frame's payload is read into all of it).
-  static std::shared_ptr<Buffer> make(std::size_t size) {
-    auto b = std::make_shared<Buffer>();
-    b->words.reset(new std::uint64_t[(size + 7) / 8]);
-    b->size = size;
-    return b;
-  }
-  std::span<std::uint8_t> writable() noexcept { return {reinterpret_cast<std::uint8_t*>(words.get()), size}; }
-  std::span<const std::uint8_t> bytes() const noexcept {
-    return {reinterpret_cast<const std::uint8_t*>(words.get()), size};
-  }
-};
-
-struct ServerParams {
-  std::uint32_t block_size = 1 << 20;
-  unsigned workers = 4;
-  bool read_only = false;
-  bool fsync = false;
-  std::string tag;  ///< names temporary files (the session id)
-  std::chrono::milliseconds idle_timeout{60000};
-  /// The server's memory budget: request and reply bytes are reserved in it before they are
-  /// allocated (null: no budget).
-  MemoryBudget* budget = nullptr;
-  /// Largest file a put may create (0: what the file system has free).
-  std::uint64_t max_file_size = 0;
-};
-
-/// Serves path requests on a root directory until the client ends the operation (EOFR on every
-/// channel, answered with EOFR on every channel once every request is answered).
-class Server {
-public:
-  /// done(ok) when the operation ended cleanly (the channels are ready for the session's next),
-  /// done(code) on the first failure (the peer was told; the channels close).
-  using Done = std::function<void(errc, const std::string&, bool from_peer)>;
-  Server(asio::io_context& io, ChannelList& channels, int root, const ServerParams& p, Done done);
-  ~Server();
-  void start();
-  void abort(errc code, const std::string& message);
-  std::uint64_t bytes() const noexcept { return bytes_.load(); }
-  std::uint64_t requests() const noexcept { return requests_; }
-
-private:
-  struct Shared;
-  using Held = std::shared_ptr<Reservation>;
-  void read_loop(xdsi::Channel& ch);
-  /// A request's header arrived: read its payload now if the session's bound and the server's
-  /// memory allow it, else park the channel (it is not read until they do).
-  void admit(xdsi::Channel& ch, const wire::FrameHeader& h);
-  void on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held);
-  void execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held);
-  void answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held);
-  void send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent = {});
-  void fail(errc code, const std::string& message, bool from_peer, bool tell);
-  void resume();
-  void maybe_end();
-  void arm_watchdog();
-  // Requests read but not answered yet: a few per worker keep them busy; more would only hold
-  // memory (a get may answer with two blocks).
-  std::size_t max_busy() const noexcept { return 4u * p_.workers; }
-
-  struct Parked {
-    xdsi::Channel* ch;
-    wire::FrameHeader h;
-  };
-
-  asio::io_context& io_;
-  ChannelList& channels_;
-  int root_;
-  ServerParams p_;
-  Done done_;
-  TreeWriter writer_;
-  std::shared_ptr<Shared> shared_;
-  std::vector<Parked> parked_;  // channels whose next request waits for room (its header is read)
-  std::size_t inflight_ = 0;  // bytes of requests not answered yet, and of replies not sent yet
-  std::size_t busy_ = 0;      // requests a worker holds
-  std::size_t sending_ = 0;   // replies handed to a channel and not written out yet
-  std::size_t limit_;
-  std::atomic<std::uint64_t> bytes_{0};
-  std::uint64_t requests_ = 0;
-  asio::steady_timer watchdog_;
-  asio::steady_timer linger_;
-  asio::steady_timer retry_;   // memory was short: parked requests try again
-  bool retry_armed_ = false;
-  std::chrono::steady_clock::time_point last_;
-  bool finished_ = false;
-  bool ending_ = false;   // every channel ended; the EOFRs in answer are on their way
-  std::vector<bool> eofr_ = std::vector<bool>(channels_.size(), false);  // per channel: the client ended there
-  std::size_t eofrs_ = 0;
-  WorkPool pool_;  // last: joined first
-};
 
 struct TreeOptions {
   bool sync = false;       ///< skip files whose size and mtime match at the destination
@@ -176,11 +77,11 @@ private:
 /// Sends path requests over the channels of an accepted path session. Calls block the calling
 /// thread, which runs the session's io_context meanwhile. Failures throw xdfs::Error; a tree copy
 /// that could not copy some entries copies all the others first, then throws TreeError.
-class Client {
+class PathClient {
 public:
-  Client(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
+  PathClient(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
          std::chrono::milliseconds idle_timeout);
-  ~Client();
+  ~PathClient();
 
   Entry stat(const std::string& path);
   /// Calls chunk() with each chunk of the listing as it arrives; returns the number of chunks.
