@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <ctime>
+#include <optional>
 
 #include <algorithm>
 #include <atomic>
@@ -45,6 +46,8 @@ const char* usage =
     "  --follow               copy what symlinks point to instead of the symlinks\n"
     "  --workers N            local threads reading or writing files in a tree copy (default 4)\n"
     "  --max-listing SIZE     memory a tree copy may hold for the server's listing (default 2G)\n"
+    "  --large-file SIZE      in a tree copy, files of at least SIZE go as transfers of their own\n"
+    "                         on the same session, as a single file does (default 64M; 0: never)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
     "server, sum prints the SHA-256 of remote files as sha256sum does.\n"
@@ -226,9 +229,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       if (tree_source && !recursive) throw xdfs::TransferError(xdfs::errc::is_directory, "'" + src + "' is a directory (-r copies trees)", false);
       if (tree_source) {
         const bool contents = src.back() == '/';
-        xdfs::RemoteFs fs(session);
-        auto r = fs->upload_tree(src, contents ? url.path : join_path(url.path, name), tree);
-        fs.close();
+        auto r = xdfs::upload_tree(session, src, contents ? url.path : join_path(url.path, name), tree, o);
         ++trees;
         files += r.files;
         bytes += r.bytes;
@@ -241,10 +242,8 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
         } catch (const xdfs::TransferError& e) {
           // A remote directory: with -r it is a tree, copied in path mode on the same session.
           if (up || !recursive || e.code() != xdfs::errc::is_directory || !session.usable()) throw;
-          xdfs::RemoteFs fs(session);
           const bool contents = remote_paths[k].back() == '/';
-          auto t = fs->download_tree(remote_paths[k], contents ? dst : join_path(dst, name), tree);
-          fs.close();
+          auto t = xdfs::download_tree(session, remote_paths[k], contents ? dst : join_path(dst, name), tree, o);
           ++trees;
           files += t.files;
           bytes += t.bytes;
@@ -363,6 +362,10 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_uint(value(i), 1, 64);
       if (!v) bad("--workers takes a thread count from 1 to 64");
       tree.workers = static_cast<unsigned>(*v);
+    } else if (a == "--large-file") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v) bad("--large-file takes a size, e.g. 64M (0: every file of a tree in path mode)");
+      tree.large_file = *v;
     } else if (a == "--files-from") {
       files_from = value(i);
     } else if (a == "-q" || a == "--quiet") {
@@ -508,7 +511,18 @@ int main(int argc, char** argv) {
         last = now;
         fmt::print(stderr, "\r{:>10} files  {:>10}   ", files, xdfs::cli::human_bytes(static_cast<double>(bytes)));
       };
-    std::unique_ptr<xdfs::RemoteFs> fs;
+    // A large file's own transfer shows on the same line.
+    std::uint64_t shown_files = 0, shown_bytes = 0;
+    if (tty) {
+      auto draw = tree.progress;
+      tree.progress = [&, draw](std::uint64_t files, std::uint64_t bytes) {
+        shown_files = files;
+        shown_bytes = bytes;
+        draw(files, bytes);
+      };
+      opt.progress = [&, draw](const xdfs::Progress& p) { draw(shown_files, shown_bytes + p.bytes); };
+    }
+    std::optional<xdfs::Session> session;
     const auto t0 = std::chrono::steady_clock::now();
     auto summary = [&](const xdfs::pathm::TreeResult& r, bool end_progress) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -518,19 +532,20 @@ int main(int argc, char** argv) {
                    r.swept == 1 ? "" : "s");
       if (json)
         fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
-                   "\"failed\":{},\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{}}}\n",
+                   "\"failed\":{},\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{},"
+                   "\"large_files\":{},\"large_bytes\":{},\"large_seconds\":{:.6f}}}\n",
                    up ? "upload" : "download", r.files, r.directories, r.symlinks, r.skipped, r.failures.size(), r.bytes,
-                   secs, r.requests, opt.channels);
+                   secs, r.requests, opt.channels, r.large_files, r.large_bytes, r.large_seconds);
       else if (!quiet || !r.failures.empty())
         fmt::print(stderr, "xduc: {} files, {} directories, {} symlinks, {} in {:.2f} s ({} up to date or skipped{})\n",
                    r.files, r.directories, r.symlinks, xdfs::cli::human_bytes(static_cast<double>(r.bytes)), secs,
                    r.skipped, r.failures.empty() ? "" : fmt::format(", {} not copied", r.failures.size()));
     };
     try {
-      fs = std::make_unique<xdfs::RemoteFs>(xdfs::Endpoint{url->host, url->port}, opt);
-      auto& c = fs->client();
-      auto r = up ? c.upload_tree(local, remote, tree) : c.download_tree(remote, local, tree);
-      fs->close();
+      session.emplace(xdfs::Endpoint{url->host, url->port}, opt);
+      auto r = up ? xdfs::upload_tree(*session, local, remote, tree, opt)
+                  : xdfs::download_tree(*session, remote, local, tree, opt);
+      session->close();
       summary(r, true);
       return 0;
     } catch (const xdfs::pathm::TreeError& e) {
@@ -539,10 +554,7 @@ int main(int argc, char** argv) {
       for (const auto& f : e.result().failures)
         fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
                    f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
-      try {
-        fs->close();
-      } catch (const xdfs::Error&) {
-      }
+      session->close();
       summary(e.result(), false);
       return 1;
     } catch (const xdfs::TransferError& e) {
@@ -550,7 +562,7 @@ int main(int argc, char** argv) {
       return report_error(e, e.remote());
     } catch (const xdfs::Error& e) {
       if (tty) fmt::print(stderr, "\n");
-      return report_error(e, fs && fs->client().remote_error());
+      return report_error(e, false);
     } catch (const std::exception& e) {
       if (tty) fmt::print(stderr, "\n");
       fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));

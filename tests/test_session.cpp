@@ -1,6 +1,7 @@
 // One session, many operations: reusable channels, mode switching, per-transfer keys, and what
 // a peer that breaks the session's rules gets. Real xdfsd and xduc processes, real sockets.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <regex>
@@ -76,6 +77,125 @@ TEST_CASE("xduc copies several sources up and down over one session, a tree amon
   CHECK(xt::files_equal(local / "c.bin", back / "c.bin"));
   CHECK(xt::files_equal(local / "photos/2026/x.jpg", back / "photos/2026/x.jpg"));
   xt::check_no_partials(back.path());
+  xt::check_no_partials(root.path());
+}
+
+// Mode bits and mtime (ns) of a path, not following a symlink.
+std::pair<unsigned, std::int64_t> attrs(const std::string& p) {
+  struct stat st {};
+  REQUIRE_MESSAGE(::lstat(p.c_str(), &st) == 0, p);
+  return {static_cast<unsigned>(st.st_mode & 07777), std::int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+void set_attrs(const std::string& p, unsigned mode, std::int64_t sec) {
+  REQUIRE(::chmod(p.c_str(), mode) == 0);
+  const timespec ts[2] = {{sec, 250000000}, {sec, 250000000}};
+  REQUIRE(::utimensat(AT_FDCWD, p.c_str(), ts, 0) == 0);
+}
+
+TEST_CASE("a tree's large files travel as xFTSM transfers on the tree's session, with modes and mtimes as in path mode") {
+  xt::TempDir root, local, back;
+  xt::XdfsdProcess d(root.path());
+  const std::string t = local / "t";
+  make_dir(t);
+  make_dir(t + "/sub");
+  make_dir(t + "/sub/deep");
+  xt::write_random_file(t + "/big.bin", (3 << 20) + 11, 1);     // large, at the top
+  xt::write_random_file(t + "/sub/big2.bin", 2 << 20, 2);       // large, in a subdirectory
+  xt::write_random_file(t + "/sub/small.txt", 1000, 3);
+  xt::write_random_file(t + "/sub/deep/tiny", 10, 4);
+  REQUIRE(::symlink("small.txt", (t + "/sub/link").c_str()) == 0);
+  set_attrs(t + "/big.bin", 0755, 1500000000);
+  set_attrs(t + "/sub/big2.bin", 0640, 1500000100);
+  set_attrs(t + "/sub/small.txt", 0600, 1500000200);
+  set_attrs(t + "/sub/deep/tiny", 0644, 1500000300);
+  // Directories last: writing into them moved their mtimes.
+  set_attrs(t + "/sub/deep", 0555, 1500000400);  // no write: made writable, its mode set at the end
+  set_attrs(t + "/sub", 0750, 1500000500);
+  set_attrs(t, 0751, 1500000600);
+  const std::vector<std::string> entries{"big.bin", "sub/big2.bin", "sub/small.txt", "sub/deep/tiny", "sub/deep", "sub", ""};
+  auto same_tree = [&](const std::string& a, const std::string& b) {
+    for (const auto& e : entries) {
+      CAPTURE(e);
+      const std::string pa = e.empty() ? a : a + "/" + e, pb = e.empty() ? b : b + "/" + e;
+      if (e.find(".bin") != std::string::npos || e.find("tiny") != std::string::npos || e.find("txt") != std::string::npos)
+        CHECK(xt::files_equal(pa, pb));
+      CHECK(attrs(pa) == attrs(pb));
+    }
+    CHECK(xt::read_file(b + "/sub/small.txt") == xt::read_file(a + "/sub/small.txt"));
+  };
+
+  auto up = xt::xduc({"-q", "-r", "-p", "3", "--block-size", "64K", "--large-file", "1M", "--json", t, url(d, "")});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  CHECK(up.out.find("\"files\":4,") != std::string::npos);
+  CHECK(up.out.find("\"large_files\":2,\"large_bytes\":" + std::to_string((3 << 20) + 11 + (2 << 20))) !=
+        std::string::npos);
+  same_tree(t, root / "t");
+  // One session: the path part, a transfer for each large file, the directories' attributes.
+  REQUIRE(d.wait_for_log("ops=4"));
+  CHECK(count(d.log(), " start peer=") == 1);
+  CHECK(count(d.log(), " start op=") == 3);
+  CHECK(std::regex_search(d.log(), std::regex("start op=1 peer=\\S+ mode=upload path=t/big.bin ")));
+  CHECK(std::regex_search(d.log(), std::regex("start op=2 peer=\\S+ mode=upload path=t/sub/big2.bin ")));
+  CHECK(std::regex_search(d.log(), std::regex("start op=3 peer=\\S+ mode=path ")));
+  xt::check_no_partials(root.path());
+
+  auto down = xt::xduc({"-q", "-r", "-p", "2", "--large-file", "1M", "--json", url(d, "t"), back.path()});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  CHECK(down.out.find("\"large_files\":2,") != std::string::npos);
+  same_tree(t, back / "t");
+  xt::check_no_partials(back.path());
+
+  // --large-file 0: all in path mode, the same tree.
+  xt::TempDir again;
+  auto path_only = xt::xduc({"-q", "-r", "--large-file", "0", "--json", url(d, "t"), again.path()});
+  REQUIRE_MESSAGE(path_only.status == 0, path_only.err);
+  CHECK(path_only.out.find("\"large_files\":0,") != std::string::npos);
+  same_tree(t, again / "t");
+  for (const auto& p : {t, root / "t", back / "t", again / "t"}) ::chmod((p + "/sub/deep").c_str(), 0755);
+}
+
+TEST_CASE("set_attrs gives a file the mode asked only when its one link is the client's; mtimes always") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path());
+  xt::write_file(root / "single", "x");
+  xt::write_file(root / "linked", "y");
+  REQUIRE(::link((root / "linked").c_str(), (root / "other-name").c_str()) == 0);
+  REQUIRE(::chmod((root / "single").c_str(), 0600) == 0);
+  REQUIRE(::chmod((root / "linked").c_str(), 0600) == 0);
+  xdfs::RemoteFs fs({"127.0.0.1", d.port()}, options(1));
+  std::vector<xdfs::pathm::Entry> v(2);
+  v[0].path = "single";
+  v[1].path = "linked";
+  for (auto& e : v) {
+    e.mode = 04777;  // setuid never, and 0777 only where the file is the client's alone
+    e.mtime_ns = 1400000000LL * 1000000000;
+  }
+  xdfs::pathm::TreeResult r;
+  fs->set_attrs("", v, r);
+  fs.close();
+  CHECK(r.failures.empty());
+  CHECK(attrs(root / "single") == std::pair<unsigned, std::int64_t>{0777 & ~xdfs::files::process_umask(), v[0].mtime_ns});
+  CHECK(attrs(root / "linked") == std::pair<unsigned, std::int64_t>{0600, v[1].mtime_ns});
+}
+
+TEST_CASE("a large file of a tree that cannot be copied is named; the rest of the tree is copied") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  const std::string t = local / "t";
+  make_dir(t);
+  xt::write_random_file(t + "/a.bin", 2 << 20, 1);
+  xt::write_random_file(t + "/b.bin", 2 << 20, 2);
+  xt::write_random_file(t + "/small", 100, 3);
+  // At the server, a directory stands where a.bin goes: its transfer is refused, b.bin still goes.
+  make_dir(root / "t");
+  make_dir(root / "t/a.bin");
+  auto up = xt::xduc({"-r", "--large-file", "1M", "--json", t, url(d, "")});
+  CHECK(up.status == 1);
+  CHECK(up.err.find("a.bin") != std::string::npos);
+  CHECK(up.out.find("\"failed\":1,") != std::string::npos);
+  CHECK(xt::files_equal(t + "/b.bin", root / "t/b.bin"));
+  CHECK(xt::files_equal(t + "/small", root / "t/small"));
   xt::check_no_partials(root.path());
 }
 

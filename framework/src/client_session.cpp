@@ -1,5 +1,7 @@
 #include "xdfs/session.hpp"
 
+#include <unistd.h>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
@@ -433,7 +435,11 @@ xsec::Key32 Session::data_key(bool client_to_server) const {
 std::uint64_t Session::transfer() const noexcept { return impl_->nego.transfer; }
 double Session::setup_seconds() const noexcept { return impl_->setup; }
 std::uint64_t Session::operations() const noexcept { return impl_->ops; }
-std::string Session::tag() const { return impl_->opening.session.short_hex(); }
+std::string Session::tag() const {
+  // As a tree download's own temporary files: "dl-PID-HEX", so that what a killed copy left
+  // is told from a running one's and swept (pathm::sweep_stale_downloads).
+  return "dl-" + std::to_string(::getpid()) + "-" + impl_->opening.session.short_hex();
+}
 piod::PoolCache& Session::pool_cache() noexcept { return impl_->pools; }
 
 }  // namespace xdfs

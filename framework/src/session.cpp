@@ -12,6 +12,8 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <map>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -153,7 +155,8 @@ private:
     op_nego_ = n;
     op_start_ = Clock::now();
     op_env_.emplace(OperationEnv{env_.io, env_.config, env_.root_fd, env_.id, env_.peer, env_.tag, env_.opening, n,
-                                 env_.client, env_.session_secret, env_.budget, channels_, env_.log});
+                                 env_.client, env_.session_secret, env_.budget, channels_, env_.log,
+                                 mode_state_[n.mode]});
     const ModeEntry* mode = nullptr;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) mode = &m;
@@ -423,6 +426,7 @@ private:
   Clock::time_point start_;
   Clock::time_point op_start_;
   std::optional<OperationEnv> op_env_;
+  std::map<Mode, std::shared_ptr<void>> mode_state_;  // OperationEnv::mode_state, per mode
   wire::Negotiation op_nego_;
   std::unique_ptr<Operation> op_;
   std::unique_ptr<Operation> previous_;  // the one that just ended, until the loop is back

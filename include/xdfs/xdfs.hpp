@@ -9,6 +9,8 @@
 #include "xdfs/session.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
 
+#include <string>
+
 namespace xdfs {
 
 /// The modes xdfsd offers: file upload and download (xFTSM) and path operations (xPathM).
@@ -16,6 +18,23 @@ inline runtime::Modes standard_modes() {
   auto modes = xftsm::server_modes();
   modes.push_back(pathm::server_mode());
   return modes;
+}
+
+/// A directory tree copied over `session`: path mode for its directories, symlinks and small
+/// files, and each file of at least tree.large_file bytes as an xFTSM transfer of its own
+/// (blocks sealed and written on disk threads, as a single file moves) with `transfer`'s own
+/// options. See pathm::upload_tree for what it throws.
+inline pathm::TreeResult upload_tree(Session& session, const std::string& local, const std::string& remote,
+                                     const pathm::TreeOptions& tree, const TransferOptions& transfer = {}) {
+  return pathm::upload_tree(session, local, remote, tree, [&](const std::string& from, const std::string& to) {
+    return upload(session, from, to, transfer).bytes;
+  });
+}
+inline pathm::TreeResult download_tree(Session& session, const std::string& remote, const std::string& local,
+                                       const pathm::TreeOptions& tree, const TransferOptions& transfer = {}) {
+  return pathm::download_tree(session, remote, local, tree, [&](const std::string& from, const std::string& to) {
+    return download(session, from, to, transfer).bytes;
+  });
 }
 
 }  // namespace xdfs

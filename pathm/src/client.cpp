@@ -613,17 +613,12 @@ struct TreePlan {
     }
     if (o.progress) o.progress(result.files, moved);
   }
-  // What a put or setAttrs reply says of each entry of a batch (sent in the order of `which`).
-  bool per_entry(const Reply& rep, const std::vector<Entry>& v, const std::vector<std::size_t>& which,
-                 std::uint64_t& copied) {
-    if (rep.entries.empty()) return true;
-    if (rep.entries.size() != which.size()) return false;
-    for (std::size_t j = 0; j < which.size(); ++j)
-      if (rep.entries[j].code != errc::ok) {
-        failure(v[which[j]].path, rep.entries[j].code, rep.entries[j].message, true);
-        if (copied) --copied;
-      }
-    return true;
+  // Files of at least large->threshold bytes leave the plan, for the caller to copy.
+  void set_aside(LargeFiles* large) {
+    if (!large || large->threshold == 0) return;
+    std::vector<Entry> keep;
+    for (auto& f : files) (f.size >= large->threshold ? large->files : keep).push_back(std::move(f));
+    files = std::move(keep);
   }
   // The end of a tree copy: its result, or the entries that failed with it.
   TreeResult finish() {
@@ -691,7 +686,8 @@ void PathClient::keep_changed(std::vector<Entry>& v, bool files, const TreeOptio
   v = std::move(out);
 }
 
-TreeResult PathClient::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o) {
+TreeResult PathClient::upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o,
+                                   LargeFiles* large) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;
@@ -733,39 +729,20 @@ TreeResult PathClient::upload_tree(const std::string& local, const std::string& 
     keep_changed(p.files, true, o, src.get(), remote, at_destination, p.result.skipped);
     keep_changed(p.links, false, o, src.get(), remote, at_destination, p.result.skipped);
   }
+  p.set_aside(large);
   // Directories and symlinks first (no bytes), batched; the server makes missing parents itself,
-  // so files need not wait for them.
+  // so files need not wait for them. An entry that fails is counted out and the copy goes on.
   std::size_t waiting = 0;
-  // Batches of entries without bytes (directories, symlinks, attributes); an entry that fails is
-  // counted out of `copied` and the copy goes on.
-  auto put_meta = [&](Op op, const std::vector<Entry>& v, std::uint64_t& copied) {
-    for (std::size_t i = 0; i < v.size(); i += 1024) {
-      Request r;
-      r.op = op;
-      r.id = new_id();
-      std::vector<std::size_t> which;
-      for (std::size_t k = i; k < std::min(v.size(), i + 1024); ++k) {
-        Entry e = v[k];
-        e.path = remote_join(remote, e.path);
-        if (op == Op::put && (e.path == "." || e.path == remote)) continue;
-        if (op == Op::set_attrs && e.path == ".") continue;  // the server's root keeps its own
-        r.entries.push_back(std::move(e));
-        which.push_back(k);
-      }
-      if (r.entries.empty()) continue;
-      ++waiting;
-      send(r.id, encode(r), [&, which = std::move(which)](Reply& rep, std::shared_ptr<Buffer>) {
-        --waiting;
-        if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
-        if (!p.per_entry(rep, v, which, copied))
-          fail(errc::protocol_error, "a reply that does not match its request's entries", false);
-      });
-    }
+  auto counted_out = [&p](const std::vector<Entry>& v, std::uint64_t& copied) {
+    return [&p, &v, &copied](std::size_t k, const Entry& why) {
+      p.failure(v[k].path, why.code, why.message, true);
+      if (copied) --copied;
+    };
   };
   p.result.directories = p.dirs.size();
   p.result.symlinks = p.links.size();
-  put_meta(Op::put, p.dirs, p.result.directories);
-  put_meta(Op::put, p.links, p.result.symlinks);
+  put_meta(Op::put, remote, p.dirs, waiting, counted_out(p.dirs, p.result.directories));
+  put_meta(Op::put, remote, p.links, waiting, counted_out(p.links, p.result.symlinks));
 
   // Files: batches of small files and chunks of large ones, read by workers straight into the
   // request bytes, as many outstanding as the window allows.
@@ -836,15 +813,58 @@ TreeResult PathClient::upload_tree(const std::string& local, const std::string& 
     wait([&] { return p.all_taken() && building == 0 && pending_.empty(); });
     alive.reset();
   }
-  // Directories last get their modes and mtimes: writing into them changed their mtimes.
+  // Directories last get their modes and mtimes: writing into them changed their mtimes. With
+  // large files still to come, after them (set_attrs).
   std::uint64_t unused = 0;
-  put_meta(Op::set_attrs, p.dirs, unused);
+  if (large && !large->files.empty()) large->dirs = p.dirs;
+  else put_meta(Op::set_attrs, remote, p.dirs, waiting, counted_out(p.dirs, unused));
   wait([&] { return waiting == 0; });
   p.result.requests = requests_ - t0;
   return p.finish();
 }
 
-TreeResult PathClient::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o) {
+void PathClient::put_meta(Op op, const std::string& remote, const std::vector<Entry>& v, std::size_t& waiting,
+                          const std::function<void(std::size_t, const Entry&)>& failed) {
+  for (std::size_t i = 0; i < v.size(); i += 1024) {
+    Request r;
+    r.op = op;
+    r.id = new_id();
+    std::vector<std::size_t> which;
+    for (std::size_t k = i; k < std::min(v.size(), i + 1024); ++k) {
+      Entry e = v[k];
+      e.path = remote_join(remote, e.path);
+      if (op == Op::put && (e.path == "." || e.path == remote)) continue;
+      if (op == Op::set_attrs && e.path == ".") continue;  // the server's root keeps its own
+      r.entries.push_back(std::move(e));
+      which.push_back(k);
+    }
+    if (r.entries.empty()) continue;
+    ++waiting;
+    send(r.id, encode(r), [this, &waiting, failed, which = std::move(which)](Reply& rep, std::shared_ptr<Buffer>) {
+      --waiting;
+      if (rep.code != errc::ok) return fail(rep.code, rep.message, true);
+      if (rep.entries.empty()) return;
+      if (rep.entries.size() != which.size())
+        return fail(errc::protocol_error, "a reply that does not match its request's entries", false);
+      for (std::size_t j = 0; j < which.size(); ++j)
+        if (rep.entries[j].code != errc::ok) failed(which[j], rep.entries[j]);
+    });
+  }
+}
+
+void PathClient::set_attrs(const std::string& remote, const std::vector<Entry>& entries, TreeResult& r) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
+  check();
+  std::size_t waiting = 0;
+  std::unordered_set<std::string> named;
+  put_meta(Op::set_attrs, remote, entries, waiting, [&](std::size_t k, const Entry& why) {
+    if (named.insert(entries[k].path).second) r.failures.push_back({entries[k].path, why.code, why.message, true});
+  });
+  wait([&] { return waiting == 0; });
+}
+
+TreeResult PathClient::download_tree(const std::string& remote, const std::string& local, const TreeOptions& o,
+                                     LargeFiles* large) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
   check();
   const auto t0 = requests_;
@@ -864,7 +884,8 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
   const bool existed = ::stat(local.c_str(), &before) == 0;
   make_local_dirs(local);
   Fd dst = open_local_dir(local);
-  TreeWriter writer(dst.get(), download_tag(), o.fsync, block_size_);
+  auto made = std::make_shared<MadeDirs>();
+  TreeWriter writer(dst.get(), download_tag(), o.fsync, block_size_, 1024, files::process_umask(), 0, made);
   // The top directory gets the remote mode only if this copy made it: a directory that was
   // there (the user's home, say) keeps its own.
   if (!existed) writer.claim(".");
@@ -875,6 +896,7 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
     keep_changed(p.files, true, o, dst.get(), remote, at_destination, p.result.skipped);
     keep_changed(p.links, false, o, dst.get(), remote, at_destination, p.result.skipped);
   }
+  p.set_aside(large);
   // What cannot be made here is counted out and the copy goes on (as rsync).
   p.result.directories = 1;
   for (std::size_t i = 1; i < p.dirs.size(); ++i) {
@@ -995,8 +1017,15 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
     }
     alive.reset();
   }
-  for (auto& d : p.dirs)
-    if (auto st = writer.set_attrs(d); !st) p.failure(d.path, st.code, st.message, false);
+  // Directories last get their modes and mtimes; with large files still to come, after them
+  // (set_local_attrs).
+  if (large && !large->files.empty()) {
+    large->dirs = p.dirs;
+    large->made = made;
+  } else {
+    for (auto& d : p.dirs)
+      if (auto st = writer.set_attrs(d); !st) p.failure(d.path, st.code, st.message, false);
+  }
   p.result.requests = requests_ - t0;
   return p.finish();
 }

@@ -451,7 +451,7 @@ Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, 
 }  // namespace
 
 TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open, mode_t umask,
-                       std::uint64_t max_file_size)
+                       std::uint64_t max_file_size, std::shared_ptr<MadeDirs> made)
     : root_(root),
       tag_(std::move(tag)),
       fsync_(fsync),
@@ -459,6 +459,7 @@ TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chun
       max_open_(max_open),
       umask_(umask & 0777),
       max_file_size_(max_file_size),
+      made_(made ? std::move(made) : std::make_shared<MadeDirs>()),
       counter_(writer_ids++) {}
 
 namespace {
@@ -469,13 +470,13 @@ std::string made_key(const std::string& dir) {
 }  // namespace
 
 void TreeWriter::made(const std::string& dir) {
-  std::lock_guard lk(mu_);
-  made_.insert(made_key(dir));
+  std::lock_guard lk(made_->mu);
+  made_->dirs.insert(made_key(dir));
 }
 
 bool TreeWriter::made_here(const std::string& dir) const {
-  std::lock_guard lk(mu_);
-  return made_.count(made_key(dir)) != 0;
+  std::lock_guard lk(made_->mu);
+  return made_->dirs.count(made_key(dir)) != 0;
 }
 
 Status TreeWriter::make_parents(const std::string& path) {
@@ -768,9 +769,13 @@ Status TreeWriter::set_attrs(const Entry& e) {
     fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
     if (!fd) return Status::from_errno(errno, "open " + quoted(e.path));
   }
-  // The mode only of what this writer made: a directory that was there before (the user's own
-  // destination, say) keeps its mode whatever the peer says it should be.
-  if (made_here(e.path) && ::fchmod(fd.get(), safe_mode(e.mode) & ~umask_) != 0)
+  // The mode only of what this writer made, or of a regular file with one link: a directory
+  // that was there before (the user's own destination, say) keeps its mode whatever the peer
+  // says it should be.
+  struct stat now {};
+  if (::fstat(fd.get(), &now) != 0) return Status::from_errno(errno, "stat " + quoted(e.path));
+  const bool mine = made_here(e.path) || (S_ISREG(now.st_mode) && now.st_nlink == 1);
+  if (mine && ::fchmod(fd.get(), safe_mode(e.mode) & ~umask_) != 0)
     return Status::from_errno(errno, "chmod " + quoted(e.path));
   if (::futimens(fd.get(), ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
   return Status::ok();

@@ -1,8 +1,14 @@
 #include "xdfs/remote_fs.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+
+#include "xdfs/files.hpp"
 
 namespace xdfs {
 
@@ -93,5 +99,117 @@ void RemoteFs::close() {
   impl_->client.reset();
   if (impl_->own) impl_->own->close();
 }
+
+namespace pathm {
+namespace {
+
+std::string join(const std::string& base, const std::string& rel) {
+  std::string b = base;
+  while (!b.empty() && b.back() == '/') b.pop_back();
+  if (b.empty() || b == ".") return rel;
+  return b + "/" + rel;
+}
+
+// A path operation of a tree copy. Its failures say whether the server reported them.
+void path_part(Session& session, const std::function<void(PathClient&)>& run) {
+  RemoteFs fs(session);
+  try {
+    run(fs.client());
+  } catch (const TreeError&) {
+    throw;
+  } catch (const TransferError&) {
+    throw;
+  } catch (const Error& e) {
+    throw TransferError(e.code(), e.context(), fs.client().remote_error());
+  }
+  fs.close();
+}
+
+// The path part of a tree copy; the entries it could not copy are kept, and the large files
+// still go.
+TreeResult tree_part(Session& session, const std::function<TreeResult(PathClient&)>& copy) {
+  TreeResult r;
+  path_part(session, [&](PathClient& c) {
+    try {
+      r = copy(c);
+    } catch (const TreeError& e) {
+      r = e.result();
+    }
+  });
+  return r;
+}
+
+// The large files, one transfer each; those copied are kept in `done`. A failure that leaves
+// the session usable fails its file only.
+void large_part(Session& session, const LargeFiles& large, const std::string& from_base, const std::string& to_base,
+                bool up, const TreeOptions& o, const CopyFile& copy, TreeResult& r, std::vector<Entry>& done) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& f : large.files) {
+    try {
+      const std::string from = up ? from_base + "/" + f.path : join(from_base, f.path);
+      const std::string to = up ? join(to_base, f.path) : to_base + "/" + f.path;
+      struct stat sb {};
+      if (!up && ::lstat(to.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode))  // a download would go inside it
+        throw TransferError(errc::is_directory, "'" + to + "' is a directory", false);
+      const std::uint64_t bytes = copy(from, to);
+      ++r.files;
+      ++r.large_files;
+      r.bytes += bytes;
+      r.large_bytes += bytes;
+      done.push_back(f);
+      if (o.progress) o.progress(r.files, r.bytes);
+    } catch (const TransferError& e) {
+      if (!session.usable()) throw;
+      r.failures.push_back({f.path, e.code(), e.context(), e.remote()});
+    }
+  }
+  r.large_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+TreeResult finish(TreeResult r) {
+  if (!r.failures.empty()) throw TreeError(std::move(r));
+  return r;
+}
+
+}  // namespace
+
+TreeResult upload_tree(Session& session, const std::string& local, const std::string& remote, const TreeOptions& o,
+                       const CopyFile& copy) {
+  LargeFiles large;
+  large.threshold = copy ? o.large_file : 0;
+  TreeResult r = tree_part(session, [&](PathClient& c) { return c.upload_tree(local, remote, o, &large); });
+  if (large.files.empty()) return finish(std::move(r));
+  std::vector<Entry> done;
+  large_part(session, large, local, remote, true, o, copy, r, done);
+  // Their modes and mtimes, then the directories' (which the large files' renames touched).
+  done.insert(done.end(), large.dirs.begin(), large.dirs.end());
+  path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); });
+  return finish(std::move(r));
+}
+
+TreeResult download_tree(Session& session, const std::string& remote, const std::string& local,
+                         const TreeOptions& o, const CopyFile& copy) {
+  LargeFiles large;
+  large.threshold = copy ? o.large_file : 0;
+  TreeResult r = tree_part(session, [&](PathClient& c) { return c.download_tree(remote, local, o, &large); });
+  if (large.files.empty()) return finish(std::move(r));
+  std::vector<Entry> done;
+  large_part(session, large, remote, local, false, o, copy, r, done);
+  files::Fd root(::open(local.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!root) {
+    const auto st = files::Status::from_errno(errno, "open '" + local + "'");
+    throw Error(st.code, st.message);
+  }
+  // The same directories count as made by this copy as in its path part: only theirs get modes.
+  TreeWriter writer(root.get(), download_tag(), o.fsync, 1, 1, files::process_umask(), 0, large.made);
+  std::unordered_set<std::string> named;
+  for (const auto* v : {&done, &large.dirs})
+    for (const auto& e : *v)
+      if (auto st = writer.set_attrs(e); !st && named.insert(e.path).second)
+        r.failures.push_back({e.path, st.code, st.message, false});
+  return finish(std::move(r));
+}
+
+}  // namespace pathm
 
 }  // namespace xdfs

@@ -85,7 +85,7 @@ PathServer::PathServer(asio::io_context& io, ChannelList& channels, int root, co
       p_(p),
       done_(std::move(done)),
       writer_(root, p.tag, p.fsync, p.block_size, files::max_files_in_progress, files::process_umask(),
-              p.max_file_size),
+              p.max_file_size, p.made),
       shared_(std::make_shared<Shared>()),
       limit_(4 * max_message(p.block_size)),
       watchdog_(io),

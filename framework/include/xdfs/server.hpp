@@ -152,6 +152,10 @@ struct OperationEnv {
   MemoryBudget& budget;
   xdsi::ChannelList& channels;   ///< all n, each with nothing of this operation read or sent yet
   std::function<void(const std::string&)> log;
+  /// What this operation's mode keeps for the session between its operations (empty before
+  /// the mode's first operation of the session; the mode's own type behind it): path mode
+  /// remembers there which directories the session made, whose modes are the client's to set.
+  std::shared_ptr<void>& mode_state;
 };
 
 /// How an operation ended.

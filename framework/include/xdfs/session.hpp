@@ -109,7 +109,8 @@ public:
   double setup_seconds() const noexcept;
   /// Operations begun so far (accepted or refused).
   std::uint64_t operations() const noexcept;
-  /// A name for the session in temporary file names (its id, short).
+  /// A name for the session in temporary file names: "dl-", this process's id, the session's
+  /// id (short), so that a later copy tells a killed one's files from a running one's.
   std::string tag() const;
   /// Block pools kept between the session's transfers (fresh memory costs a fault per page).
   piod::PoolCache& pool_cache() noexcept;

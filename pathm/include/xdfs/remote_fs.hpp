@@ -13,7 +13,10 @@
 //   s.close();
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "xdfs/pathm/path_client.hpp"
 #include "xdfs/session.hpp"
@@ -47,5 +50,26 @@ private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace pathm {
+
+/// Copies one file of a tree on the session as a file transfer of its own (xFTSM: xdfs::upload
+/// or xdfs::download) and returns its bytes: from the local path to the remote one (upload) or
+/// from the remote path to the local one (download). Throws TransferError; one that leaves the
+/// session usable fails that file only.
+using CopyFile = std::function<std::uint64_t(const std::string& from, const std::string& to)>;
+
+/// A tree copy as operations of `session`: a path operation for the directories, symlinks and
+/// files under o.large_file bytes; then `copy` for each larger file, each its own transfer;
+/// then the directories' attributes (upload: one more path operation; download: here), since
+/// the large files changed their mtimes. Throws TreeError, with everything else copied, when
+/// entries could not be copied; other failures throw xdfs::Error. xdfs::upload_tree and
+/// xdfs::download_tree (xdfs/xdfs.hpp) give `copy` as xFTSM.
+TreeResult upload_tree(Session& session, const std::string& local, const std::string& remote, const TreeOptions& o,
+                       const CopyFile& copy);
+TreeResult download_tree(Session& session, const std::string& remote, const std::string& local,
+                         const TreeOptions& o, const CopyFile& copy);
+
+}  // namespace pathm
 
 }  // namespace xdfs

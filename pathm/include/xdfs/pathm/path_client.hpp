@@ -43,7 +43,22 @@ struct TreeOptions {
   /// Memory a copy may hold for the server's listing of the tree (names and attributes);
   /// a listing beyond it fails the copy with limit_exceeded. 0: no bound.
   std::size_t max_listing = std::size_t(2) << 30;
+  /// A tree copy over a session (pathm::upload_tree/download_tree with a file copier, as
+  /// xdfs::upload_tree gives): files of at least this many bytes travel as file transfers of
+  /// their own (xFTSM: blocks sealed and written on disk threads) instead of path-mode chunks.
+  /// 0: every file goes in path mode.
+  std::uint64_t large_file = std::uint64_t(64) << 20;
   std::function<void(std::uint64_t files, std::uint64_t bytes)> progress;
+};
+
+/// What a tree copy leaves to its caller when its large files travel another way (file
+/// transfers on the same session, after this path operation): those files, and the attributes
+/// of the directories, which must be set after the files are in place.
+struct LargeFiles {
+  std::uint64_t threshold = 0;  ///< in: files of at least this many bytes are left out (0: none)
+  std::vector<Entry> files;     ///< out: those files (paths relative to the tree, as listed)
+  std::vector<Entry> dirs;      ///< out, when files is not empty: the directories, attributes not set yet
+  std::shared_ptr<MadeDirs> made;  ///< out (download): the directories this copy made here
 };
 
 /// One entry of a tree that could not be copied.
@@ -59,6 +74,10 @@ struct TreeResult {
   std::uint64_t skipped = 0;  ///< already up to date (sync), or neither file, directory nor symlink
   std::uint64_t requests = 0;
   std::uint64_t swept = 0;  ///< download: temporary files of an earlier, killed download removed
+  /// Of files and bytes: those that went as file transfers of their own (TreeOptions::large_file),
+  /// and the seconds those transfers took.
+  std::uint64_t large_files = 0, large_bytes = 0;
+  double large_seconds = 0;
   std::vector<TreeFailure> failures;  ///< entries not copied (the copy went on without them)
 };
 
@@ -95,9 +114,16 @@ public:
   void put(std::vector<Entry> entries);
 
   /// The tree at local (a directory) becomes remote; remote is made if missing.
-  TreeResult upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o);
-  /// The tree at remote becomes local; local is made if missing.
-  TreeResult download_tree(const std::string& remote, const std::string& local, const TreeOptions& o);
+  /// With `large`: the files of at least large->threshold bytes are left out (in large->files)
+  /// and so are the directories' attributes if any file was (large->dirs).
+  TreeResult upload_tree(const std::string& local, const std::string& remote, const TreeOptions& o,
+                         LargeFiles* large = nullptr);
+  /// The tree at remote becomes local; local is made if missing. `large` as for upload_tree.
+  TreeResult download_tree(const std::string& remote, const std::string& local, const TreeOptions& o,
+                           LargeFiles* large = nullptr);
+  /// Sets the mtimes and modes of entries under remote (paths relative to it), as a tree upload
+  /// does at its end; an entry that fails is added to r's failures.
+  void set_attrs(const std::string& remote, const std::vector<Entry>& entries, TreeResult& r);
 
   /// Ends the path operation: EOFR on every channel, then waits for the server's on every
   /// channel. True if it ended cleanly (the channels are ready for the session's next
@@ -133,6 +159,10 @@ private:
   std::string remote_join(const std::string& base, const std::string& rel) const;
   std::vector<bool> same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
                                  const std::vector<std::size_t>& which);
+  /// Sends entries' attributes (or puts entries without bytes) in batches; `failed(k)` for each
+  /// entry k the server could not take. Returns at once; `waiting` counts the batches out.
+  void put_meta(Op op, const std::string& remote, const std::vector<Entry>& v, std::size_t& waiting,
+                const std::function<void(std::size_t, const Entry&)>& failed);
   void keep_changed(std::vector<Entry>& v, bool files, const TreeOptions& o, int local_root, const std::string& remote,
                     const std::function<Entry(const Entry&)>& at_destination, std::uint64_t& skipped);
 
