@@ -355,7 +355,7 @@ void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std
   send_bytes(frame);
 }
 
-void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
+void RawPeer::send_block(xdfs::wire::ChannelEvent event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
                          bool corrupt_tag) {
   std::vector<std::uint8_t> body = data;
   if (blocks_) {
@@ -372,7 +372,7 @@ void RawPeer::send_block(xdfs::wire::Event event, std::uint64_t offset, const st
 void RawChannel::send_opening(const xdfs::wire::Opening& o) {
   auto payload = xdfs::wire::encode(o);
   xdfs::wire::FrameHeader h;
-  h.event = xdfs::wire::Event::nego;
+  h.event = xdfs::wire::ChannelEvent::nego;
   h.length = static_cast<std::uint32_t>(payload.size());
   auto pre = xdfs::wire::encode_preamble();
   auto hb = xdfs::wire::encode(h);
@@ -397,12 +397,12 @@ bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id, in
   send_opening(hello.opening);
   xdfs::xsec::NoiseXX noise(true, self, opening_);
   xdfs::wire::FrameHeader h;
-  h.event = xdfs::wire::Event::handshake;
+  h.event = xdfs::wire::ChannelEvent::handshake;
   auto m1 = noise.write_message_1();
   h.length = static_cast<std::uint32_t>(m1.size());
   send_frame(h, m1);
   auto m2 = read_frame();
-  if (!m2 || m2->first.event != xdfs::wire::Event::handshake || !noise.read_message_2(m2->second)) return false;
+  if (!m2 || m2->first.event != xdfs::wire::ChannelEvent::handshake || !noise.read_message_2(m2->second)) return false;
   server_key_ = noise.remote_static();
   auto m3 = noise.write_message_3(xdfs::wire::encode(hello.nego));
   h.length = static_cast<std::uint32_t>(m3.size());
@@ -412,7 +412,7 @@ bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id, in
   protect_with(hello.opening, keys.send, keys.recv, secret_, true);
   // The server's confirmation; a refusal is kept for whoever reads next.
   auto confirm = read_frame(confirm_ms);
-  if (confirm && confirm->first.event != xdfs::wire::Event::handshake) held_ = std::move(confirm);
+  if (confirm && confirm->first.event != xdfs::wire::ChannelEvent::handshake) held_ = std::move(confirm);
   return true;
 }
 
@@ -423,7 +423,7 @@ bool RawChannel::join(const Hello& hello, std::uint32_t index, const xdfs::xsec:
   o.join_nonce = random_bytes(32, index * 7919 + 17);
   send_opening(o);
   auto answer = read_frame();
-  if (!answer || answer->first.event != xdfs::wire::Event::handshake || answer->second.size() != 64) return false;
+  if (!answer || answer->first.event != xdfs::wire::ChannelEvent::handshake || answer->second.size() != 64) return false;
   std::span<const std::uint8_t> sn(answer->second.data(), 32);
   auto keys = xdfs::xsec::derive_join_keys(secret, o.join_nonce, sn, opening_);
   if (!xdfs::xsec::equal_constant_time(xdfs::xsec::join_proof(keys, "server", o.join_nonce, sn),
@@ -431,7 +431,7 @@ bool RawChannel::join(const Hello& hello, std::uint32_t index, const xdfs::xsec:
     return false;
   auto proof = xdfs::xsec::join_proof(keys, "client", o.join_nonce, sn);
   xdfs::wire::FrameHeader h;
-  h.event = xdfs::wire::Event::handshake;
+  h.event = xdfs::wire::ChannelEvent::handshake;
   h.length = 32;
   send_frame(h, std::vector<std::uint8_t>(proof.begin(), proof.end()));
   secret_ = secret;
@@ -534,7 +534,7 @@ std::optional<Frame> RawPeer::read_frame(int timeout_ms) {
 
 std::optional<xdfs::wire::ExceptionHeader> RawPeer::read_exception(int timeout_ms) {
   while (auto f = read_frame(timeout_ms)) {
-    if (f->first.event == xdfs::wire::Event::exception) return xdfs::wire::decode_exception(f->second);
+    if (f->first.event == xdfs::wire::ChannelEvent::exception) return xdfs::wire::decode_exception(f->second);
   }
   return std::nullopt;
 }
@@ -571,7 +571,7 @@ void RawServer::Conn::key(const xdfs::xsec::Key32& send, const xdfs::xsec::Key32
 void RawServer::Conn::send_reply(const xdfs::wire::NegotiationReply& r) {
   auto payload = xdfs::wire::encode(r);
   xdfs::wire::FrameHeader h;
-  h.event = xdfs::wire::Event::nego_reply;
+  h.event = xdfs::wire::ChannelEvent::nego_reply;
   h.length = static_cast<std::uint32_t>(payload.size());
   send_frame(h, payload);
 }
@@ -589,7 +589,7 @@ std::unique_ptr<RawServer::Conn> RawServer::accept(int timeout_ms) {
   auto read = [&](void* dst, std::size_t n) { return c->read_exact(dst, n, timeout_ms); };
   if (!read(opening.data(), opening.size())) return nullptr;
   auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(opening.data() + 8, 24));
-  if (!h || h->event != xdfs::wire::Event::nego || h->length > xdfs::wire::max_opening_payload) return nullptr;
+  if (!h || h->event != xdfs::wire::ChannelEvent::nego || h->length > xdfs::wire::max_opening_payload) return nullptr;
   opening.resize(32 + h->length);
   if (!read(opening.data() + 32, h->length)) return nullptr;
   auto o = xdfs::wire::decode_opening(std::span<const std::uint8_t>(opening.data() + 32, h->length));
@@ -600,7 +600,7 @@ std::unique_ptr<RawServer::Conn> RawServer::accept(int timeout_ms) {
   if (!m1 || !noise.read_message_1(m1->second)) return nullptr;
   auto m2 = noise.write_message_2();
   xdfs::wire::FrameHeader hh;
-  hh.event = xdfs::wire::Event::handshake;
+  hh.event = xdfs::wire::ChannelEvent::handshake;
   hh.length = static_cast<std::uint32_t>(m2.size());
   c->send_frame(hh, m2);
   auto m3 = c->read_frame(timeout_ms);
@@ -733,11 +733,11 @@ void Relay::pump(Dir dir, std::size_t conn, int from, int to, bool join) {
     if (!read_all(from, hb.data(), hb.size())) break;
     auto h = xdfs::wire::decode(std::span<const std::uint8_t, 24>(hb));
     if (!h) break;
-    const bool data = h->event == xdfs::wire::Event::xftsmu || h->event == xdfs::wire::Event::xftsmd;
+    const bool data = h->event == xdfs::wire::ChannelEvent::xftsmu || h->event == xdfs::wire::ChannelEvent::xftsmd;
     const bool keyed = clear_handshakes == 0;
     std::size_t tag = 0;
     if (keyed) tag = (mode_ == xdfs::xsec::Protect::clear && data) ? 0 : 16;
-    const bool clear_handshake = !keyed && h->event == xdfs::wire::Event::handshake;
+    const bool clear_handshake = !keyed && h->event == xdfs::wire::ChannelEvent::handshake;
     if (clear_handshake) --clear_handshakes;
     std::vector<std::uint8_t> frame(hb.begin(), hb.end());
     frame.resize(24 + h->length + tag);

@@ -129,7 +129,7 @@ public:
                   bool corrupt_tag = false);
   /// Sends a data frame for [offset, offset + data.size()): in integrity and private modes its
   /// payload is sealed with the session's block key first, as a real disk thread does.
-  void send_block(xdfs::wire::Event event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
+  void send_block(xdfs::wire::ChannelEvent event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
                   bool corrupt_tag = false);
   void shutdown_write();
   /// Reads one frame within timeout; nullopt on EOF/timeout/bad header or a frame that fails

@@ -8,7 +8,7 @@
 
 using xdfs::Mode;
 using xdfs::errc;
-using xdfs::wire::Event;
+using xdfs::wire::ChannelEvent;
 using xdfs::wire::FrameHeader;
 
 namespace {
@@ -45,7 +45,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     CHECK_MESSAGE(ex->message.find(words) != std::string::npos, ex->message);
     CHECK_FALSE(c.wait_closed(300));
     FrameHeader end;
-    end.event = Event::eoft;
+    end.event = ChannelEvent::eoft;
     c.send_frame(end);
     CHECK(c.wait_closed());
   };
@@ -73,7 +73,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     xt::RawChannel c(d.port());
     auto payload = xdfs::wire::encode(xt::make_hello(Mode::upload, "x", 1, 10).opening);
     FrameHeader h;
-    h.event = Event::nego;
+    h.event = ChannelEvent::nego;
     h.length = static_cast<std::uint32_t>(payload.size());
     c.send_preamble();
     c.send_frame(h);
@@ -97,7 +97,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     xt::RawChannel c(d.port());
     c.send_preamble();
     FrameHeader h;
-    h.event = Event::xftsmu;
+    h.event = ChannelEvent::xftsmu;
     h.length = 16;
     c.send_frame(h, std::vector<std::uint8_t>(16));
     expect(c, errc::protocol_error, "expected a negotiation header");
@@ -113,7 +113,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     xt::RawChannel c(d.port());
     c.send_preamble();
     FrameHeader h;
-    h.event = Event::nego;
+    h.event = ChannelEvent::nego;
     h.length = 4096;  // within the control limit, far beyond what an opening needs
     auto hb = xdfs::wire::encode(h);
     c.send_bytes(hb.data(), hb.size());  // the header alone: the server must not wait for 4 KiB
@@ -123,7 +123,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     xt::RawChannel c(d.port());
     c.send_opening(xt::make_hello(Mode::upload, "x", 1, 10).opening);
     FrameHeader h;
-    h.event = Event::handshake;
+    h.event = ChannelEvent::handshake;
     h.length = 4096;  // within the control limit; Noise XX's first message is 32 bytes
     auto hb = xdfs::wire::encode(h);
     c.send_bytes(hb.data(), hb.size());  // the header alone: the server must not wait for 4 KiB
@@ -133,7 +133,7 @@ TEST_CASE("every bad first header is refused with its cause, and xdfsd keeps ser
     xt::RawChannel c(d.port());
     c.send_preamble();
     FrameHeader h;
-    h.event = Event::nego;
+    h.event = ChannelEvent::nego;
     h.length = 64;
     c.send_frame(h, std::vector<std::uint8_t>(64, 0xFF));  // a segment table that promises 2^32 segments
     expect(c, errc::protocol_error, "malformed control message");
@@ -249,7 +249,7 @@ TEST_CASE("the session limit refuses one more session, then frees up") {
     REQUIRE(holder.establish(xt::make_hello(Mode::upload, "x", 1, 10)));
     auto reply = holder.read_frame();
     REQUIRE(reply.has_value());
-    REQUIRE(reply->first.event == Event::nego_reply);
+    REQUIRE(reply->first.event == ChannelEvent::nego_reply);
     xt::RawChannel extra(d.port());
     REQUIRE(extra.establish(xt::make_hello(Mode::upload, "y", 1, 10)));
     auto ex = extra.read_exception();
@@ -276,11 +276,11 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     REQUIRE(c.establish(n));
     auto reply = c.read_frame();
     REQUIRE(reply.has_value());
-    REQUIRE(reply->first.event == Event::nego_reply);
+    REQUIRE(reply->first.event == ChannelEvent::nego_reply);
   };
   auto block = [&](std::uint64_t offset, std::uint32_t len) {
     FrameHeader h;
-    h.event = Event::xftsmu;
+    h.event = ChannelEvent::xftsmu;
     h.offset = offset;
     h.length = len;
     return h;
@@ -319,7 +319,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     xt::RawChannel c(d.port());
     start_upload(c);
     auto h = block(0, bs);
-    h.event = Event::xftsmd;
+    h.event = ChannelEvent::xftsmd;
     c.send_frame(h, xt::random_bytes(bs, 1));
     auto ex = c.read_exception();
     REQUIRE(ex.has_value());
@@ -331,7 +331,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     start_upload(c);
     c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
     FrameHeader e;
-    e.event = Event::eofr;
+    e.event = ChannelEvent::eofr;
     c.send_frame(e);
     auto ex = c.read_exception();
     REQUIRE(ex.has_value());
@@ -355,7 +355,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     for (int i = 0; i < 50 && !ex; ++i) {
       c.send_frame(poke);
       auto f = c.read_frame(200);
-      if (f && f->first.event == Event::exception) ex = xdfs::wire::decode_exception(f->second);
+      if (f && f->first.event == ChannelEvent::exception) ex = xdfs::wire::decode_exception(f->second);
     }
     return ex;
   };
@@ -364,7 +364,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     start_upload(c);
     c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
     FrameHeader noop;
-    noop.event = Event::noop;
+    noop.event = ChannelEvent::noop;
     auto ex = poke_until_exception(c, noop);
     REQUIRE(ex.has_value());
     CHECK(ex->code == errc::timeout);
@@ -395,13 +395,13 @@ TEST_CASE("a downloading peer that only repeats its last ACK makes no progress: 
   xt::RawChannel c(d.port());
   REQUIRE(c.establish(h));
   FrameHeader ack;
-  ack.event = Event::ack;
+  ack.event = ChannelEvent::ack;
   ack.offset = 0;
   std::optional<xdfs::wire::ExceptionHeader> ex;
   for (int i = 0; i < 50 && !ex; ++i) {
     c.send_frame(ack);
     for (auto f = c.read_frame(200); f; f = c.read_frame(200))
-      if (f->first.event == Event::exception) {
+      if (f->first.event == ChannelEvent::exception) {
         ex = xdfs::wire::decode_exception(f->second);
         break;
       }

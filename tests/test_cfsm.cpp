@@ -1,4 +1,4 @@
-// Unit tests for the xFTSM communicating state machines (xftsm/include/xdfs/xftsm/cfsm.hpp):
+// Unit tests for the xFTSM communicating state machines (xftsm/include/xdfs/detail/xftsm_fsm.hpp):
 // table properties, and client-vs-server simulations through in-memory message queues.
 #include <doctest/doctest.h>
 
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
 
 namespace {
 
@@ -28,21 +28,21 @@ std::vector<State> all_states() {
   return v;
 }
 
-std::vector<Event> all_events() {
-  std::vector<Event> v;
-  for (int e = 0; e <= static_cast<int>(Event::timeout); ++e) v.push_back(static_cast<Event>(e));
+std::vector<TransferEvent> all_events() {
+  std::vector<TransferEvent> v;
+  for (int e = 0; e <= static_cast<int>(TransferEvent::timeout); ++e) v.push_back(static_cast<TransferEvent>(e));
   return v;
 }
 
-const Transition* row(Role r, State s, Event e) {
+const Transition* row(Role r, State s, TransferEvent e) {
   for (const auto& t : table(r))
     if (t.from == s && t.on == e) return &t;
   return nullptr;
 }
 
 /// Shortest event sequence from idle to each reachable state (BFS over the table).
-std::map<State, std::vector<Event>> paths_from_idle(Role r) {
-  std::map<State, std::vector<Event>> path;
+std::map<State, std::vector<TransferEvent>> paths_from_idle(Role r) {
+  std::map<State, std::vector<TransferEvent>> path;
   path[State::idle] = {};
   std::queue<State> q;
   q.push(State::idle);
@@ -61,9 +61,9 @@ std::map<State, std::vector<Event>> paths_from_idle(Role r) {
 }
 
 /// A fresh machine driven along `path`; every step must be accepted.
-Machine replay(Role r, const std::vector<Event>& path) {
+Machine replay(Role r, const std::vector<TransferEvent>& path) {
   Machine m(r);
-  for (Event e : path) {
+  for (TransferEvent e : path) {
     auto a = m.fire(e);
     REQUIRE_MESSAGE(a.has_value(), m.why());
   }
@@ -90,7 +90,7 @@ struct Peer {
   bool client;
   bool sender;
   std::deque<Packet>& out;
-  std::vector<Action> actions;
+  std::vector<TransferAction> actions;
 
   // Handshake.
   std::uint32_t joined = 0;
@@ -109,15 +109,15 @@ struct Peer {
   bool committed = false;
   std::set<std::uint64_t> blocks_seen;
 
-  Action fire(Event e) {
+  TransferAction fire(TransferEvent e) {
     auto a = m.fire(e);
     REQUIRE_MESSAGE(a.has_value(), "refused: " << m.why());
     CHECK(m.why().empty());  // no refusal ever happened on this machine
     actions.push_back(*a);
     return *a;
   }
-  void expect(Event e, Action want) {
-    const Action got = fire(e);
+  void expect(TransferEvent e, TransferAction want) {
+    const TransferAction got = fire(e);
     CHECK_MESSAGE(got == want, to_string(m.role()) << ": " << to_string(e) << " gave " << to_string(got)
                                                    << ", expected " << to_string(want));
   }
@@ -137,8 +137,8 @@ struct SimConfig {
 struct SimResult {
   State client_state;
   State server_state;
-  std::vector<Action> client_actions;
-  std::vector<Action> server_actions;
+  std::vector<TransferAction> client_actions;
+  std::vector<TransferAction> server_actions;
   std::uint64_t delivered = 0;  // blocks the receiver wrote
   std::uint64_t steps = 0;
   State server_state_at_failure = State::idle;
@@ -153,10 +153,10 @@ public:
 
   SimResult run() {
     // Client: the user starts; n channels connect and each sends its negotiation header.
-    client_.expect(Event::start, Action::connect_channels);
+    client_.expect(TransferEvent::start, TransferAction::connect_channels);
     CHECK(client_.m.state() == State::connecting);
     for (std::uint32_t i = 0; i < cfg_.channels; ++i) c2s_.push_back({Msg::Nego, i});
-    client_.expect(Event::connected, Action::none);
+    client_.expect(TransferEvent::connected, TransferAction::none);
     CHECK(client_.m.state() == State::negotiating);
 
     SimResult res{};
@@ -195,10 +195,10 @@ private:
         ++server_.joined;
         REQUIRE(server_.joined <= cfg_.channels);
         CHECK(p.value == server_.joined - 1);
-        server_.expect(Event::channel_joined, server_.joined == 1 ? Action::register_session : Action::add_channel);
+        server_.expect(TransferEvent::channel_joined, server_.joined == 1 ? TransferAction::register_session : TransferAction::add_channel);
         CHECK(server_.m.state() == State::joining);
         if (server_.joined == cfg_.channels) {
-          server_.expect(Event::all_joined, Action::open_and_reply);
+          server_.expect(TransferEvent::all_joined, TransferAction::open_and_reply);
           CHECK(server_.m.state() == State::transferring);
           for (std::uint32_t i = 0; i < cfg_.channels; ++i) s2c_.push_back({Msg::Reply, i});
           start_side(server_);
@@ -217,7 +217,7 @@ private:
         ++client_.replies;
         REQUIRE(client_.replies <= cfg_.channels);
         if (client_.replies == cfg_.channels) {
-          client_.expect(Event::accepted, client_.sender ? Action::start_sending : Action::start_receiving);
+          client_.expect(TransferEvent::accepted, client_.sender ? TransferAction::start_sending : TransferAction::start_receiving);
           CHECK(client_.m.state() == State::transferring);
           start_side(client_);
         }
@@ -237,7 +237,7 @@ private:
   void on_common_packet(Peer& peer, const Packet& p) {
     switch (p.kind) {
       case Msg::Exception:
-        peer.expect(Event::peer_exception, Action::abort);
+        peer.expect(TransferEvent::peer_exception, TransferAction::abort);
         CHECK(peer.m.state() == State::failed);
         return;
       case Msg::Data: {
@@ -247,7 +247,7 @@ private:
         CHECK(peer.blocks_seen.insert(p.value).second);
         // The sender respects the window: never more than `window` unacknowledged blocks.
         CHECK(peer.received + 1 - peer.written <= cfg_.window);
-        peer.expect(Event::block_received, Action::queue_write);
+        peer.expect(TransferEvent::block_received, TransferAction::queue_write);
         ++peer.received;
         ++peer.pending_writes;
         return;
@@ -264,7 +264,7 @@ private:
         REQUIRE(p.value <= peer.sent);
         REQUIRE(p.value >= peer.acked);
         const State before = peer.m.state();
-        peer.expect(Event::ack_received, before == State::transferring ? Action::open_window : Action::none);
+        peer.expect(TransferEvent::ack_received, before == State::transferring ? TransferAction::open_window : TransferAction::none);
         CHECK(peer.m.state() == before);
         peer.acked = p.value;
         return;
@@ -272,7 +272,7 @@ private:
       case Msg::Eoft:
         REQUIRE(peer.sender);
         CHECK(peer.m.state() == State::draining);
-        peer.expect(Event::committed, Action::finish);
+        peer.expect(TransferEvent::committed, TransferAction::finish);
         CHECK(peer.m.state() == State::done);
         return;
       case Msg::Nego:
@@ -286,10 +286,10 @@ private:
     if (peer.committed || peer.m.finished()) return;
     if (peer.eofrs != cfg_.channels || peer.written != cfg_.blocks) return;
     CHECK(peer.received == cfg_.blocks);
-    peer.expect(Event::all_received, Action::commit);
+    peer.expect(TransferEvent::all_received, TransferAction::commit);
     CHECK(peer.m.state() == State::draining);
     peer.out.push_back({Msg::Eoft, cfg_.blocks});
-    peer.expect(Event::committed, Action::finish);
+    peer.expect(TransferEvent::committed, TransferAction::finish);
     CHECK(peer.m.state() == State::done);
     peer.committed = true;
   }
@@ -300,21 +300,21 @@ private:
     if (!peer.client && cfg_.server_fails_after && peer.blocks_handled() >= *cfg_.server_fails_after &&
         (peer.sending || peer.receiving)) {
       res.server_state_at_failure = peer.m.state();
-      peer.expect(Event::local_error, Action::abort);
+      peer.expect(TransferEvent::local_error, TransferAction::abort);
       CHECK(peer.m.state() == State::failed);
       peer.out.push_back({Msg::Exception, 0});
       return true;
     }
     if (peer.sending) {
       if (peer.sent < cfg_.blocks && peer.sent - peer.acked < cfg_.window) {
-        peer.expect(Event::block_ready, Action::send_block);
+        peer.expect(TransferEvent::block_ready, TransferAction::send_block);
         peer.out.push_back({Msg::Data, peer.sent});
-        peer.expect(Event::block_sent, Action::send_block);
+        peer.expect(TransferEvent::block_sent, TransferAction::send_block);
         ++peer.sent;
         return true;
       }
       if (peer.sent == cfg_.blocks && !peer.eofr_sent) {
-        peer.expect(Event::all_sent, Action::send_eofr);
+        peer.expect(TransferEvent::all_sent, TransferAction::send_eofr);
         CHECK(peer.m.state() == State::draining);
         for (std::uint32_t i = 0; i < cfg_.channels; ++i) peer.out.push_back({Msg::Eofr, i});
         peer.eofr_sent = true;
@@ -324,11 +324,11 @@ private:
     }
     if (peer.receiving && peer.pending_writes > 0) {
       // The disk thread wrote one block: acknowledge the cumulative count.
-      peer.expect(Event::block_written, Action::send_ack);
+      peer.expect(TransferEvent::block_written, TransferAction::send_ack);
       --peer.pending_writes;
       ++peer.written;
       peer.out.push_back({Msg::Ack, peer.written});
-      peer.expect(Event::ack_sent, Action::none);
+      peer.expect(TransferEvent::ack_sent, TransferAction::none);
       maybe_complete(peer);
       return true;
     }
@@ -383,7 +383,7 @@ TEST_CASE("every row of every table is reachable and does what it says") {
 TEST_CASE("tables have no duplicate (state, event) pairs") {
   for (Role r : all_roles) {
     CAPTURE(to_string(r));
-    std::set<std::pair<State, Event>> seen;
+    std::set<std::pair<State, TransferEvent>> seen;
     for (const auto& t : table(r)) {
       CAPTURE(to_string(t.from));
       CAPTURE(to_string(t.on));
@@ -406,11 +406,11 @@ TEST_CASE("done and failed are final: no outgoing rows") {
     // Only `committed` leads to done, only with finish; failed only with abort.
     for (const auto& t : table(r)) {
       if (t.to == State::done) {
-        CHECK(t.on == Event::committed);
-        CHECK(t.action == Action::finish);
+        CHECK(t.on == TransferEvent::committed);
+        CHECK(t.action == TransferAction::finish);
       }
-      if (t.to == State::failed) CHECK(t.action == Action::abort);
-      if (t.action == Action::abort) CHECK(t.to == State::failed);
+      if (t.to == State::failed) CHECK(t.action == TransferAction::abort);
+      if (t.action == TransferAction::abort) CHECK(t.to == State::failed);
     }
   }
 }
@@ -420,7 +420,7 @@ TEST_CASE("events a state does not allow are refused without moving") {
     CAPTURE(to_string(r));
     const auto paths = paths_from_idle(r);
     for (const auto& [state, path] : paths) {
-      for (Event e : all_events()) {
+      for (TransferEvent e : all_events()) {
         if (row(r, state, e)) continue;
         CAPTURE(to_string(state));
         CAPTURE(to_string(e));
@@ -452,8 +452,8 @@ TEST_CASE("events a state does not allow are refused without moving") {
 }
 
 TEST_CASE("every live state fails on peer_exception, local_error, channel_lost and timeout") {
-  const std::array<Event, 4> failures{Event::peer_exception, Event::local_error, Event::channel_lost,
-                                      Event::timeout};
+  const std::array<TransferEvent, 4> failures{TransferEvent::peer_exception, TransferEvent::local_error, TransferEvent::channel_lost,
+                                      TransferEvent::timeout};
   for (Role r : all_roles) {
     CAPTURE(to_string(r));
     const auto paths = paths_from_idle(r);
@@ -463,17 +463,17 @@ TEST_CASE("every live state fails on peer_exception, local_error, channel_lost a
       // `channel_joined` first, so failures are only defined once the machine is live.
       if (is_final(state) || state == State::idle) continue;
       ++live;
-      for (Event e : failures) {
+      for (TransferEvent e : failures) {
         CAPTURE(to_string(state));
         CAPTURE(to_string(e));
         const Transition* t = row(r, state, e);
         REQUIRE(t != nullptr);
         CHECK(t->to == State::failed);
-        CHECK(t->action == Action::abort);
+        CHECK(t->action == TransferAction::abort);
         Machine m = replay(r, path);
         auto a = m.fire(e);
         REQUIRE(a.has_value());
-        CHECK(*a == Action::abort);
+        CHECK(*a == TransferAction::abort);
         CHECK(m.state() == State::failed);
         CHECK(m.finished());
       }
@@ -493,13 +493,13 @@ TEST_CASE("names of states, events, actions and roles") {
     CHECK(n != "?");
     CHECK(names.insert("s:" + n).second);
   }
-  for (Event e : all_events()) {
+  for (TransferEvent e : all_events()) {
     const std::string n = to_string(e);
     CHECK(n != "?");
     CHECK(names.insert("e:" + n).second);
   }
-  for (int a = 0; a <= static_cast<int>(Action::serve_path); ++a) {
-    const std::string n = to_string(static_cast<Action>(a));
+  for (int a = 0; a <= static_cast<int>(TransferAction::serve_path); ++a) {
+    const std::string n = to_string(static_cast<TransferAction>(a));
     CHECK(n != "?");
     CHECK(names.insert("a:" + n).second);
   }
@@ -533,10 +533,10 @@ TEST_CASE("client and server machines complete a transfer together") {
         CHECK(res.delivered == k);
         REQUIRE_FALSE(res.client_actions.empty());
         REQUIRE_FALSE(res.server_actions.empty());
-        CHECK(res.client_actions.back() == Action::finish);
-        CHECK(res.server_actions.back() == Action::finish);
-        for (Action a : res.client_actions) CHECK(a != Action::abort);
-        for (Action a : res.server_actions) CHECK(a != Action::abort);
+        CHECK(res.client_actions.back() == TransferAction::finish);
+        CHECK(res.server_actions.back() == TransferAction::finish);
+        for (TransferAction a : res.client_actions) CHECK(a != TransferAction::abort);
+        for (TransferAction a : res.server_actions) CHECK(a != TransferAction::abort);
       }
     }
   }
@@ -562,8 +562,8 @@ TEST_CASE("a server failure mid-transfer fails both machines") {
         CHECK(res.server_state == State::failed);
         REQUIRE_FALSE(res.client_actions.empty());
         REQUIRE_FALSE(res.server_actions.empty());
-        CHECK(res.client_actions.back() == Action::abort);
-        CHECK(res.server_actions.back() == Action::abort);
+        CHECK(res.client_actions.back() == TransferAction::abort);
+        CHECK(res.server_actions.back() == TransferAction::abort);
         CHECK(res.delivered < 5);
       }
     }
@@ -577,7 +577,7 @@ TEST_CASE("a failed or done machine refuses every further event") {
     for (State fin : {State::done, State::failed}) {
       Machine m = replay(r, paths.at(fin));
       REQUIRE(m.finished());
-      for (Event e : all_events()) {
+      for (TransferEvent e : all_events()) {
         CHECK_FALSE(m.fire(e).has_value());
         CHECK(m.state() == fin);
       }
@@ -605,10 +605,10 @@ TEST_CASE("a real server's engine refuses an event its table does not allow (a c
   REQUIRE(c.establish(h));
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
-  REQUIRE(reply->first.event == xdfs::wire::Event::nego_reply);
+  REQUIRE(reply->first.event == xdfs::wire::ChannelEvent::nego_reply);
   // The right size, at the wrong time: only a receiver that has everything confirms (EOFR).
   xdfs::wire::FrameHeader eofr;
-  eofr.event = xdfs::wire::Event::eofr;
+  eofr.event = xdfs::wire::ChannelEvent::eofr;
   eofr.offset = 8 * 65536;
   c.send_frame(eofr);
   auto ex = c.read_exception();
@@ -628,7 +628,7 @@ TEST_CASE("a real client's engine refuses an event its table does not allow (a s
     if (!c) return;
     c->send_reply({0, 1 << 20, c->hello.nego.block_size});
     xdfs::wire::FrameHeader eofr;
-    eofr.event = xdfs::wire::Event::eofr;
+    eofr.event = xdfs::wire::ChannelEvent::eofr;
     eofr.offset = c->hello.nego.file_size;
     c->send_frame(eofr);
     c->wait_closed();

@@ -660,6 +660,9 @@ TEST_CASE("remove -r: wide directories go in batches; a tree nested deeper than 
 }
 
 TEST_CASE("a download killed in the middle leaves temporary files that the next run removes") {
+  // The big file in path mode (chunks), and as an xFTSM transfer of its own after the path part.
+  for (const char* large : {"0", "64M"}) {
+  CAPTURE(large);
   xt::TempDir root, local;
   fs::create_directories(root / "t/sub");
   xt::write_random_file(root / "t/big", 256 << 20, 7);
@@ -673,11 +676,16 @@ TEST_CASE("a download killed in the middle leaves temporary files that the next 
       if (e.path().filename().string().find(".xdfs-dl-") != std::string::npos) out.push_back(e.path().string());
     return out;
   };
+  auto big_in_progress = [&] {
+    for (const auto& t : temps())
+      if (fs::path(t).filename().string().rfind(".big.xdfs-dl-", 0) == 0) return true;
+    return false;
+  };
   // Small chunks over one channel: the big file is in progress long enough to be cut.
-  const pid_t pid = spawn_xduc({"-q", "--block-size", "64K", "-r", url(d.port(), "t/"), back});
+  const pid_t pid = spawn_xduc({"-q", "--block-size", "64K", "--large-file", large, "-r", url(d.port(), "t/"), back});
   REQUIRE(pid >= 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (temps().empty() && std::chrono::steady_clock::now() < deadline)
+  while (!big_in_progress() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ::kill(pid, SIGKILL);
   int status = 0;
@@ -689,12 +697,13 @@ TEST_CASE("a download killed in the middle leaves temporary files that the next 
   const std::string live = back + "/.other.xdfs-dl-" + std::to_string(::getpid()) + "-0123abcd.part";
   xt::write_file(live, "in progress");
 
-  auto again = xt::xduc({"--sync", "-r", url(d.port(), "t/"), back});
+  auto again = xt::xduc({"--sync", "--large-file", large, "-r", url(d.port(), "t/"), back});
   REQUIRE_MESSAGE(again.status == 0, again.err);
   CHECK(again.err.find("left by an interrupted download") != std::string::npos);
   CHECK(temps() == std::vector<std::string>{live});
   CHECK(xt::files_equal(root / "t/big", back + "/big"));
   for (int i = 0; i < 20; ++i) CHECK(xt::files_equal(root / ("t/sub/f" + std::to_string(i)), back + "/sub/f" + std::to_string(i)));
+  }
 }
 
 TEST_CASE("a listing of 100,000 entries arrives in chunks") {
@@ -966,9 +975,9 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
     REQUIRE(raw.establish(xt::make_hello(xdfs::Mode::path, ".", 1)));
     auto reply = raw.read_frame();
     REQUIRE(reply.has_value());
-    CHECK(reply->first.event == xdfs::wire::Event::nego_reply);
+    CHECK(reply->first.event == xdfs::wire::ChannelEvent::nego_reply);
     xdfs::wire::FrameHeader h;
-    h.event = xdfs::wire::Event::xpathm;
+    h.event = xdfs::wire::ChannelEvent::xpathm;
     h.length = 64;
     raw.send_frame(h, std::vector<std::uint8_t>(64, 0xEE));
     auto ex = raw.read_exception();
@@ -981,7 +990,7 @@ TEST_CASE("bad path frames end that session with a reason; other sessions go on"
     REQUIRE(raw.establish(xt::make_hello(xdfs::Mode::path, ".", 1)));
     REQUIRE(raw.read_frame().has_value());
     xdfs::wire::FrameHeader h;
-    h.event = xdfs::wire::Event::xpathm;
+    h.event = xdfs::wire::ChannelEvent::xpathm;
     h.length = 40u << 20;
     auto bytes = xdfs::wire::encode(h);
     raw.send_bytes(bytes.data(), bytes.size());  // the header alone: the server must not wait for 40 MiB
@@ -1046,7 +1055,7 @@ TEST_CASE("a client that asks for file bytes and never reads them is not read ei
     r.entries.push_back(e);
     auto enc = pm::encode(r);
     xdfs::wire::FrameHeader h;
-    h.event = xdfs::wire::Event::xpathm;
+    h.event = xdfs::wire::ChannelEvent::xpathm;
     h.length = static_cast<std::uint32_t>(enc.size);
     auto b = enc.bytes();
     raw.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));
@@ -1091,7 +1100,7 @@ TEST_CASE("a client that asks for a long listing and never reads it is timed out
   r.recursive = true;
   auto enc = pm::encode(r);
   xdfs::wire::FrameHeader h;
-  h.event = xdfs::wire::Event::xpathm;
+  h.event = xdfs::wire::ChannelEvent::xpathm;
   h.length = static_cast<std::uint32_t>(enc.size);
   auto b = enc.bytes();
   raw.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()));

@@ -14,7 +14,7 @@
 #include "xdfs/xdfs.hpp"
 
 using xdfs::Mode;
-using xdfs::wire::Event;
+using xdfs::wire::ChannelEvent;
 
 namespace {
 
@@ -138,9 +138,9 @@ TEST_CASE("SIGTERM mid-upload: xdfsd exits cleanly and leaves no file under the 
   REQUIRE(c.establish(xt::make_hello(Mode::upload, "in/file", 1, 16 * bs)));
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
-  REQUIRE(reply->first.event == Event::nego_reply);
+  REQUIRE(reply->first.event == ChannelEvent::nego_reply);
   xdfs::wire::FrameHeader h;
-  h.event = Event::xftsmu;
+  h.event = ChannelEvent::xftsmu;
   h.length = bs;
   c.send_frame(h, xt::random_bytes(bs, 3));
   REQUIRE(d.wait_for_log("start peer="));
@@ -168,7 +168,7 @@ TEST_CASE("SIGTERM during a download and during a path session: each client hear
   REQUIRE(c.establish(down));
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
-  REQUIRE(reply->first.event == Event::nego_reply);
+  REQUIRE(reply->first.event == ChannelEvent::nego_reply);
   xdfs::RemoteFs rfs({"127.0.0.1", d.port()});
   CHECK(rfs->stat("big").size == (4u << 20));
   REQUIRE(d.wait_for_log("mode=path"));

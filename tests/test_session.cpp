@@ -13,7 +13,7 @@
 
 using xdfs::errc;
 using xdfs::Mode;
-using xdfs::wire::Event;
+using xdfs::wire::ChannelEvent;
 
 namespace {
 
@@ -313,14 +313,14 @@ namespace {
 void send_nego(xt::RawPeer& c, const xdfs::wire::Negotiation& n) {
   auto payload = xdfs::wire::encode(n);
   xdfs::wire::FrameHeader h;
-  h.event = Event::nego;
+  h.event = ChannelEvent::nego;
   h.length = static_cast<std::uint32_t>(payload.size());
   c.send_frame(h, payload);
 }
 
 void send_eofr(xt::RawPeer& c, std::uint64_t size) {
   xdfs::wire::FrameHeader h;
-  h.event = Event::eofr;
+  h.event = ChannelEvent::eofr;
   h.offset = size;
   c.send_frame(h);
 }
@@ -331,13 +331,13 @@ std::optional<xt::Frame> answer(xt::RawPeer& c) { return c.read_frame(); }
 // Sends a whole small upload's blocks and EOFR on one channel, then reads until the server's EOFR.
 bool upload_on(xt::RawPeer& c, const std::vector<std::uint8_t>& data, std::uint32_t bs) {
   for (std::uint64_t off = 0; off < data.size(); off += bs)
-    c.send_block(Event::xftsmu, off,
+    c.send_block(ChannelEvent::xftsmu, off,
                  std::vector<std::uint8_t>(data.begin() + static_cast<long>(off),
                                            data.begin() + static_cast<long>(std::min<std::uint64_t>(off + bs, data.size()))));
   send_eofr(c, data.size());
   for (auto f = c.read_frame(); f; f = c.read_frame())
-    if (f->first.event == Event::eofr) return f->first.offset == data.size();
-    else if (f->first.event != Event::ack) return false;
+    if (f->first.event == ChannelEvent::eofr) return f->first.offset == data.size();
+    else if (f->first.event != ChannelEvent::ack) return false;
   return false;
 }
 
@@ -352,7 +352,7 @@ TEST_CASE("bad input: a new operation while a transfer runs is refused naming st
   auto h = xt::make_hello(Mode::upload, "a", 1, a.size());
   xt::RawChannel c(d.port());
   REQUIRE(c.establish(h));
-  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(answer(c)->first.event == ChannelEvent::nego_reply);
   REQUIRE(upload_on(c, a, h.nego.block_size));
   // Operation 1: an upload of b, cut after one block by a switch to path mode.
   auto n = h.nego;
@@ -360,8 +360,8 @@ TEST_CASE("bad input: a new operation while a transfer runs is refused naming st
   n.remote_path = "b";
   n.file_size = 300000;
   send_nego(c, n);
-  REQUIRE(answer(c)->first.event == Event::nego_reply);
-  c.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(h.nego.block_size, 7));
+  REQUIRE(answer(c)->first.event == ChannelEvent::nego_reply);
+  c.send_block(ChannelEvent::xftsmu, 0, std::vector<std::uint8_t>(h.nego.block_size, 7));
   auto sw = h.nego;
   sw.transfer = 2;
   sw.mode = Mode::path;
@@ -387,21 +387,21 @@ TEST_CASE("bad input: EOFR on fewer than n channels, then a new operation, fails
   xt::RawChannel c0(d.port()), c1(d.port());
   REQUIRE(c0.establish(h));
   REQUIRE(c1.join(h, 1, c0.session_secret()));
-  REQUIRE(answer(c0)->first.event == Event::nego_reply);
-  REQUIRE(answer(c1)->first.event == Event::nego_reply);
+  REQUIRE(answer(c0)->first.event == ChannelEvent::nego_reply);
+  REQUIRE(answer(c1)->first.event == ChannelEvent::nego_reply);
   // Operation 0 in two halves, one per channel.
   std::vector<std::uint8_t> first(a.begin(), a.begin() + 2 * bs), second(a.begin() + 2 * bs, a.end());
-  c0.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(a.begin(), a.begin() + bs));
-  c0.send_block(Event::xftsmu, bs, std::vector<std::uint8_t>(a.begin() + bs, a.begin() + 2 * bs));
-  c1.send_block(Event::xftsmu, 2 * bs, std::vector<std::uint8_t>(a.begin() + 2 * bs, a.begin() + 3 * bs));
-  c1.send_block(Event::xftsmu, 3 * bs, std::vector<std::uint8_t>(a.begin() + 3 * bs, a.end()));
+  c0.send_block(ChannelEvent::xftsmu, 0, std::vector<std::uint8_t>(a.begin(), a.begin() + bs));
+  c0.send_block(ChannelEvent::xftsmu, bs, std::vector<std::uint8_t>(a.begin() + bs, a.begin() + 2 * bs));
+  c1.send_block(ChannelEvent::xftsmu, 2 * bs, std::vector<std::uint8_t>(a.begin() + 2 * bs, a.begin() + 3 * bs));
+  c1.send_block(ChannelEvent::xftsmu, 3 * bs, std::vector<std::uint8_t>(a.begin() + 3 * bs, a.end()));
   send_eofr(c0, a.size());
   send_eofr(c1, a.size());
   for (auto* c : {&c0, &c1}) {
     auto f = c->read_frame();
-    while (f && f->first.event == Event::ack) f = c->read_frame();
+    while (f && f->first.event == ChannelEvent::ack) f = c->read_frame();
     REQUIRE(f.has_value());
-    CHECK(f->first.event == Event::eofr);
+    CHECK(f->first.event == ChannelEvent::eofr);
   }
   // Operation 1: blocks on both, EOFR on channel 0 only, then the next operation on both.
   auto n = h.nego;
@@ -410,10 +410,10 @@ TEST_CASE("bad input: EOFR on fewer than n channels, then a new operation, fails
   n.file_size = 2 * bs;
   send_nego(c0, n);
   send_nego(c1, n);
-  REQUIRE(answer(c0)->first.event == Event::nego_reply);
-  REQUIRE(answer(c1)->first.event == Event::nego_reply);
-  c0.send_block(Event::xftsmu, 0, std::vector<std::uint8_t>(bs, 1));
-  c1.send_block(Event::xftsmu, bs, std::vector<std::uint8_t>(bs, 2));
+  REQUIRE(answer(c0)->first.event == ChannelEvent::nego_reply);
+  REQUIRE(answer(c1)->first.event == ChannelEvent::nego_reply);
+  c0.send_block(ChannelEvent::xftsmu, 0, std::vector<std::uint8_t>(bs, 1));
+  c1.send_block(ChannelEvent::xftsmu, bs, std::vector<std::uint8_t>(bs, 2));
   send_eofr(c0, 2 * bs);
   n.transfer = 2;
   n.remote_path = "c";
@@ -435,7 +435,7 @@ TEST_CASE("bad input: a reused transfer number and a disabled mode are refused; 
   auto h = xt::make_hello(Mode::upload, "a", 1, a.size());
   xt::RawChannel c(d.port());
   REQUIRE(c.establish(h));
-  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(answer(c)->first.event == ChannelEvent::nego_reply);
   REQUIRE(upload_on(c, a, h.nego.block_size));
   auto n = h.nego;
   n.remote_path = "again";  // transfer 0 once more: its keys and nonces were used
@@ -459,7 +459,7 @@ TEST_CASE("bad input: a reused transfer number and a disabled mode are refused; 
   n.mode = Mode::upload;
   n.remote_path = "b";
   send_nego(c, n);
-  REQUIRE(answer(c)->first.event == Event::nego_reply);
+  REQUIRE(answer(c)->first.event == ChannelEvent::nego_reply);
   REQUIRE(upload_on(c, a, h.nego.block_size));
   CHECK(xt::read_file(root / "b") == std::string(a.begin(), a.end()));
   CHECK_FALSE(xt::exists(root / "again"));
@@ -502,15 +502,15 @@ TEST_CASE("the session tables: every row is reachable from idle, final states ha
     CHECK(reached.count(sf::State::failed) == 1);
   }
   sf::Machine m(sf::Side::server);
-  CHECK(m.fire(sf::Event::channel_joined) == sf::Action::register_session);
-  CHECK(m.fire(sf::Event::all_joined) == sf::Action::start_operation);
-  CHECK(m.fire(sf::Event::operation_ended) == sf::Action::await_next);
-  CHECK_FALSE(m.fire(sf::Event::operation_ended).has_value());  // nothing runs in ready
+  CHECK(m.fire(sf::SessionEvent::channel_joined) == sf::SessionAction::register_session);
+  CHECK(m.fire(sf::SessionEvent::all_joined) == sf::SessionAction::start_operation);
+  CHECK(m.fire(sf::SessionEvent::operation_ended) == sf::SessionAction::await_next);
+  CHECK_FALSE(m.fire(sf::SessionEvent::operation_ended).has_value());  // nothing runs in ready
   CHECK(m.why() == "session-server: event operation_ended is not allowed in state ready");
   CHECK(m.state() == sf::State::ready);
-  CHECK(m.fire(sf::Event::operation_asked) == sf::Action::start_operation);
-  CHECK(m.fire(sf::Event::operation_refused) == sf::Action::refuse_operation);
-  CHECK(m.fire(sf::Event::end_asked) == sf::Action::finish);
+  CHECK(m.fire(sf::SessionEvent::operation_asked) == sf::SessionAction::start_operation);
+  CHECK(m.fire(sf::SessionEvent::operation_refused) == sf::SessionAction::refuse_operation);
+  CHECK(m.fire(sf::SessionEvent::end_asked) == sf::SessionAction::finish);
   CHECK(m.finished());
 }
 

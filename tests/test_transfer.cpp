@@ -20,7 +20,7 @@
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
-#include "xdfs/xftsm/transfer.hpp"
+#include "xdfs/detail/xftsm_engine.hpp"
 
 namespace {
 
@@ -313,19 +313,19 @@ TEST_CASE("frames that arrive a byte at a time are put together: an upload and a
   REQUIRE(c.establish(h));
   auto reply = c.read_frame();
   REQUIRE(reply.has_value());
-  REQUIRE(reply->first.event == xdfs::wire::Event::nego_reply);
+  REQUIRE(reply->first.event == xdfs::wire::ChannelEvent::nego_reply);
   for (std::uint64_t off = 0; off < data.size(); off += bs)
-    c.send_block(xdfs::wire::Event::xftsmu, off,
+    c.send_block(xdfs::wire::ChannelEvent::xftsmu, off,
                  std::vector<std::uint8_t>(data.begin() + static_cast<long>(off),
                                            data.begin() + static_cast<long>(std::min<std::uint64_t>(off + bs, data.size()))));
   xdfs::wire::FrameHeader eofr;
-  eofr.event = xdfs::wire::Event::eofr;
+  eofr.event = xdfs::wire::ChannelEvent::eofr;
   c.send_frame(eofr);
   auto done = c.read_frame();
-  while (done && done->first.event == xdfs::wire::Event::ack) done = c.read_frame();
+  while (done && done->first.event == xdfs::wire::ChannelEvent::ack) done = c.read_frame();
   REQUIRE(done.has_value());
   // The server's EOFR: the file is committed and the channel stays for the next operation.
-  CHECK(done->first.event == xdfs::wire::Event::eofr);
+  CHECK(done->first.event == xdfs::wire::ChannelEvent::eofr);
   CHECK(done->first.offset == data.size());
   CHECK(xt::read_file(root / "slow") == std::string(data.begin(), data.end()));
 
@@ -340,13 +340,13 @@ TEST_CASE("frames that arrive a byte at a time are put together: an upload and a
   r.path = "slow";
   auto enc = xdfs::pathm::encode(r);
   xdfs::wire::FrameHeader fh;
-  fh.event = xdfs::wire::Event::xpathm;
+  fh.event = xdfs::wire::ChannelEvent::xpathm;
   fh.length = static_cast<std::uint32_t>(enc.size);
   auto b = enc.bytes();
   p.send_frame(fh, std::vector<std::uint8_t>(b.begin(), b.end()));
   auto answer = p.read_frame();
   REQUIRE(answer.has_value());
-  REQUIRE(answer->first.event == xdfs::wire::Event::xpathm);
+  REQUIRE(answer->first.event == xdfs::wire::ChannelEvent::xpathm);
   std::vector<std::uint64_t> words((answer->second.size() + 7) / 8);
   std::memcpy(words.data(), answer->second.data(), answer->second.size());
   auto rep = xdfs::pathm::decode_reply({reinterpret_cast<const std::uint8_t*>(words.data()), answer->second.size()});
@@ -424,8 +424,8 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
   xdfs::xdsi::ChannelList channels;
   channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), 0));
   Machine machine(Role::server_upload);
-  REQUIRE(machine.fire(Event::channel_joined));
-  REQUIRE(machine.fire(Event::all_joined));
+  REQUIRE(machine.fire(TransferEvent::channel_joined));
+  REQUIRE(machine.fire(TransferEvent::all_joined));
   TransferParams p;
   p.block_size = bs;
   p.file_size = std::uint64_t(2) * blocks * bs;
@@ -437,7 +437,7 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
       const std::vector<std::uint8_t> payload(bs, 0x5a);
       for (std::uint32_t i = 0; i < blocks; ++i) {
         xdfs::wire::FrameHeader h;
-        h.event = xdfs::wire::Event::xftsmu;
+        h.event = xdfs::wire::ChannelEvent::xftsmu;
         h.length = bs;
         h.offset = std::uint64_t(i) * 2 * bs;
         const auto head = xdfs::wire::encode(h);

@@ -20,11 +20,11 @@ namespace {
 using namespace xdfs;
 namespace w = xdfs::wire;
 
-constexpr std::array<w::Event, 13> all_events{
-    w::Event::nego, w::Event::nego_reply, w::Event::xftsmu,    w::Event::xftsmd,
-    w::Event::xpathm, w::Event::eofr,     w::Event::eoft,      w::Event::noop,
-    w::Event::conm, w::Event::zxdfs,      w::Event::ack,       w::Event::exception,
-    w::Event::handshake,
+constexpr std::array<w::ChannelEvent, 13> all_events{
+    w::ChannelEvent::nego, w::ChannelEvent::nego_reply, w::ChannelEvent::xftsmu,    w::ChannelEvent::xftsmd,
+    w::ChannelEvent::xpathm, w::ChannelEvent::eofr,     w::ChannelEvent::eoft,      w::ChannelEvent::noop,
+    w::ChannelEvent::conm, w::ChannelEvent::zxdfs,      w::ChannelEvent::ack,       w::ChannelEvent::exception,
+    w::ChannelEvent::handshake,
 };
 
 std::optional<w::FrameHeader> decode_bytes(const w::HeaderBytes& b, std::string* why = nullptr) {
@@ -120,7 +120,7 @@ TEST_CASE("frame header round trip for every event") {
     w::FrameHeader h;
     h.event = e;
     h.flags = 0x5A;
-    const bool data = e == w::Event::xftsmu || e == w::Event::xftsmd;
+    const bool data = e == w::ChannelEvent::xftsmu || e == w::ChannelEvent::xftsmd;
     h.length = data ? w::max_block_size : w::max_control_payload;
     h.offset = 0x0102030405060708ull;
     h.aux = 0xF0E0D0C0B0A09080ull;
@@ -138,7 +138,7 @@ TEST_CASE("frame header round trip for every event") {
 
 TEST_CASE("frame header byte layout is little-endian and fixed") {
   w::FrameHeader h;
-  h.event = w::Event::xftsmu;  // 3
+  h.event = w::ChannelEvent::xftsmu;  // 3
   h.flags = 0x81;
   h.length = 0x00012345;
   h.offset = 0x1122334455667788ull;
@@ -160,7 +160,7 @@ TEST_CASE("frame header byte layout is little-endian and fixed") {
   std::memcpy(raw.data(), expected.data(), raw.size());
   auto d = decode_bytes(raw);
   REQUIRE(d);
-  CHECK(d->event == w::Event::xftsmu);
+  CHECK(d->event == w::ChannelEvent::xftsmu);
   CHECK(d->flags == 0x81);
   CHECK(d->length == 0x12345u);
   CHECK(d->offset == 0x1122334455667788ull);
@@ -187,7 +187,7 @@ TEST_CASE("frame header decode refuses non-zero reserved bytes") {
       CAPTURE(idx);
       CAPTURE(static_cast<int>(v));
       w::FrameHeader h;
-      h.event = w::Event::ack;
+      h.event = w::ChannelEvent::ack;
       auto b = w::encode(h);
       b[idx] = v;
       std::string why;
@@ -200,8 +200,8 @@ TEST_CASE("frame header decode refuses non-zero reserved bytes") {
 TEST_CASE("frame header decode bounds payload lengths") {
   for (auto e : all_events) {
     CAPTURE(w::to_string(e));
-    const bool data = e == w::Event::xftsmu || e == w::Event::xftsmd;
-    const bool path = e == w::Event::xpathm;
+    const bool data = e == w::ChannelEvent::xftsmu || e == w::ChannelEvent::xftsmd;
+    const bool path = e == w::ChannelEvent::xpathm;
     w::FrameHeader h;
     h.event = e;
     auto b = w::encode(h);

@@ -112,7 +112,7 @@ TEST_CASE("frame protection: each mode detects what it claims") {
       CAPTURE(xs::to_string(mode));
       CAPTURE(xs::to_string(cipher));
       xs::FrameProtector tx(mode, cipher, a, b), rx(mode, cipher, b, a);
-      auto make = [](w::Event e, std::size_t len, std::uint64_t off) {
+      auto make = [](w::ChannelEvent e, std::size_t len, std::uint64_t off) {
         w::FrameHeader h;
         h.event = e;
         h.length = static_cast<std::uint32_t>(len);
@@ -124,17 +124,17 @@ TEST_CASE("frame protection: each mode detects what it claims") {
         std::vector<std::uint8_t> body;
         std::array<std::uint8_t, 16> tag;
       };
-      auto seal = [&](w::Event e, std::size_t len, std::uint64_t off) {
+      auto seal = [&](w::ChannelEvent e, std::size_t len, std::uint64_t off) {
         auto [h, body] = make(e, len, off);
         Sealed s{h, body, {}};
         tx.seal(s.h, s.body, s.tag.data());
         return s;
       };
       const bool data_protected = mode != xs::Protect::clear;
-      auto d0 = seal(w::Event::xftsmd, 1000, 0);
-      auto d1 = seal(w::Event::xftsmd, 1000, 1000);
-      auto c2 = seal(w::Event::eofr, 0, 2000);
-      auto plain = make(w::Event::xftsmd, 1000, 0).second;
+      auto d0 = seal(w::ChannelEvent::xftsmd, 1000, 0);
+      auto d1 = seal(w::ChannelEvent::xftsmd, 1000, 1000);
+      auto c2 = seal(w::ChannelEvent::eofr, 0, 2000);
+      auto plain = make(w::ChannelEvent::xftsmd, 1000, 0).second;
       // A data frame's payload is sealed by BlockCrypto on the disk thread (see below); the
       // channel covers the header and the payload's trailing block tag.
       CHECK(d0.body == plain);
@@ -377,7 +377,7 @@ TEST_CASE("a channel presenting another session's secret cannot join") {
   c.send_opening(join);
   auto answer = c.read_frame();
   REQUIRE(answer.has_value());
-  REQUIRE(answer->first.event == w::Event::handshake);
+  REQUIRE(answer->first.event == w::ChannelEvent::handshake);
   REQUIRE(answer->second.size() == 64);
   std::span<const std::uint8_t> sn(answer->second.data(), 32);
   auto keys = xs::derive_join_keys(b.session_secret(), join.join_nonce, sn, c.opening());
@@ -386,7 +386,7 @@ TEST_CASE("a channel presenting another session's secret cannot join") {
                                       std::span<const std::uint8_t>(answer->second.data() + 32, 32)));
   auto proof = xs::join_proof(keys, "client", join.join_nonce, sn);
   w::FrameHeader h;
-  h.event = w::Event::handshake;
+  h.event = w::ChannelEvent::handshake;
   h.length = 32;
   c.send_frame(h, std::vector<std::uint8_t>(proof.begin(), proof.end()));
   CHECK(c.wait_closed());
@@ -398,7 +398,7 @@ TEST_CASE("a channel presenting another session's secret cannot join") {
   for (auto* ch : {&a, &real}) {
     auto reply = ch->read_frame();
     REQUIRE(reply.has_value());
-    CHECK(reply->first.event == w::Event::nego_reply);
+    CHECK(reply->first.event == w::ChannelEvent::nego_reply);
   }
 }
 
@@ -437,7 +437,7 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
         n->protect = static_cast<std::uint8_t>(xs::Protect::clear);
         auto payload = w::encode(*n);
         w::FrameHeader h;
-        h.event = w::Event::nego;
+        h.event = w::ChannelEvent::nego;
         h.length = static_cast<std::uint32_t>(payload.size());
         auto hb = w::encode(h);
         opening.resize(8);
@@ -489,7 +489,7 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
     replay.send_bytes(recording);  // the proof went with another server nonce
     auto fresh = replay.read_frame();
     REQUIRE(fresh.has_value());
-    REQUIRE(fresh->first.event == w::Event::handshake);
+    REQUIRE(fresh->first.event == w::ChannelEvent::handshake);
     CHECK(replay.wait_closed());
     CHECK(srv.wait_for_log("join proof does not verify"));
   }
@@ -548,7 +548,7 @@ TEST_CASE("a man in the middle tampering either way, on any of n channels, in bo
         relay.hook = [&c, data_dir](const xt::Relay::Seen& f) {
           const D want = c.against ? (data_dir == D::down ? D::up : D::down) : data_dir;
           if (f.dir != want || f.conn != (c.against ? 0u : 1u)) return V::pass;
-          const bool target = c.control ? f.header.event == (c.against ? w::Event::ack : w::Event::eofr)
+          const bool target = c.control ? f.header.event == (c.against ? w::ChannelEvent::ack : w::ChannelEvent::eofr)
                                         : f.data_index == 1;
           return target ? c.verdict : V::pass;
         };
@@ -602,7 +602,7 @@ TEST_CASE("a frame whose tag does not verify is refused by the server, in every 
       REQUIRE(c.establish(h));
       auto reply = c.read_frame();
       REQUIRE(reply.has_value());
-      REQUIRE(reply->first.event == w::Event::nego_reply);
+      REQUIRE(reply->first.event == w::ChannelEvent::nego_reply);
       send(c);
       auto ex = c.read_exception();
       REQUIRE(ex.has_value());
@@ -610,16 +610,16 @@ TEST_CASE("a frame whose tag does not verify is refused by the server, in every 
     };
     // A control frame is tagged in every mode.
     auto ex = upload([&](xt::RawChannel& c) {
-      c.send_block(w::Event::xftsmu, 0, xt::random_bytes(bs, 1));
+      c.send_block(w::ChannelEvent::xftsmu, 0, xt::random_bytes(bs, 1));
       w::FrameHeader eofr;
-      eofr.event = w::Event::eofr;
+      eofr.event = w::ChannelEvent::eofr;
       c.send_frame(eofr, {}, true);
     });
     CHECK(ex.code == errc::integrity_error);
     CHECK(ex.message.find("failed its integrity check") != std::string::npos);
     // A data frame is tagged in integrity and private mode (clear sends blocks as they are).
     if (mode != xs::Protect::clear) {
-      ex = upload([&](xt::RawChannel& c) { c.send_block(w::Event::xftsmu, 0, xt::random_bytes(bs, 1), true); });
+      ex = upload([&](xt::RawChannel& c) { c.send_block(w::ChannelEvent::xftsmu, 0, xt::random_bytes(bs, 1), true); });
       CHECK(ex.code == errc::integrity_error);
     }
     // A path request likewise.
@@ -634,7 +634,7 @@ TEST_CASE("a frame whose tag does not verify is refused by the server, in every 
     r.path = ".";
     auto enc = xdfs::pathm::encode(r);
     w::FrameHeader h;
-    h.event = w::Event::xpathm;
+    h.event = w::ChannelEvent::xpathm;
     h.length = static_cast<std::uint32_t>(enc.size);
     auto b = enc.bytes();
     c.send_frame(h, std::vector<std::uint8_t>(b.begin(), b.end()), true);
@@ -670,7 +670,7 @@ TEST_CASE("a man in the middle of a path session: a tampered, replayed or droppe
         // a dropped one shows as a gap in the count.
         int seen = 0;
         relay.hook = [dir, v, &seen](const xt::Relay::Seen& f) {
-          if (f.dir != dir || f.conn != 1 || f.header.event != w::Event::xpathm) return V::pass;
+          if (f.dir != dir || f.conn != 1 || f.header.event != w::ChannelEvent::xpathm) return V::pass;
           return ++seen == 2 ? v : V::pass;
         };
         xdfs::TransferOptions o;

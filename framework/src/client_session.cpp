@@ -19,8 +19,8 @@ using xdsi::tcp;
 namespace {
 using Clock = std::chrono::steady_clock;
 
-using session_fsm::Action;
-using session_fsm::Event;
+using session_fsm::SessionAction;
+using session_fsm::SessionEvent;
 using session_fsm::State;
 }  // namespace
 
@@ -77,7 +77,7 @@ struct Session::Impl {
   }
 
   wire::NegotiationReply begin(wire::Negotiation op) {
-    if (closed || !machine.find(Event::begin))
+    if (closed || !machine.find(SessionEvent::begin))
       throw TransferError(errc::bad_argument,
                           closed || machine.finished() ? std::string("the session is closed")
                                                        : "an operation is still running in this session",
@@ -94,10 +94,10 @@ struct Session::Impl {
     reply.reset();
     refusal.reset();
     failed = false;
-    const auto action = machine.fire(Event::begin);
+    const auto action = machine.fire(SessionEvent::begin);
     io.restart();
     arm_deadline();
-    if (action == Action::connect_channels)
+    if (action == SessionAction::connect_channels)
       open();
     else
       renegotiate();
@@ -107,17 +107,17 @@ struct Session::Impl {
     io.poll();
     if (failed || (!reply && !refusal)) {
       if (!failed) fail(errc::internal, "the session's event loop stopped", false);
-      (void)machine.fire(code == errc::timeout ? Event::timeout : remote ? Event::peer_exception : Event::local_error);
+      (void)machine.fire(code == errc::timeout ? SessionEvent::timeout : remote ? SessionEvent::peer_exception : SessionEvent::local_error);
       shut();
       throw TransferError(code, message, remote);
     }
     if (refusal) {
       if (!connected) setup = std::chrono::duration<double>(Clock::now() - start).count();
       connected = true;  // the channels are up: a later operation negotiates on them
-      if (machine.fire(Event::refused) != Action::report_refusal) throw TransferError(errc::state_violation, machine.why(), false);
+      if (machine.fire(SessionEvent::refused) != SessionAction::report_refusal) throw TransferError(errc::state_violation, machine.why(), false);
       throw TransferError(refusal->code, refusal->message, true);
     }
-    if (machine.fire(Event::accepted) != Action::start_operation) {
+    if (machine.fire(SessionEvent::accepted) != SessionAction::start_operation) {
       shut();
       throw TransferError(errc::state_violation, machine.why(), false);
     }
@@ -228,7 +228,7 @@ struct Session::Impl {
     }
     auto payload = wire::encode(o);
     wire::FrameHeader h;
-    h.event = wire::Event::nego;
+    h.event = wire::ChannelEvent::nego;
     h.length = static_cast<std::uint32_t>(payload.size());
     auto pre = wire::encode_preamble();
     auto hb = wire::encode(h);
@@ -304,7 +304,7 @@ struct Session::Impl {
     auto payload = wire::encode(nego);
     for (auto& ch : channels) {
       auto* c = ch.get();
-      c->send_control(wire::Event::nego, payload, [this, c](const ErrorCode& ec) {
+      c->send_control(wire::ChannelEvent::nego, payload, [this, c](const ErrorCode& ec) {
         if (ec) channel_lost(*c, ec);
       });
       read_answer(*c);
@@ -321,7 +321,7 @@ struct Session::Impl {
       if (ec == xdsi::integrity_failure)
         return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), false);
       if (ec) return channel_lost(ch, ec);
-      if (h.event != wire::Event::nego_reply && h.event != wire::Event::exception)
+      if (h.event != wire::ChannelEvent::nego_reply && h.event != wire::ChannelEvent::exception)
         return fail(errc::protocol_error,
                     std::string("server answered the negotiation with ") + wire::to_string(h.event), false);
       if (h.length > wire::max_control_payload)
@@ -337,9 +337,9 @@ struct Session::Impl {
     });
   }
 
-  void on_answer(wire::Event ev, const std::vector<std::uint8_t>& payload) {
+  void on_answer(wire::ChannelEvent ev, const std::vector<std::uint8_t>& payload) {
     std::string why;
-    if (ev == wire::Event::exception) {
+    if (ev == wire::ChannelEvent::exception) {
       auto ex = wire::decode_exception(payload, &why);
       if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false);
       // A refusal must come on every channel; one after a reply on another channel is a bad answer.
@@ -368,7 +368,7 @@ struct Session::Impl {
     if (closed) return;
     // The table: from ready, the end is told (EOFT on every channel); before any operation
     // there is nothing to tell; anywhere else the channels just close.
-    const bool tell = machine.fire(Event::end_asked) == Action::finish && connected;
+    const bool tell = machine.fire(SessionEvent::end_asked) == SessionAction::finish && connected;
     closed = true;
     if (tell) {
       try {
@@ -378,7 +378,7 @@ struct Session::Impl {
           if (!ch || !ch->open()) continue;
           ++*left;
           wire::FrameHeader h;
-          h.event = wire::Event::eoft;
+          h.event = wire::ChannelEvent::eoft;
           ch->send(h, std::vector<std::uint8_t>{}, [left](const ErrorCode&) { --*left; });
         }
         io.restart();
@@ -411,7 +411,7 @@ wire::NegotiationReply Session::begin(wire::Negotiation op) {
 void Session::end_operation(bool ok) {
   auto& d = *impl_;
   if (d.machine.state() != State::operating) return;
-  if (d.machine.fire(ok ? Event::operation_ended : Event::operation_failed) && ok) {
+  if (d.machine.fire(ok ? SessionEvent::operation_ended : SessionEvent::operation_failed) && ok) {
     d.io.restart();
     d.io.poll();  // completions that are ready (cancelled timers) run before the mode goes
     return;
@@ -421,7 +421,7 @@ void Session::end_operation(bool ok) {
 
 void Session::close() noexcept { impl_->close(); }
 
-bool Session::usable() const noexcept { return !impl_->closed && impl_->machine.find(Event::begin) != nullptr; }
+bool Session::usable() const noexcept { return !impl_->closed && impl_->machine.find(SessionEvent::begin) != nullptr; }
 bool Session::opened() const noexcept { return impl_->connected; }
 boost::asio::io_context& Session::io() noexcept { return impl_->io; }
 xdsi::ChannelList& Session::channels() noexcept { return impl_->channels; }

@@ -636,7 +636,7 @@ void Server::Impl::read_opening(const ConnPtr& c) {
       std::string why;
       auto h = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(c->hdr), &why);
       if (!h) return refuse(c, errc::protocol_error, why);
-      if (h->event != wire::Event::nego)
+      if (h->event != wire::ChannelEvent::nego)
         return refuse(c, errc::protocol_error,
                       std::string("expected a negotiation header, got ") + wire::to_string(h->event));
       if (h->length == 0 || h->length > wire::max_opening_payload)
@@ -905,7 +905,7 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
     auto ch = xdsi::Channel::adopt(sp->io, std::move(*d));
     if (!ch) return;
     // The handshake's last word: the session exists, its other channels may join now.
-    ch->send_control(wire::Event::handshake, {});
+    ch->send_control(wire::ChannelEvent::handshake, {});
     sp->handler->add_channel(std::move(ch));
   });
 }
@@ -1010,7 +1010,7 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
     // The peer sends no more (it may still read: a half-close): the answer goes out and the
     // descriptor comes back as soon as it has left, with nothing unread to turn the close into
     // a reset. A flood of dead connections must not keep descriptors for a second each.
-    c->ch->send_control(wire::Event::exception,
+    c->ch->send_control(wire::ChannelEvent::exception,
                         wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),
                         [this, c](const ErrorCode&) {
                           ErrorCode ignored;
@@ -1020,7 +1020,7 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
                         });
     return;
   }
-  c->ch->send_control(wire::Event::exception,
+  c->ch->send_control(wire::ChannelEvent::exception,
                       wire::encode(wire::ExceptionHeader{code, message, c->opening.channel_index, 0}),
                       [c](const ErrorCode&) { c->ch->shutdown_send(); });
   c->deadline.expires_after(std::chrono::seconds(1));

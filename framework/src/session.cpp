@@ -40,8 +40,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using xdsi::ErrorCode;
 
-using session_fsm::Action;
-using session_fsm::Event;
+using session_fsm::SessionAction;
+using session_fsm::SessionEvent;
 using session_fsm::State;
 
 class Session final : public SessionHandler {
@@ -52,7 +52,7 @@ public:
   void add_channel(std::unique_ptr<xdsi::Channel> ch) override {
     const auto idx = ch->index();
     const auto n = env_.nego.channel_count;
-    if (!machine_.find(Event::channel_joined))
+    if (!machine_.find(SessionEvent::channel_joined))
       return refuse_channel(std::move(ch), errc::bad_channel,
                             fmt::format("session {} already has its {} channels", env_.id.short_hex(), n));
     if (idx >= n || (idx < channels_.size() && channels_[idx]))
@@ -61,13 +61,13 @@ public:
     xdsi::SocketOptions opts;
     opts.tcp_window = std::min(env_.nego.tcp_window, env_.config.max_tcp_window);
     xdsi::apply(ch->socket(), opts);
-    if (machine_.fire(Event::channel_joined) == Action::register_session) {
+    if (machine_.fire(SessionEvent::channel_joined) == SessionAction::register_session) {
       // Channel 0 (Noise XX) registers the session; the others have until the join timeout.
       channels_.resize(n);
       join_timer_.expires_after(env_.config.join_timeout);
       join_timer_.async_wait([this](const ErrorCode& ec) {
         if (ec || machine_.state() != State::joining) return;
-        fail(Event::timeout, errc::timeout,
+        fail(SessionEvent::timeout, errc::timeout,
              fmt::format("only {} of {} channels arrived within {} ms", joined_, env_.nego.channel_count,
                          env_.config.join_timeout.count()));
       });
@@ -75,7 +75,7 @@ public:
     channels_[idx] = std::move(ch);
     if (++joined_ < n) return watch(*channels_[idx]);
     join_timer_.cancel();
-    if (machine_.fire(Event::all_joined) == Action::start_operation) start_operation(env_.nego);
+    if (machine_.fire(SessionEvent::all_joined) == SessionAction::start_operation) start_operation(env_.nego);
   }
 
   void shutdown() override { stop(errc::shutting_down, "server is stopping"); }
@@ -84,7 +84,7 @@ public:
 private:
   void stop(errc code, const std::string& message) {
     if (machine_.state() == State::operating && op_) return op_->abort(code, message);
-    fail(Event::local_error, code, message);
+    fail(SessionEvent::local_error, code, message);
   }
 
   // While the session waits for its other channels, the client sends nothing on those it has:
@@ -96,9 +96,9 @@ private:
       const auto got = ::recv(ch.socket().native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return watch(ch);
       if (got > 0)
-        return fail(Event::local_error, errc::protocol_error,
+        return fail(SessionEvent::local_error, errc::protocol_error,
                     fmt::format("channel {} sent a frame before the session started", ch.index()));
-      fail(Event::peer_left, errc::peer_aborted,
+      fail(SessionEvent::peer_left, errc::peer_aborted,
            fmt::format("channel {} closed while the session waited for its other channels", ch.index()));
     });
   }
@@ -114,7 +114,7 @@ private:
     timer->async_wait([c](const ErrorCode& ec) {
       if (!ec) c->close();
     });
-    c->send_control(wire::Event::exception, wire::encode(wire::ExceptionHeader{code, message, c->index(), 0}),
+    c->send_control(wire::ChannelEvent::exception, wire::encode(wire::ExceptionHeader{code, message, c->index(), 0}),
                     [c, timer](const ErrorCode&) { c->linger_close([timer] { timer->cancel(); }); });
   }
 
@@ -171,7 +171,7 @@ private:
       // Nothing of it may be running: the session ends, telling the client why. The operation
       // stays until the session goes (its handlers may still be queued).
       previous_ = std::move(op_);
-      (void)machine_.fire(Event::operation_failed);
+      (void)machine_.fire(SessionEvent::operation_failed);
       last_code_ = errc::internal;
       last_message_ = std::string("starting the operation: ") + e.what();
       xdfs::xdsi::tell_and_close(channels_, wire::ExceptionHeader{errc::internal, last_message_, 0, 0}, linger_,
@@ -209,19 +209,19 @@ private:
     }
     if (r.code != errc::ok || !r.reusable) {
       // The mode told the peer (or, ending well, closes the channels): the session is over.
-      (void)machine_.fire(Event::operation_failed);
+      (void)machine_.fire(SessionEvent::operation_failed);
       if (r.code == errc::ok)
         for (auto& ch : channels_)
           if (ch) ch->close();
       return report();
     }
-    if (machine_.fire(Event::operation_ended) == Action::await_next) await_next();
+    if (machine_.fire(SessionEvent::operation_ended) == SessionAction::await_next) await_next();
   }
 
   // A refused operation: every channel hears why, and the session waits for the next one.
   void refuse_operation(const wire::Negotiation& n, errc code, const std::string& message) {
-    if (machine_.fire(Event::operation_refused) != Action::refuse_operation)
-      return fail(Event::local_error, errc::state_violation, machine_.why());
+    if (machine_.fire(SessionEvent::operation_refused) != SessionAction::refuse_operation)
+      return fail(SessionEvent::local_error, errc::state_violation, machine_.why());
     // A client may ask for missing files all day: its refusals are logged up to a point.
     if (refused_ < max_logged_refusals)
       env_.log(fmt::format("session {} refused operation {} mode={} path={}: {}: {}", env_.id.short_hex(), n.transfer,
@@ -239,7 +239,7 @@ private:
     auto payload = wire::encode(ex);
     auto left = std::make_shared<std::size_t>(channels_.size());
     for (auto& ch : channels_)
-      ch->send_control(wire::Event::exception, payload, [this, left](const ErrorCode& ec) {
+      ch->send_control(wire::ChannelEvent::exception, payload, [this, left](const ErrorCode& ec) {
         if (machine_.state() != State::ready) return;
         if (ec) return lost_on_send(ec);
         if (--*left == 0) await_next();
@@ -248,7 +248,7 @@ private:
 
   void lost_on_send(const ErrorCode& ec) {
     if (ec == boost::asio::error::operation_aborted) return;
-    end_session(Event::peer_left);
+    end_session(SessionEvent::peer_left);
   }
 
   // Between operations: one frame from each channel decides what comes next.
@@ -269,7 +269,7 @@ private:
     idle_.expires_after(env_.config.idle_timeout);
     idle_.async_wait([this](const ErrorCode& ec) {
       if (ec || machine_.state() != State::ready) return;
-      fail(Event::timeout, errc::timeout,
+      fail(SessionEvent::timeout, errc::timeout,
            fmt::format("no next operation and no end of the session for {} s", env_.config.idle_timeout.count() / 1000));
     });
   }
@@ -280,16 +280,16 @@ private:
       if (ec) return lost(ch, ec);
       auto& slot = next_[ch.index()];
       if (slot.got)
-        return fail(Event::local_error, errc::protocol_error,
+        return fail(SessionEvent::local_error, errc::protocol_error,
                     fmt::format("channel {} sent a second frame in state ready", ch.index()));
       switch (h.event) {
-        case wire::Event::eoft:
-          if (h.length != 0) return fail(Event::local_error, errc::protocol_error, "EOFT with a payload");
+        case wire::ChannelEvent::eoft:
+          if (h.length != 0) return fail(SessionEvent::local_error, errc::protocol_error, "EOFT with a payload");
           slot.got = slot.end = true;
           return next_arrived();
-        case wire::Event::nego: {
+        case wire::ChannelEvent::nego: {
           if (h.length > wire::max_negotiation_payload)
-            return fail(Event::local_error, errc::protocol_error,
+            return fail(SessionEvent::local_error, errc::protocol_error,
                         fmt::format("negotiation of {} bytes on channel {} (at most {})", h.length, ch.index(),
                                     wire::max_negotiation_payload));
           slot.nego.resize(h.length);
@@ -300,10 +300,10 @@ private:
             next_arrived();
           });
         }
-        case wire::Event::exception:
+        case wire::ChannelEvent::exception:
           return read_exception(ch, h.length);
         default:
-          return fail(Event::local_error, errc::protocol_error,
+          return fail(SessionEvent::local_error, errc::protocol_error,
                       fmt::format("unexpected {} on channel {} in state ready: only the next operation's NEGO or EOFT may come",
                                   wire::to_string(h.event), ch.index()));
       }
@@ -312,15 +312,15 @@ private:
 
   void read_exception(xdsi::Channel& ch, std::uint32_t length) {
     if (length > wire::max_control_payload)
-      return fail(Event::local_error, errc::protocol_error, "oversized exception header");
+      return fail(SessionEvent::local_error, errc::protocol_error, "oversized exception header");
     auto buf = std::make_shared<std::vector<std::uint8_t>>(length);
     ch.async_read_payload(*buf, [this, &ch, buf](const ErrorCode& ec) {
       if (machine_.state() != State::ready) return;
       if (ec) return lost(ch, ec);
       std::string why;
       auto ex = wire::decode_exception(*buf, &why);
-      if (!ex) return fail(Event::local_error, errc::protocol_error, "bad exception header: " + why);
-      fail(Event::peer_exception, ex->code, ex->message);
+      if (!ex) return fail(SessionEvent::local_error, errc::protocol_error, "bad exception header: " + why);
+      fail(SessionEvent::peer_exception, ex->code, ex->message);
     });
   }
 
@@ -328,10 +328,10 @@ private:
   void lost(xdsi::Channel& ch, const ErrorCode& ec) {
     if (ec == boost::asio::error::operation_aborted) return;
     if (ec == boost::system::errc::protocol_error)
-      return fail(Event::local_error, errc::protocol_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
+      return fail(SessionEvent::local_error, errc::protocol_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
     if (ec == xdsi::integrity_failure)
-      return fail(Event::local_error, errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
-    end_session(Event::peer_left);
+      return fail(SessionEvent::local_error, errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
+    end_session(SessionEvent::peer_left);
   }
 
   void next_arrived() {
@@ -339,24 +339,24 @@ private:
     idle_.cancel();
     std::size_t ends = 0;
     for (const auto& s : next_) ends += s.end;
-    if (ends == next_.size()) return end_session(Event::end_asked);
+    if (ends == next_.size()) return end_session(SessionEvent::end_asked);
     if (ends != 0)
-      return fail(Event::local_error, errc::protocol_error,
+      return fail(SessionEvent::local_error, errc::protocol_error,
                   fmt::format("{} of {} channels ended the session (EOFT) and the others asked for an operation", ends,
                               next_.size()));
     for (const auto& s : next_)
       if (s.nego != next_.front().nego)
-        return fail(Event::local_error, errc::protocol_error, "the channels disagree on the next operation");
+        return fail(SessionEvent::local_error, errc::protocol_error, "the channels disagree on the next operation");
     std::string why;
     auto n = wire::decode_negotiation(next_.front().nego, &why);
-    if (!n) return fail(Event::local_error, errc::protocol_error, "negotiation: " + why);
+    if (!n) return fail(SessionEvent::local_error, errc::protocol_error, "negotiation: " + why);
     asked_in_ = machine_.state();
-    if (machine_.fire(Event::operation_asked) == Action::start_operation) start_operation(std::move(*n));
+    if (machine_.fire(SessionEvent::operation_asked) == SessionAction::start_operation) start_operation(std::move(*n));
   }
 
   // The client ended the session (EOFT on every channel, or it closed them between operations).
-  void end_session(Event why) {
-    if (machine_.fire(why) != Action::finish) return;
+  void end_session(SessionEvent why) {
+    if (machine_.fire(why) != SessionAction::finish) return;
     idle_.cancel();
     for (auto& ch : channels_)
       if (ch) ch->close();
@@ -365,10 +365,10 @@ private:
 
   // The session fails outside an operation: the table's abort tells the peer (unless the peer
   // said it first) and closes the channels.
-  void fail(Event ev, errc code, const std::string& message) {
+  void fail(SessionEvent ev, errc code, const std::string& message) {
     if (machine_.finished()) return;
-    if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
-    const bool tell = ev != Event::peer_exception;
+    if (!machine_.fire(ev)) (void)machine_.fire(SessionEvent::local_error);
+    const bool tell = ev != SessionEvent::peer_exception;
     join_timer_.cancel();
     idle_.cancel();
     last_code_ = code;

@@ -4,8 +4,8 @@ namespace xdfs::session_fsm {
 namespace {
 
 using S = State;
-using E = Event;
-using A = Action;
+using E = SessionEvent;
+using A = SessionAction;
 
 // The server's side. An operation's own failures end it inside its mode (which tells the peer);
 // the session then only records that it failed.
@@ -51,23 +51,6 @@ std::span<const Transition> table(Side s) noexcept {
   return s == Side::server ? std::span<const Transition>(server_rows) : std::span<const Transition>(client_rows);
 }
 
-const Transition* Machine::find(Event e) const noexcept {
-  for (const auto& t : table_)
-    if (t.from == state_ && t.on == e) return &t;
-  return nullptr;
-}
-
-std::optional<Action> Machine::fire(Event e) noexcept {
-  const Transition* t = find(e);
-  if (!t) {
-    why_ = std::string("session-") + to_string(side_) + ": event " + to_string(e) + " is not allowed in state " +
-           to_string(state_);
-    return std::nullopt;
-  }
-  state_ = t->to;
-  return t->action;
-}
-
 const char* to_string(State s) noexcept {
   switch (s) {
     case State::idle: return "idle";
@@ -81,39 +64,39 @@ const char* to_string(State s) noexcept {
   return "?";
 }
 
-const char* to_string(Event e) noexcept {
+const char* to_string(SessionEvent e) noexcept {
   switch (e) {
-    case Event::channel_joined: return "channel_joined";
-    case Event::all_joined: return "all_joined";
-    case Event::begin: return "begin";
-    case Event::accepted: return "accepted";
-    case Event::refused: return "refused";
-    case Event::operation_asked: return "operation_asked";
-    case Event::operation_refused: return "operation_refused";
-    case Event::operation_ended: return "operation_ended";
-    case Event::operation_failed: return "operation_failed";
-    case Event::end_asked: return "end_asked";
-    case Event::peer_left: return "peer_left";
-    case Event::peer_exception: return "peer_exception";
-    case Event::local_error: return "local_error";
-    case Event::timeout: return "timeout";
+    case SessionEvent::channel_joined: return "channel_joined";
+    case SessionEvent::all_joined: return "all_joined";
+    case SessionEvent::begin: return "begin";
+    case SessionEvent::accepted: return "accepted";
+    case SessionEvent::refused: return "refused";
+    case SessionEvent::operation_asked: return "operation_asked";
+    case SessionEvent::operation_refused: return "operation_refused";
+    case SessionEvent::operation_ended: return "operation_ended";
+    case SessionEvent::operation_failed: return "operation_failed";
+    case SessionEvent::end_asked: return "end_asked";
+    case SessionEvent::peer_left: return "peer_left";
+    case SessionEvent::peer_exception: return "peer_exception";
+    case SessionEvent::local_error: return "local_error";
+    case SessionEvent::timeout: return "timeout";
   }
   return "?";
 }
 
-const char* to_string(Action a) noexcept {
+const char* to_string(SessionAction a) noexcept {
   switch (a) {
-    case Action::none: return "none";
-    case Action::register_session: return "register_session";
-    case Action::add_channel: return "add_channel";
-    case Action::connect_channels: return "connect_channels";
-    case Action::send_negotiation: return "send_negotiation";
-    case Action::start_operation: return "start_operation";
-    case Action::refuse_operation: return "refuse_operation";
-    case Action::report_refusal: return "report_refusal";
-    case Action::await_next: return "await_next";
-    case Action::finish: return "finish";
-    case Action::abort: return "abort";
+    case SessionAction::none: return "none";
+    case SessionAction::register_session: return "register_session";
+    case SessionAction::add_channel: return "add_channel";
+    case SessionAction::connect_channels: return "connect_channels";
+    case SessionAction::send_negotiation: return "send_negotiation";
+    case SessionAction::start_operation: return "start_operation";
+    case SessionAction::refuse_operation: return "refuse_operation";
+    case SessionAction::report_refusal: return "report_refusal";
+    case SessionAction::await_next: return "await_next";
+    case SessionAction::finish: return "finish";
+    case SessionAction::abort: return "abort";
   }
   return "?";
 }

@@ -71,27 +71,27 @@ auto read_message(std::span<const std::uint8_t> b, std::string* why, Fn&& fn)
 
 }  // namespace
 
-const char* to_string(Event e) noexcept {
+const char* to_string(ChannelEvent e) noexcept {
   switch (e) {
-    case Event::nego: return "NEGO";
-    case Event::nego_reply: return "NEGO_REPLY";
-    case Event::xftsmu: return "xFTSMU";
-    case Event::xftsmd: return "xFTSMD";
-    case Event::xpathm: return "xPathM";
-    case Event::eofr: return "EOFR";
-    case Event::eoft: return "EOFT";
-    case Event::noop: return "NOOP";
-    case Event::conm: return "CONM";
-    case Event::zxdfs: return "ZxDFS";
-    case Event::ack: return "ACK";
-    case Event::exception: return "EXCEPTION";
-    case Event::handshake: return "HANDSHAKE";
+    case ChannelEvent::nego: return "NEGO";
+    case ChannelEvent::nego_reply: return "NEGO_REPLY";
+    case ChannelEvent::xftsmu: return "xFTSMU";
+    case ChannelEvent::xftsmd: return "xFTSMD";
+    case ChannelEvent::xpathm: return "xPathM";
+    case ChannelEvent::eofr: return "EOFR";
+    case ChannelEvent::eoft: return "EOFT";
+    case ChannelEvent::noop: return "NOOP";
+    case ChannelEvent::conm: return "CONM";
+    case ChannelEvent::zxdfs: return "ZxDFS";
+    case ChannelEvent::ack: return "ACK";
+    case ChannelEvent::exception: return "EXCEPTION";
+    case ChannelEvent::handshake: return "HANDSHAKE";
   }
   return "?";
 }
 
 bool is_known(std::uint8_t raw) noexcept {
-  return raw >= static_cast<std::uint8_t>(Event::nego) && raw <= static_cast<std::uint8_t>(Event::handshake);
+  return raw >= static_cast<std::uint8_t>(ChannelEvent::nego) && raw <= static_cast<std::uint8_t>(ChannelEvent::handshake);
 }
 
 HeaderBytes encode(const FrameHeader& h) noexcept {
@@ -115,13 +115,13 @@ std::optional<FrameHeader> decode(std::span<const std::uint8_t, frame_header_siz
     return std::nullopt;
   }
   FrameHeader h;
-  h.event = static_cast<Event>(b[0]);
+  h.event = static_cast<ChannelEvent>(b[0]);
   h.flags = b[1];
   h.length = get_u32(&b[4]);
   h.offset = get_u64(&b[8]);
   h.aux = get_u64(&b[16]);
-  const bool data = h.event == Event::xftsmu || h.event == Event::xftsmd;
-  if (h.event == Event::xpathm) {
+  const bool data = h.event == ChannelEvent::xftsmu || h.event == ChannelEvent::xftsmd;
+  if (h.event == ChannelEvent::xpathm) {
     if (h.length > max_path_payload) {
       set_why(why, "xPathM payload of " + std::to_string(h.length) + " bytes exceeds the " +
                        std::to_string(max_path_payload) + "-byte limit");

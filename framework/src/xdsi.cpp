@@ -102,7 +102,7 @@ void Channel::async_check_payload(std::span<std::uint8_t> whole, Handler h) {
 }
 
 void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
-  const std::size_t n = guard_->tag_bytes(static_cast<wire::Event>(in_header_[0]));
+  const std::size_t n = guard_->tag_bytes(static_cast<wire::ChannelEvent>(in_header_[0]));
   auto check = [this, payload, h = std::move(h)](const ErrorCode& ec, std::size_t) {
     if (ec) return h(ec);
     if (!guard_->open(in_header_, payload, in_tag_.data())) {
@@ -117,7 +117,7 @@ void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
 
 void Channel::enqueue(Out o) {
   if (guard_ && !o.raw) {
-    o.tag_len = guard_->tag_bytes(static_cast<wire::Event>(o.header[0]));
+    o.tag_len = guard_->tag_bytes(static_cast<wire::ChannelEvent>(o.header[0]));
     guard_->seal(o.header, o.payload, o.tag.data());
   }
   out_.push_back(std::move(o));
@@ -140,7 +140,7 @@ void Channel::send_raw(std::vector<std::uint8_t> bytes, Handler h) {
   enqueue(std::move(o));
 }
 
-void Channel::send_control(wire::Event ev, std::vector<std::uint8_t> payload, Handler h) {
+void Channel::send_control(wire::ChannelEvent ev, std::vector<std::uint8_t> payload, Handler h) {
   wire::FrameHeader hdr;
   hdr.event = ev;
   hdr.length = static_cast<std::uint32_t>(payload.size());
@@ -261,7 +261,7 @@ void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio
   });
   for (auto& ch : channels) {
     if (!ch || !ch->open()) continue;
-    ch->send_control(wire::Event::exception, payload, [c = ch.get(), open, &linger](const ErrorCode&) {
+    ch->send_control(wire::ChannelEvent::exception, payload, [c = ch.get(), open, &linger](const ErrorCode&) {
       c->linger_close([open, &linger] {
         if (--*open == 0) linger.cancel();
       });

@@ -537,7 +537,7 @@ Key32 mac_subkey(const Key32& k) {
   static constexpr char label[] = "xdfs frame mac v1";
   return hmac(k, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(label), sizeof label - 1));
 }
-bool is_data(wire::Event e) { return e == wire::Event::xftsmu || e == wire::Event::xftsmd; }
+bool is_data(wire::ChannelEvent e) { return e == wire::ChannelEvent::xftsmu || e == wire::ChannelEvent::xftsmd; }
 }  // namespace
 
 FrameProtector::FrameProtector(Protect mode, Cipher cipher, const Key32& send_key, const Key32& recv_key)
@@ -557,14 +557,14 @@ FrameProtector::FrameProtector(Protect mode, Cipher cipher, const Key32& send_ke
 
 FrameProtector::~FrameProtector() = default;
 
-std::size_t FrameProtector::tag_bytes(wire::Event e) const noexcept {
-  const bool data = e == wire::Event::xftsmu || e == wire::Event::xftsmd;
+std::size_t FrameProtector::tag_bytes(wire::ChannelEvent e) const noexcept {
+  const bool data = e == wire::ChannelEvent::xftsmu || e == wire::ChannelEvent::xftsmd;
   return (mode_ == Protect::clear && data) ? 0 : tag_size;
 }
 
 void FrameProtector::seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) {
   const auto n = counter_nonce(send_n_++);
-  const auto ev = static_cast<wire::Event>(header[0]);
+  const auto ev = static_cast<wire::ChannelEvent>(header[0]);
   if (tag_bytes(ev) == 0) return;  // clear data frame: counted, not protected
   if (mode_ != Protect::private_ || is_data(ev)) {
     // A data frame's payload ends with its block's own tag (made on the disk thread): covering
@@ -577,7 +577,7 @@ void FrameProtector::seal(const wire::HeaderBytes& header, std::span<std::uint8_
 
 bool FrameProtector::open(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, const std::uint8_t* tag) {
   const auto n = counter_nonce(recv_n_++);
-  const auto ev = static_cast<wire::Event>(header[0]);
+  const auto ev = static_cast<wire::ChannelEvent>(header[0]);
   if (tag_bytes(ev) == 0) return true;
   if (mode_ != Protect::private_ || is_data(ev)) {
     auto covered = is_data(ev) ? payload.last(std::min<std::size_t>(payload.size(), tag_size)) : payload;
@@ -671,7 +671,7 @@ HandshakeResult failure(errc code, std::string msg, bool remote = false) {
 }
 
 void send_handshake(xdsi::Channel& ch, std::vector<std::uint8_t> bytes) {
-  ch.send_control(wire::Event::handshake, std::move(bytes));
+  ch.send_control(wire::ChannelEvent::handshake, std::move(bytes));
 }
 
 // An exception a client sends during a handshake: a reason, a line long. A server, which names
@@ -692,8 +692,8 @@ void read_handshake(xdsi::Channel& ch, std::uint32_t max, std::uint32_t max_exce
     if (ec == xdsi::integrity_failure) return next(failure(errc::integrity_error, ch.last_error_text()), {});
     if (ec == boost::system::errc::protocol_error) return next(failure(errc::protocol_error, ch.last_error_text()), {});
     if (ec) return next(failure(errc::peer_aborted, "channel closed during the handshake (" + ec.message() + ")", true), {});
-    const bool ex = h.event == wire::Event::exception;
-    if (!ex && h.event != wire::Event::handshake)
+    const bool ex = h.event == wire::ChannelEvent::exception;
+    if (!ex && h.event != wire::ChannelEvent::handshake)
       return next(failure(errc::protocol_error, std::string("expected a handshake message, got ") + wire::to_string(h.event)), {});
     if (h.length > (ex ? max_exception : max))
       return next(failure(errc::protocol_error, "a handshake message of " + std::to_string(h.length) + " bytes (at most " +

@@ -149,7 +149,7 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
     auto* ch = c.get();
     // Closed only once the server has closed too (or the Client goes): closing with its replies
     // unread would reset the connection and could destroy the exception before it is read.
-    ch->send_control(wire::Event::exception, payload, [ch](const xdsi::ErrorCode&) { ch->linger_close({}); });
+    ch->send_control(wire::ChannelEvent::exception, payload, [ch](const xdsi::ErrorCode&) { ch->linger_close({}); });
   }
 }
 
@@ -165,7 +165,7 @@ void PathClient::read_loop(xdsi::Channel& ch) {
       auto f = read_failure(ch, ec, "server");
       return fail(f.code, f.message, f.peer_gone);
     }
-    if (h.event == wire::Event::exception) {
+    if (h.event == wire::ChannelEvent::exception) {
       if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false);
       auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
       ch.async_read_payload(*buf, [this, buf](const xdsi::ErrorCode& ec) {
@@ -178,11 +178,11 @@ void PathClient::read_loop(xdsi::Channel& ch) {
       });
       return;
     }
-    if (h.event == wire::Event::noop) {
+    if (h.event == wire::ChannelEvent::noop) {
       if (h.length != 0) return fail(errc::protocol_error, "NOOP with a payload from the server", false);
       return read_loop(ch);
     }
-    if (h.event == wire::Event::eofr) {
+    if (h.event == wire::ChannelEvent::eofr) {
       // The server's answer to our EOFR: the operation is over on this channel, not read again.
       if (!closed_ || h.length != 0 || eofr_[ch.index()])
         return fail(errc::protocol_error, fmt::format("EOFR from the server on channel {} before the client ended", ch.index()), false);
@@ -190,7 +190,7 @@ void PathClient::read_loop(xdsi::Channel& ch) {
       ++eofrs_;
       return;
     }
-    if (h.event != wire::Event::xpathm)
+    if (h.event != wire::ChannelEvent::xpathm)
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
     if (h.length == 0 || h.length > max_message(block_size_) + (4u << 20))
       return fail(errc::protocol_error, fmt::format("path reply of {} bytes", h.length), false);
@@ -275,7 +275,7 @@ void PathClient::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
   pending_.emplace(id, Pending{best, many, std::move(on)});
   auto holder = std::make_shared<Encoded>(std::move(e));
   wire::FrameHeader h;
-  h.event = wire::Event::xpathm;
+  h.event = wire::ChannelEvent::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
   channels_[best]->send(h, holder->bytes(), [this, holder](const xdsi::ErrorCode& ec) {
     if (ec && ec != boost::asio::error::operation_aborted && code_ == errc::ok)
@@ -430,7 +430,7 @@ bool PathClient::close() {
   for (auto& c : channels_) {
     if (!c || !c->open()) return false;
     wire::FrameHeader h;
-    h.event = wire::Event::eofr;
+    h.event = wire::ChannelEvent::eofr;
     ++*unsent;
     auto* ch = c.get();
     ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent](const xdsi::ErrorCode& ec) {
@@ -462,7 +462,7 @@ void PathClient::keep_alive() {
       !channels_[0]->open())
     return;  // a call is running (the session is not idle), or it is over
   wire::FrameHeader h;
-  h.event = wire::Event::noop;
+  h.event = wire::ChannelEvent::noop;
   auto sent = std::make_shared<bool>(false);
   channels_[0]->send(h, std::vector<std::uint8_t>{}, [sent](const xdsi::ErrorCode&) { *sent = true; });
   // Also lets anything the server sent meanwhile (an exception) reach the read loops.

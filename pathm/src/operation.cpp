@@ -38,7 +38,7 @@ public:
     wire::NegotiationReply reply;
     reply.block_size = n.block_size;
     auto payload = wire::encode(reply);
-    for (auto& ch : env_.channels) ch->send_control(wire::Event::nego_reply, payload);
+    for (auto& ch : env_.channels) ch->send_control(wire::ChannelEvent::nego_reply, payload);
     server_->start();
   }
 

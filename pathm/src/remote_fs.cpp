@@ -166,6 +166,15 @@ void large_part(Session& session, const LargeFiles& large, const std::string& fr
   r.large_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Whether the session can carry the large files after the path part; if it ended there (the
+// peer did not end the path operation cleanly), each of them is named as not copied.
+bool still_usable(Session& session, const LargeFiles& large, TreeResult& r) {
+  if (session.usable()) return true;
+  for (const auto& f : large.files)
+    r.failures.push_back({f.path, errc::peer_aborted, "not copied: the session ended after the path operation", false});
+  return false;
+}
+
 TreeResult finish(TreeResult r) {
   if (!r.failures.empty()) throw TreeError(std::move(r));
   return r;
@@ -178,7 +187,7 @@ TreeResult upload_tree(Session& session, const std::string& local, const std::st
   LargeFiles large;
   large.threshold = copy ? o.large_file : 0;
   TreeResult r = tree_part(session, [&](PathClient& c) { return c.upload_tree(local, remote, o, &large); });
-  if (large.files.empty()) return finish(std::move(r));
+  if (large.files.empty() || !still_usable(session, large, r)) return finish(std::move(r));
   std::vector<Entry> done;
   large_part(session, large, local, remote, true, o, copy, r, done);
   // Their modes and mtimes, then the directories' (which the large files' renames touched).
@@ -192,7 +201,7 @@ TreeResult download_tree(Session& session, const std::string& remote, const std:
   LargeFiles large;
   large.threshold = copy ? o.large_file : 0;
   TreeResult r = tree_part(session, [&](PathClient& c) { return c.download_tree(remote, local, o, &large); });
-  if (large.files.empty()) return finish(std::move(r));
+  if (large.files.empty() || !still_usable(session, large, r)) return finish(std::move(r));
   std::vector<Entry> done;
   large_part(session, large, remote, local, false, o, copy, r, done);
   files::Fd root(::open(local.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));

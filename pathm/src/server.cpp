@@ -133,13 +133,13 @@ void PathServer::read_loop(xdsi::Channel& ch) {
     }
     // A NOOP keeps an idle session (RemoteFs sends them), not one whose client has stopped
     // reading its replies: that one holds the server's memory and must time out.
-    if (h.event != wire::Event::noop || (sending_ == 0 && parked_.empty())) last_ = Clock::now();
+    if (h.event != wire::ChannelEvent::noop || (sending_ == 0 && parked_.empty())) last_ = Clock::now();
     // A frame with a payload is not authenticated until its tag, after the payload: one that
     // should have none is refused before it is acted on.
-    if ((h.event == wire::Event::eofr || h.event == wire::Event::noop) && h.length != 0)
+    if ((h.event == wire::ChannelEvent::eofr || h.event == wire::ChannelEvent::noop) && h.length != 0)
       return fail(errc::protocol_error, fmt::format("{} with a payload", wire::to_string(h.event)), false, true);
     switch (h.event) {
-      case wire::Event::xpathm: {
+      case wire::ChannelEvent::xpathm: {
         if (h.length == 0 || h.length > max_message(p_.block_size))
           return fail(errc::protocol_error,
                       fmt::format("path request of {} bytes (this session takes 1..{})", h.length,
@@ -147,7 +147,7 @@ void PathServer::read_loop(xdsi::Channel& ch) {
                       false, true);
         return admit(ch, h);
       }
-      case wire::Event::eofr: {
+      case wire::ChannelEvent::eofr: {
         // The client ends the path operation on this channel (it has every answer): the
         // channel is not read again in this operation.
         if (eofr_[ch.index()])
@@ -156,8 +156,8 @@ void PathServer::read_loop(xdsi::Channel& ch) {
         ++eofrs_;
         return maybe_end();
       }
-      case wire::Event::noop: return read_loop(ch);
-      case wire::Event::exception: {
+      case wire::ChannelEvent::noop: return read_loop(ch);
+      case wire::ChannelEvent::exception: {
         if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false, true);
         auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
         ch.async_read_payload(*buf, [this, buf](const xdsi::ErrorCode& ec) {
@@ -234,7 +234,7 @@ void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> 
   }
   auto holder = std::make_shared<Encoded>(std::move(e));
   wire::FrameHeader h;
-  h.event = wire::Event::xpathm;
+  h.event = wire::ChannelEvent::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
   ++sending_;
   ch->send(h, holder->bytes(), [this, ch, holder, sent = std::move(sent)](const xdsi::ErrorCode& ec) {
@@ -271,7 +271,7 @@ void PathServer::maybe_end() {
   auto left = std::make_shared<std::size_t>(channels_.size());
   for (auto& c : channels_) {
     wire::FrameHeader h;
-    h.event = wire::Event::eofr;
+    h.event = wire::ChannelEvent::eofr;
     c->send(h, std::vector<std::uint8_t>{}, [this, left](const xdsi::ErrorCode& ec) {
       if (finished_) return;
       if (ec) return fail(errc::peer_aborted, "client closed a channel as the path operation ended", true, false);

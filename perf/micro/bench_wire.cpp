@@ -14,7 +14,7 @@ using namespace xdfs::wire;
 constexpr std::uint32_t kBlock = 1 << 20;
 
 void BM_FrameHeaderEncode(benchmark::State& state) {
-  FrameHeader h{Event::xftsmu, 0, kBlock, 0, 0};
+  FrameHeader h{ChannelEvent::xftsmu, 0, kBlock, 0, 0};
   for (auto _ : state) {
     h.offset += kBlock;
     HeaderBytes b = encode(h);
@@ -27,7 +27,7 @@ BENCHMARK(BM_FrameHeaderEncode);
 void BM_FrameHeaderDecode(benchmark::State& state) {
   // A ring of distinct valid headers so the decoder cannot be specialised to one input.
   std::vector<HeaderBytes> in;
-  for (std::uint64_t i = 0; i < 256; ++i) in.push_back(encode(FrameHeader{Event::xftsmd, 0, kBlock, i * kBlock, 0}));
+  for (std::uint64_t i = 0; i < 256; ++i) in.push_back(encode(FrameHeader{ChannelEvent::xftsmd, 0, kBlock, i * kBlock, 0}));
   std::size_t i = 0;
   for (auto _ : state) {
     auto h = decode(std::span<const std::uint8_t, frame_header_size>(in[i++ & 255]));
@@ -39,7 +39,7 @@ BENCHMARK(BM_FrameHeaderDecode);
 
 void BM_FrameHeaderDecodeRejects(benchmark::State& state) {
   // The hostile-input path: an unknown event must be refused (and explained) cheaply.
-  HeaderBytes bad = encode(FrameHeader{Event::ack, 0, 0, 1, 0});
+  HeaderBytes bad = encode(FrameHeader{ChannelEvent::ack, 0, 0, 1, 0});
   bad[0] = 0xee;
   std::string why;
   for (auto _ : state) {
@@ -51,7 +51,7 @@ void BM_FrameHeaderDecodeRejects(benchmark::State& state) {
 BENCHMARK(BM_FrameHeaderDecodeRejects);
 
 void BM_FrameHeaderRoundTrip(benchmark::State& state) {
-  FrameHeader h{Event::xftsmu, 0, kBlock, 0, 0};
+  FrameHeader h{ChannelEvent::xftsmu, 0, kBlock, 0, 0};
   for (auto _ : state) {
     h.offset += kBlock;
     HeaderBytes b = encode(h);

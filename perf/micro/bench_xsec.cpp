@@ -44,7 +44,7 @@ void BM_FrameSeal(benchmark::State& state) {
   std::uint8_t tag[xsec::tag_size];
   std::uint64_t off = 0;
   for (auto _ : state) {
-    const auto header = wire::encode(wire::FrameHeader{wire::Event::xftsmu, 0, len, off, 0});
+    const auto header = wire::encode(wire::FrameHeader{wire::ChannelEvent::xftsmu, 0, len, off, 0});
     tx.seal(header, payload, tag);
     off += len;
     benchmark::DoNotOptimize(tag);
@@ -63,7 +63,7 @@ void BM_FrameSealOpen(benchmark::State& state) {
   std::uint8_t tag[xsec::tag_size];
   std::uint64_t off = 0;
   for (auto _ : state) {
-    const auto header = wire::encode(wire::FrameHeader{wire::Event::xftsmu, 0, len, off, 0});
+    const auto header = wire::encode(wire::FrameHeader{wire::ChannelEvent::xftsmu, 0, len, off, 0});
     tx.seal(header, payload, tag);
     if (!rx.open(header, payload, tag)) {
       state.SkipWithError("open refused a frame sealed by its peer");

@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         xdfs::wire::HeaderBytes h;
         std::copy(rest.begin(), rest.begin() + 24, h.begin());
         std::vector<std::uint8_t> payload(rest.begin() + 24, rest.end() - 16);
-        const auto ev = static_cast<xdfs::wire::Event>(h[0]);
+        const auto ev = static_cast<xdfs::wire::ChannelEvent>(h[0]);
         const bool opened = p.open(h, payload, rest.data() + rest.size() - 16);
         if (opened && p.tag_bytes(ev) != 0) __builtin_trap();  // a tag forged from nothing
         xs::FrameProtector tx(mode, xs::Cipher::aes256gcm, b, a), rx(mode, xs::Cipher::aes256gcm, a, b);

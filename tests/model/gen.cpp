@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "xdfs/detail/session_fsm.hpp"
-#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
 
 namespace {
 
@@ -168,46 +168,46 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
     a.note = note;
     std::string act;
     switch (r.action) {
-      case xf::Action::send_block: act = "sent++; " + send_any(s, p, "DATA"); break;
-      case xf::Action::queue_write: act = "got++; pend++; "; break;
-      case xf::Action::send_ack: act = "written = written + pend; pend = 0; SEND(" + s.out_(0) + ", ACK, written, " + s.peer_gone() + "); "; break;
-      case xf::Action::open_window: act = "acked = v; "; break;
-      case xf::Action::send_eofr: act = send_all(s, p, "EOFR"); break;
-      case xf::Action::commit: act = send_all(s, p, "EOFR"); break;
-      case xf::Action::abort: act = abort_body(s, p); break;
+      case xf::TransferAction::send_block: act = "sent++; " + send_any(s, p, "DATA"); break;
+      case xf::TransferAction::queue_write: act = "got++; pend++; "; break;
+      case xf::TransferAction::send_ack: act = "written = written + pend; pend = 0; SEND(" + s.out_(0) + ", ACK, written, " + s.peer_gone() + "); "; break;
+      case xf::TransferAction::open_window: act = "acked = v; "; break;
+      case xf::TransferAction::send_eofr: act = send_all(s, p, "EOFR"); break;
+      case xf::TransferAction::commit: act = send_all(s, p, "EOFR"); break;
+      case xf::TransferAction::abort: act = abort_body(s, p); break;
       default: break;  // none, finish
     }
     switch (r.on) {
-      case xf::Event::block_ready:
+      case xf::TransferEvent::block_ready:
         // The disk thread read a block ahead: it may go if the window allows (one block's room here).
         a.guard = "sent < B && sent - acked < W";
         break;
-      case xf::Event::block_sent:
-      case xf::Event::ack_sent:
+      case xf::TransferEvent::block_sent:
+      case xf::TransferEvent::ack_sent:
         folded.push_back(note);
         continue;
-      case xf::Event::ack_received:
+      case xf::TransferEvent::ack_received:
         a.msg = "ACK";
         a.guard = "v <= sent";
         break;
-      case xf::Event::all_sent:
+      case xf::TransferEvent::all_sent:
         a.guard = "sent == B && !eofr_sent";
         a.eager = true;
         act = "eofr_sent = true; " + act;
         break;
-      case xf::Event::block_received:
+      case xf::TransferEvent::block_received:
         a.msg = "DATA";
         a.guard = "!eofr_in[ch]";
         break;
-      case xf::Event::block_written:
+      case xf::TransferEvent::block_written:
         a.guard = "pend > 0";
         break;
-      case xf::Event::all_received:
+      case xf::TransferEvent::all_received:
         // EOFR on every channel (counted as they come) and every block written.
         a.guard = "eofrs == N && got == B && written == B";
         a.eager = true;
         break;
-      case xf::Event::committed:
+      case xf::TransferEvent::committed:
         if (path && s.client) {
           // The client's EOFR went on every channel once every request had its answer; the
           // server's EOFR on every channel ends the operation.
@@ -228,10 +228,10 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
           a.eager = true;
         }
         break;
-      case xf::Event::peer_exception: a.msg = "EXC"; break;
-      case xf::Event::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
-      case xf::Event::channel_lost: a.guard = s.peer_gone() + " && " + drained(s.client, p.channels); break;
-      case xf::Event::timeout: a.guard = "timeout"; break;  // nothing else can happen anywhere
+      case xf::TransferEvent::peer_exception: a.msg = "EXC"; break;
+      case xf::TransferEvent::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
+      case xf::TransferEvent::channel_lost: a.guard = s.peer_gone() + " && " + drained(s.client, p.channels); break;
+      case xf::TransferEvent::timeout: a.guard = "timeout"; break;  // nothing else can happen anywhere
       default: folded.push_back(note + " (no trigger in the model)"); continue;
     }
     a.body = marker(tname, row) + act + "goto " + to;
@@ -298,35 +298,35 @@ void write_client(const Params& p) {
     a.note = note;
     std::string act;
     switch (r.action) {
-      case sf::Action::connect_channels:
-      case sf::Action::send_negotiation:
+      case sf::SessionAction::connect_channels:
+      case sf::SessionAction::send_negotiation:
         // Any mode, any order: the user's sequence of operations.
         act = "ops++; answers = 0; refusals = 0; k = 0; do :: k < N -> heard[k] = false; k++ :: else -> break od; "
               "if :: mode = UPLOAD :: mode = DOWNLOAD :: mode = PATH fi; " + send_all(s, p, "NEGO", "mode");
         break;
-      case sf::Action::start_operation:
+      case sf::SessionAction::start_operation:
         act = "if :: mode == UPLOAD -> " + op_entry("cu") + " :: mode == DOWNLOAD -> " + op_entry("cd") +
               " :: mode == PATH -> " + op_entry("cp") + " fi; ";
         break;
-      case sf::Action::finish: act = send_all(s, p, "EOFT"); break;
-      case sf::Action::abort: act = abort_body(s, p); break;
+      case sf::SessionAction::finish: act = send_all(s, p, "EOFT"); break;
+      case sf::SessionAction::abort: act = abort_body(s, p); break;
       default: break;
     }
     switch (r.on) {
-      case sf::Event::begin: a.guard = "ops < K"; break;
-      case sf::Event::end_asked: a.guard = "true"; break;
-      case sf::Event::accepted: a.guard = "answers == N && refusals == 0"; a.eager = true; break;
-      case sf::Event::refused: a.guard = "answers == N && refusals == N"; a.eager = true; break;
-      case sf::Event::peer_exception: a.msg = "EXC"; break;
-      case sf::Event::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
-      case sf::Event::timeout: a.guard = "timeout"; break;  // no answer will come
-      case sf::Event::operation_ended:
-      case sf::Event::operation_failed:
+      case sf::SessionEvent::begin: a.guard = "ops < K"; break;
+      case sf::SessionEvent::end_asked: a.guard = "true"; break;
+      case sf::SessionEvent::accepted: a.guard = "answers == N && refusals == 0"; a.eager = true; break;
+      case sf::SessionEvent::refused: a.guard = "answers == N && refusals == N"; a.eager = true; break;
+      case sf::SessionEvent::peer_exception: a.msg = "EXC"; break;
+      case sf::SessionEvent::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
+      case sf::SessionEvent::timeout: a.guard = "timeout"; break;  // no answer will come
+      case sf::SessionEvent::operation_ended:
+      case sf::SessionEvent::operation_failed:
         // Reported by the operation's machine: its done and failed states lead here.
         continue;
       default: continue;
     }
-    a.body = marker("session-client", row) + act + (r.action == sf::Action::start_operation ? "" : "goto " + to);
+    a.body = marker("session-client", row) + act + (r.action == sf::SessionAction::start_operation ? "" : "goto " + to);
     by_state[r.from].push_back(a);
   }
   // Negotiating: one answer per channel (a reply, or a refusal), counted.
@@ -350,11 +350,11 @@ void write_client(const Params& p) {
   for (const auto& r : rows) {
     const int row = index++;
     if (dropped(p, "session-client", row)) continue;
-    if (r.from == sf::State::operating && r.on == sf::Event::operation_ended) {
+    if (r.from == sf::State::operating && r.on == sf::SessionEvent::operation_ended) {
       emit("c_op_ended: " + marker("session-client", row) + "goto c_" + std::string(sf::to_string(r.to)) + ";");
       ended = true;
     }
-    if (r.from == sf::State::operating && r.on == sf::Event::operation_failed) {
+    if (r.from == sf::State::operating && r.on == sf::SessionEvent::operation_failed) {
       emit("c_op_failed: " + marker("session-client", row) + "client_gone = true; goto c_" + std::string(sf::to_string(r.to)) + ";");
       failed = true;
     }
@@ -389,32 +389,32 @@ void write_server(const Params& p) {
     a.note = note;
     std::string act;
     switch (r.action) {
-      case sf::Action::abort: act = abort_body(s, p); break;
-      case sf::Action::await_next:
-      case sf::Action::refuse_operation:
-        act = std::string(r.action == sf::Action::refuse_operation ? send_all(s, p, "REFUSED") : "") +
+      case sf::SessionAction::abort: act = abort_body(s, p); break;
+      case sf::SessionAction::await_next:
+      case sf::SessionAction::refuse_operation:
+        act = std::string(r.action == sf::SessionAction::refuse_operation ? send_all(s, p, "REFUSED") : "") +
               "nexts = 0; ends = 0; k = 0; do :: k < N -> heard[k] = false; k++ :: else -> break od; ";
         break;
       default: break;
     }
     switch (r.on) {
-      case sf::Event::channel_joined:
+      case sf::SessionEvent::channel_joined:
         a.msg = "NEGO";
         act = "heard[ch] = true; joined++; mode = v; " + act;
         break;
-      case sf::Event::all_joined: a.guard = "joined == N"; a.eager = true; act += start + "; "; break;
-      case sf::Event::operation_asked: a.guard = "nexts == N"; a.eager = true; act += start + "; "; break;
-      case sf::Event::end_asked: a.guard = "ends == N"; a.eager = true; break;
-      case sf::Event::peer_left: a.guard = "client_gone && " + drained(false, p.channels); break;
-      case sf::Event::peer_exception: a.msg = "EXC"; break;
-      case sf::Event::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
-      case sf::Event::timeout: a.guard = "timeout"; break;
-      case sf::Event::operation_refused:
-      case sf::Event::operation_ended:
-      case sf::Event::operation_failed:
+      case sf::SessionEvent::all_joined: a.guard = "joined == N"; a.eager = true; act += start + "; "; break;
+      case sf::SessionEvent::operation_asked: a.guard = "nexts == N"; a.eager = true; act += start + "; "; break;
+      case sf::SessionEvent::end_asked: a.guard = "ends == N"; a.eager = true; break;
+      case sf::SessionEvent::peer_left: a.guard = "client_gone && " + drained(false, p.channels); break;
+      case sf::SessionEvent::peer_exception: a.msg = "EXC"; break;
+      case sf::SessionEvent::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
+      case sf::SessionEvent::timeout: a.guard = "timeout"; break;
+      case sf::SessionEvent::operation_refused:
+      case sf::SessionEvent::operation_ended:
+      case sf::SessionEvent::operation_failed:
         // Reported by the operation: written below at the labels its machine leads to.
         {
-          std::string l = r.on == sf::Event::operation_refused ? "s_op_refused" : r.on == sf::Event::operation_ended ? "s_op_ended" : "s_op_failed";
+          std::string l = r.on == sf::SessionEvent::operation_refused ? "s_op_refused" : r.on == sf::SessionEvent::operation_ended ? "s_op_ended" : "s_op_failed";
           emit("  /* " + note + " */");
           by_state[sf::State::operating].push_back(Alt{"", "false", "skip", "(via " + l + ")"});
           (void)l;
@@ -423,7 +423,7 @@ void write_server(const Params& p) {
       default: continue;
     }
     a.body = marker("session-server", row) + act +
-             (r.on == sf::Event::all_joined || r.on == sf::Event::operation_asked ? "" : "goto " + to);
+             (r.on == sf::SessionEvent::all_joined || r.on == sf::SessionEvent::operation_asked ? "" : "goto " + to);
     by_state[r.from].push_back(a);
   }
   // Ready: one frame per channel, the same on all: the next negotiation or EOFT.
@@ -442,7 +442,7 @@ void write_server(const Params& p) {
     const xf::Transition* open = nullptr;
     int row = 0, open_row = 0;
     for (const auto& r : xf::table(role)) {
-      if (r.from == xf::State::joining && r.on == xf::Event::all_joined && !dropped(p, xf::to_string(role), row)) {
+      if (r.from == xf::State::joining && r.on == xf::TransferEvent::all_joined && !dropped(p, xf::to_string(role), row)) {
         open = &r;
         open_row = row;
       }
@@ -467,13 +467,13 @@ void write_server(const Params& p) {
     if (dropped(p, "session-server", row) || r.from != sf::State::operating) continue;
     const std::string to = std::string("s_") + sf::to_string(r.to);
     const std::string next = "nexts = 0; ends = 0; k = 0; do :: k < N -> heard[k] = false; k++ :: else -> break od; ";
-    if (r.on == sf::Event::operation_refused) {
+    if (r.on == sf::SessionEvent::operation_refused) {
       emit("s_op_refused: " + marker("session-server", row) + send_all(s, p, "REFUSED") + next + "goto " + to + ";");
       refused = true;
-    } else if (r.on == sf::Event::operation_ended) {
+    } else if (r.on == sf::SessionEvent::operation_ended) {
       emit("s_op_ended: " + marker("session-server", row) + next + "goto " + to + ";");
       ended = true;
-    } else if (r.on == sf::Event::operation_failed) {
+    } else if (r.on == sf::SessionEvent::operation_failed) {
       emit("s_op_failed: " + marker("session-server", row) + "server_gone = true; goto " + to + ";");
       failed = true;
     }

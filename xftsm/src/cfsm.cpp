@@ -1,4 +1,4 @@
-#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
 
 #include <array>
 
@@ -6,8 +6,8 @@ namespace xdfs::xftsm {
 namespace {
 
 using S = State;
-using E = Event;
-using A = Action;
+using E = TransferEvent;
+using A = TransferAction;
 
 // Failure rows every machine has in every live state: listed once per state below.
 #define XDFS_FAILURES(st)                                   \
@@ -119,22 +119,6 @@ std::span<const Transition> table(Role r) noexcept {
   return {};
 }
 
-const Transition* Machine::find(Event e) const noexcept {
-  for (const auto& t : table_)
-    if (t.from == state_ && t.on == e) return &t;
-  return nullptr;
-}
-
-std::optional<Action> Machine::fire(Event e) noexcept {
-  const Transition* t = find(e);
-  if (!t) {
-    why_ = std::string(to_string(role_)) + ": event " + to_string(e) + " is not allowed in state " + to_string(state_);
-    return std::nullopt;
-  }
-  state_ = t->to;
-  return t->action;
-}
-
 const char* to_string(State s) noexcept {
   switch (s) {
     case State::idle: return "idle";
@@ -149,48 +133,48 @@ const char* to_string(State s) noexcept {
   return "?";
 }
 
-const char* to_string(Event e) noexcept {
+const char* to_string(TransferEvent e) noexcept {
   switch (e) {
-    case Event::start: return "start";
-    case Event::connected: return "connected";
-    case Event::channel_joined: return "channel_joined";
-    case Event::all_joined: return "all_joined";
-    case Event::accepted: return "accepted";
-    case Event::block_ready: return "block_ready";
-    case Event::block_sent: return "block_sent";
-    case Event::block_received: return "block_received";
-    case Event::block_written: return "block_written";
-    case Event::ack_received: return "ack_received";
-    case Event::ack_sent: return "ack_sent";
-    case Event::all_sent: return "all_sent";
-    case Event::all_received: return "all_received";
-    case Event::committed: return "committed";
-    case Event::peer_exception: return "peer_exception";
-    case Event::local_error: return "local_error";
-    case Event::channel_lost: return "channel_lost";
-    case Event::timeout: return "timeout";
+    case TransferEvent::start: return "start";
+    case TransferEvent::connected: return "connected";
+    case TransferEvent::channel_joined: return "channel_joined";
+    case TransferEvent::all_joined: return "all_joined";
+    case TransferEvent::accepted: return "accepted";
+    case TransferEvent::block_ready: return "block_ready";
+    case TransferEvent::block_sent: return "block_sent";
+    case TransferEvent::block_received: return "block_received";
+    case TransferEvent::block_written: return "block_written";
+    case TransferEvent::ack_received: return "ack_received";
+    case TransferEvent::ack_sent: return "ack_sent";
+    case TransferEvent::all_sent: return "all_sent";
+    case TransferEvent::all_received: return "all_received";
+    case TransferEvent::committed: return "committed";
+    case TransferEvent::peer_exception: return "peer_exception";
+    case TransferEvent::local_error: return "local_error";
+    case TransferEvent::channel_lost: return "channel_lost";
+    case TransferEvent::timeout: return "timeout";
   }
   return "?";
 }
 
-const char* to_string(Action a) noexcept {
+const char* to_string(TransferAction a) noexcept {
   switch (a) {
-    case Action::none: return "none";
-    case Action::connect_channels: return "connect_channels";
-    case Action::register_session: return "register_session";
-    case Action::add_channel: return "add_channel";
-    case Action::open_and_reply: return "open_and_reply";
-    case Action::start_sending: return "start_sending";
-    case Action::start_receiving: return "start_receiving";
-    case Action::send_block: return "send_block";
-    case Action::queue_write: return "queue_write";
-    case Action::send_ack: return "send_ack";
-    case Action::open_window: return "open_window";
-    case Action::send_eofr: return "send_eofr";
-    case Action::commit: return "commit";
-    case Action::finish: return "finish";
-    case Action::abort: return "abort";
-    case Action::serve_path: return "serve-path";
+    case TransferAction::none: return "none";
+    case TransferAction::connect_channels: return "connect_channels";
+    case TransferAction::register_session: return "register_session";
+    case TransferAction::add_channel: return "add_channel";
+    case TransferAction::open_and_reply: return "open_and_reply";
+    case TransferAction::start_sending: return "start_sending";
+    case TransferAction::start_receiving: return "start_receiving";
+    case TransferAction::send_block: return "send_block";
+    case TransferAction::queue_write: return "queue_write";
+    case TransferAction::send_ack: return "send_ack";
+    case TransferAction::open_window: return "open_window";
+    case TransferAction::send_eofr: return "send_eofr";
+    case TransferAction::commit: return "commit";
+    case TransferAction::finish: return "finish";
+    case TransferAction::abort: return "abort";
+    case TransferAction::serve_path: return "serve-path";
   }
   return "?";
 }

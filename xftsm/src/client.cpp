@@ -14,8 +14,8 @@
 #include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/xsec.hpp"
-#include "xdfs/xftsm/cfsm.hpp"
-#include "xdfs/xftsm/transfer.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
+#include "xdfs/detail/xftsm_engine.hpp"
 
 namespace xdfs {
 namespace {
@@ -124,18 +124,18 @@ private:
     wire::NegotiationReply reply;
     // The machine's way to an accepted transfer: the session does the connecting (for the
     // first operation) and the negotiation; a refusal or failure there fails the machine too.
-    if (machine_.fire(Event::start) != Action::connect_channels) throw TransferError(errc::internal, machine_.why(), false);
+    if (machine_.fire(TransferEvent::start) != TransferAction::connect_channels) throw TransferError(errc::internal, machine_.why(), false);
     try {
       reply = session_.begin(nego_);
     } catch (const TransferError&) {
-      (void)machine_.fire(Event::local_error);
+      (void)machine_.fire(TransferEvent::local_error);
       pending_.discard();
       throw;
     }
     accepted_at_ = Clock::now();
     const double setup = first ? session_.setup_seconds() : std::chrono::duration<double>(accepted_at_ - start_).count();
-    if (!machine_.fire(Event::connected)) throw TransferError(errc::state_violation, machine_.why(), false);
-    auto action = machine_.fire(Event::accepted);
+    if (!machine_.fire(TransferEvent::connected)) throw TransferError(errc::state_violation, machine_.why(), false);
+    auto action = machine_.fire(TransferEvent::accepted);
     if (!action) throw TransferError(errc::state_violation, machine_.why(), false);
     try {
       auto& io = session_.io();
@@ -172,7 +172,7 @@ private:
     return TransferResult{size_, seconds_, static_cast<unsigned>(session_.channels().size()), setup};
   }
 
-  void start_engine(Action action, const wire::NegotiationReply& reply) {
+  void start_engine(TransferAction action, const wire::NegotiationReply& reply) {
     TransferParams p;
     p.block_size = session_.options().block_size;
     p.slots = slots_;
@@ -180,21 +180,21 @@ private:
     if (!memory_) p.pools = &session_.pool_cache();  // a memory source sends a slot's bytes as they are
     auto& io = session_.io();
     auto& channels = session_.channels();
-    if (action == Action::start_sending) {
+    if (action == TransferAction::start_sending) {
       if (reply.window < p.block_size) return fail(errc::protocol_error, "server window is smaller than one block");
       p.file_size = size_;
       p.window = reply.window;
-      p.data_event = wire::Event::xftsmu;
+      p.data_event = wire::ChannelEvent::xftsmu;
       sender_ = std::make_unique<Sender>(io, machine_, channels, *this, p,
                                          piod::Source{source_.get(), size_, memory_source_, crypto(true)});
       sender_->start();
-    } else if (action == Action::start_receiving) {
+    } else if (action == TransferAction::start_receiving) {
       size_ = reply.file_size;
       if (pending_.active())
         if (auto st = files::check_room(pending_.dir(), size_, "'" + pending_.final_name() + "'"); !st)
           return fail(st.code, st.message);
       p.file_size = size_;
-      p.data_event = wire::Event::xftsmd;
+      p.data_event = wire::ChannelEvent::xftsmd;
       sink_.opener = crypto(false);
       receiver_ = std::make_unique<Receiver>(io, machine_, channels, *this, p, sink_);
       receiver_->start();
@@ -206,7 +206,7 @@ private:
   // A failure before the engine runs: the channels close (the server's side of the transfer
   // fails with them) and the session ends.
   void fail(errc code, const std::string& message) {
-    (void)machine_.fire(Event::local_error);
+    (void)machine_.fire(TransferEvent::local_error);
     for (auto& ch : session_.channels())
       if (ch) ch->close();
     end(code, message, false);

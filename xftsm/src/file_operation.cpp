@@ -12,9 +12,9 @@
 
 #include "xdfs/files.hpp"
 #include "xdfs/xsec.hpp"
-#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
-#include "xdfs/xftsm/transfer.hpp"
+#include "xdfs/detail/xftsm_engine.hpp"
 
 namespace xdfs::xftsm {
 namespace {
@@ -37,8 +37,8 @@ public:
 
   void start() override {
     // The channels joined this operation (its negotiation came on all n): the table opens it.
-    if (machine_.fire(Event::channel_joined) != Action::register_session ||
-        machine_.fire(Event::all_joined) != Action::open_and_reply)
+    if (machine_.fire(TransferEvent::channel_joined) != TransferAction::register_session ||
+        machine_.fire(TransferEvent::all_joined) != TransferAction::open_and_reply)
       return refuse(errc::state_violation, machine_.why());
     open_and_reply();
   }
@@ -48,7 +48,7 @@ public:
     if (receiver_) return receiver_->abort(code, message);
     // Still opening (waiting for memory): the peer hears why and the channels close.
     if (machine_.finished()) return;
-    (void)machine_.fire(Event::local_error);
+    (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
     pending_.discard();
     tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger(), std::chrono::milliseconds(2000));
@@ -149,14 +149,14 @@ private:
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
     if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;
-      p.data_event = wire::Event::xftsmu;
+      p.data_event = wire::ChannelEvent::xftsmu;
       start_engine(p, piod::Sink{-1, true, true, crypto()}, std::nullopt);
     } else if (nego_.mode == Mode::download && memory) {
       if (nego_.window < nego_.block_size)
         return refuse(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window));
       p.file_size = nego_.file_size;
       p.window = nego_.window;
-      p.data_event = wire::Event::xftsmd;
+      p.data_event = wire::ChannelEvent::xftsmd;
       start_engine(p, std::nullopt, piod::Source{-1, p.file_size, true, crypto()});
     } else if (nego_.mode == Mode::upload) {
       auto [dir, name] = files::split_parent(nego_.remote_path);
@@ -171,7 +171,7 @@ private:
         if (auto st = files::check_room(pending_.dir(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
           return refuse(st.code, st.message);
       p.file_size = nego_.file_size;
-      p.data_event = wire::Event::xftsmu;
+      p.data_event = wire::ChannelEvent::xftsmu;
       start_engine(p, piod::Sink{pending_.fd(), true, false, crypto()}, std::nullopt);
     } else {
       if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, source_); !st)
@@ -186,21 +186,21 @@ private:
         return refuse(errc::bad_argument, fmt::format("window of {} bytes is smaller than one block", nego_.window));
       p.file_size = static_cast<std::uint64_t>(sb.st_size);
       p.window = nego_.window;
-      p.data_event = wire::Event::xftsmd;
+      p.data_event = wire::ChannelEvent::xftsmd;
       start_engine(p, std::nullopt, piod::Source{source_.get(), p.file_size, false, crypto()});
     }
   }
 
   void send_reply(const wire::NegotiationReply& reply) {
     auto payload = wire::encode(reply);
-    for (auto& ch : env_.channels) ch->send_control(wire::Event::nego_reply, payload);
+    for (auto& ch : env_.channels) ch->send_control(wire::ChannelEvent::nego_reply, payload);
   }
 
   // The transfer cannot start (no such file, no memory, ...): nothing was sent, the session
   // refuses it on every channel and stays ready for the next operation.
   void refuse(errc code, const std::string& message) {
     if (machine_.finished()) return;
-    (void)machine_.fire(Event::local_error);
+    (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
     pending_.discard();
     done_(runtime::OperationResult{code, message, false, true, true});

@@ -1,4 +1,4 @@
-#include "xdfs/xftsm/transfer.hpp"
+#include "xdfs/detail/xftsm_engine.hpp"
 
 #include <boost/asio/post.hpp>
 
@@ -59,7 +59,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
 
 Engine::~Engine() = default;
 
-std::optional<Action> Engine::fire(Event e) {
+std::optional<TransferAction> Engine::fire(TransferEvent e) {
   if (machine_.finished()) return std::nullopt;
   auto a = machine_.fire(e);
   if (!a) fail(errc::state_violation, machine_.why(), false, true);
@@ -68,10 +68,10 @@ std::optional<Action> Engine::fire(Event e) {
 
 void Engine::abort(errc code, const std::string& message) { fail(code, message, false, true); }
 
-void Engine::fail(errc code, const std::string& message, bool from_peer, bool tell_peer, Event ev) {
+void Engine::fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev) {
   if (machine_.finished()) return;
   // Force the machine to failed even if ev is not in the table here (every live state has it).
-  if (!machine_.fire(ev)) (void)machine_.fire(Event::local_error);
+  if (!machine_.fire(ev)) (void)machine_.fire(TransferEvent::local_error);
   // The disk thread ends before the host closes the file: a write still queued would otherwise
   // land in whatever file reuses the descriptor, another session's upload among them.
   stop_disk();
@@ -115,7 +115,7 @@ void Engine::arm_watchdog() {
     if (ec || machine_.finished()) return;
     if (std::chrono::steady_clock::now() - last_activity_ > params_.idle_timeout) {
       fail(errc::timeout, "no progress for " + std::to_string(params_.idle_timeout.count() / 1000) + " s", false, true,
-           Event::timeout);
+           TransferEvent::timeout);
       return;
     }
     arm_watchdog();
@@ -137,13 +137,13 @@ void Engine::watch_disk() {
 
 bool Engine::handle_common(xdsi::Channel& ch, const FrameHeader& h) {
   switch (h.event) {
-    case wire::Event::noop:
-    case wire::Event::conm:
+    case wire::ChannelEvent::noop:
+    case wire::ChannelEvent::conm:
       if (h.length != 0) {
         fail(errc::protocol_error, std::string(wire::to_string(h.event)) + " with a payload", false, true);
       }
       return true;
-    case wire::Event::exception:
+    case wire::ChannelEvent::exception:
       read_exception(ch, h.length);
       return true;
     default:
@@ -159,7 +159,7 @@ void Engine::read_exception(xdsi::Channel& ch, std::uint32_t length) {
     std::string why;
     auto ex = wire::decode_exception(*buf, &why);
     if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false, false);
-    fail(ex->code, ex->message, true, false, Event::peer_exception);
+    fail(ex->code, ex->message, true, false, TransferEvent::peer_exception);
   });
 }
 
@@ -169,7 +169,7 @@ void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
     return fail(errc::protocol_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
   if (ec == xdsi::integrity_failure)
     return fail(errc::integrity_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
-  fail(errc::peer_aborted, describe(ch, ec), true, true, Event::channel_lost);
+  fail(errc::peer_aborted, describe(ch, ec), true, true, TransferEvent::channel_lost);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ void Sender::on_disk() {
     ready_.push_back(b);
     any = true;
   }
-  if (any && fire(Event::block_ready)) pump();
+  if (any && fire(TransferEvent::block_ready)) pump();
 }
 
 void Sender::pump() {
@@ -242,7 +242,7 @@ void Sender::pump() {
               --inflight_[pick];
               touch();
               pipe_.to_disk(piod::Block{b.slot, 0, 0});  // slot goes back for read-ahead
-              if (fire(Event::block_sent)) pump();
+              if (fire(TransferEvent::block_sent)) pump();
               maybe_finish();
             });
   }
@@ -252,10 +252,10 @@ void Sender::pump() {
   }
   if (queued_ == source_.size && !all_sent_) {
     all_sent_ = true;
-    if (!fire(Event::all_sent)) return;
+    if (!fire(TransferEvent::all_sent)) return;
     for (auto& ch : channels_) {
       FrameHeader h;
-      h.event = wire::Event::eofr;
+      h.event = wire::ChannelEvent::eofr;
       h.offset = source_.size;
       ++eofr_unsent_;
       ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
@@ -278,11 +278,11 @@ void Sender::read_loop(xdsi::Channel& ch) {
 
 void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
   if (handle_common(ch, h)) {
-    if (h.event != wire::Event::exception && !machine_.finished()) read_loop(ch);
+    if (h.event != wire::ChannelEvent::exception && !machine_.finished()) read_loop(ch);
     return;
   }
   switch (h.event) {
-    case wire::Event::ack:
+    case wire::ChannelEvent::ack:
       if (h.length != 0 || h.offset > queued_ || h.offset > source_.size)
         return fail(errc::protocol_error,
                     "ACK of " + std::to_string(h.offset) + " bytes, only " + std::to_string(queued_) + " sent", false,
@@ -292,14 +292,14 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
         done_bytes_ = acked_;
         touch();
       }
-      if (!fire(Event::ack_received)) return;
+      if (!fire(TransferEvent::ack_received)) return;
       pump();
       return read_loop(ch);
-    case wire::Event::eofr:
+    case wire::ChannelEvent::eofr:
       // The receiver committed the file: its last word on this channel, which is done with
       // this transfer (it is not read again until the next operation).
       // Only a receiver that has everything confirms: the table allows it in draining alone.
-      if (!machine_.find(Event::committed)) return (void)fire(Event::committed);
+      if (!machine_.find(TransferEvent::committed)) return (void)fire(TransferEvent::committed);
       if (h.length != 0 || h.offset != source_.size)
         return fail(errc::size_mismatch,
                     "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(source_.size),
@@ -320,7 +320,7 @@ void Sender::maybe_finish() {
   if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0) return;
   for (auto q : inflight_)
     if (q != 0) return;
-  if (fire(Event::committed)) finish_ok();
+  if (fire(TransferEvent::committed)) finish_ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,11 +359,11 @@ void Receiver::read_loop(xdsi::Channel& ch) {
 
 void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   if (handle_common(ch, h)) {
-    if (h.event != wire::Event::exception && !machine_.finished()) read_loop(ch);
+    if (h.event != wire::ChannelEvent::exception && !machine_.finished()) read_loop(ch);
     return;
   }
   const auto idx = ch.index();
-  if (h.event == wire::Event::eofr) {
+  if (h.event == wire::ChannelEvent::eofr) {
     if (h.length != 0 || eofr_[idx])
       return fail(errc::protocol_error, "duplicate or malformed EOFR on channel " + std::to_string(idx), false, true);
     // The sender's last word on this channel: it is not read again in this transfer.
@@ -413,7 +413,7 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           if (!seen_.insert(h.offset, h.offset + expect))
                             return fail(errc::protocol_error,
                                         "block at offset " + std::to_string(h.offset) + " received twice", false, true);
-                          if (!fire(Event::block_received)) return;
+                          if (!fire(TransferEvent::block_received)) return;
                           // The disk thread checks the block's own tag before writing it.
                           received_ += h.length - tag;
                           pipe_.to_disk(piod::Block{slot, h.length - tag, h.offset});
@@ -431,7 +431,7 @@ void Receiver::on_disk() {
   }
   if (!any) return;
   touch();
-  if (!fire(Event::block_written)) return;
+  if (!fire(TransferEvent::block_written)) return;
   while (!parked_.empty() && !free_slots_.empty()) {
     Parked p = parked_.back();
     parked_.pop_back();
@@ -447,7 +447,7 @@ void Receiver::maybe_ack() {
   if (done_bytes_ == acked_sent_) return;
   acked_sent_ = done_bytes_;
   FrameHeader h;
-  h.event = wire::Event::ack;
+  h.event = wire::ChannelEvent::ack;
   h.offset = acked_sent_;
   auto& ch = *channels_.front();
   ++acks_unsent_;
@@ -455,7 +455,7 @@ void Receiver::maybe_ack() {
     --acks_unsent_;
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
-    if (fire(Event::ack_sent)) maybe_finish();
+    if (fire(TransferEvent::ack_sent)) maybe_finish();
   });
 }
 
@@ -469,7 +469,7 @@ void Receiver::maybe_complete() {
                 false, true);
   if (done_bytes_ != params_.file_size) return;  // disk still writing
   committing_ = true;
-  if (!fire(Event::all_received)) return;
+  if (!fire(TransferEvent::all_received)) return;
   // All slots are back, so the disk thread is idle: stop it before the file is made final.
   writer_.reset();
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
@@ -477,7 +477,7 @@ void Receiver::maybe_complete() {
   // there, and the channel is ready for the session's next operation.
   for (auto& ch : channels_) {
     FrameHeader h;
-    h.event = wire::Event::eofr;
+    h.event = wire::ChannelEvent::eofr;
     h.offset = params_.file_size;
     ++eofr_unsent_;
     ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
@@ -492,7 +492,7 @@ void Receiver::maybe_complete() {
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
 void Receiver::maybe_finish() {
   if (machine_.finished() || !committing_ || eofr_unsent_ != 0 || acks_unsent_ != 0 || writer_) return;
-  if (fire(Event::committed)) finish_ok();
+  if (fire(TransferEvent::committed)) finish_ok();
 }
 
 }  // namespace xdfs::xftsm

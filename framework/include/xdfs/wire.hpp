@@ -38,7 +38,7 @@ inline constexpr std::size_t max_path_bytes = 4096;
 bool check_text(std::string_view text, const char* what, std::string* why);
 
 /// The paper's channel events (Table 3), plus the control frames xDFS needs around them.
-enum class Event : std::uint8_t {
+enum class ChannelEvent : std::uint8_t {
   nego = 1,       ///< the channel's opening (Cap'n Proto Opening); later, the next operation (Negotiation)
   nego_reply = 2, ///< server accepts an operation (Cap'n Proto NegotiationReply)
   xftsmu = 3,     ///< file block, client to server
@@ -55,7 +55,7 @@ enum class Event : std::uint8_t {
   handshake = 13, ///< xSec handshake message (Noise XX or join proof)
 };
 
-const char* to_string(Event e) noexcept;
+const char* to_string(ChannelEvent e) noexcept;
 
 /// Bits of Negotiation::extended_flags.
 enum ExtendedFlag : std::uint64_t {
@@ -68,7 +68,7 @@ inline constexpr std::uint64_t known_flags = flag_memory;
 bool is_known(std::uint8_t raw) noexcept;
 
 struct FrameHeader {
-  Event event = Event::noop;
+  ChannelEvent event = ChannelEvent::noop;
   std::uint8_t flags = 0;
   std::uint32_t length = 0;   ///< payload bytes following the header
   std::uint64_t offset = 0;   ///< file offset (data), byte count (ack, eofr)

@@ -45,7 +45,7 @@ class FrameGuard {
 public:
   virtual ~FrameGuard() = default;
   /// Tag bytes that follow the payload of a frame of this event (0 when it is not protected).
-  virtual std::size_t tag_bytes(wire::Event e) const noexcept = 0;
+  virtual std::size_t tag_bytes(wire::ChannelEvent e) const noexcept = 0;
   /// Protects an outgoing frame: may encrypt the payload in place; writes tag_bytes() bytes.
   virtual void seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) = 0;
   /// Checks (and decrypts in place) an incoming frame; false if it fails.
@@ -98,7 +98,7 @@ public:
   /// Queues bytes that are not a frame (the channel preamble).
   void send_raw(std::vector<std::uint8_t> bytes, Handler h = {});
   /// Queues a control frame of the given event with a Cap'n Proto payload.
-  void send_control(wire::Event ev, std::vector<std::uint8_t> payload, Handler h = {});
+  void send_control(wire::ChannelEvent ev, std::vector<std::uint8_t> payload, Handler h = {});
 
   /// Sends FIN after what is queued has left; reading goes on until close().
   void shutdown_send() noexcept;

@@ -202,7 +202,7 @@ public:
 
   Protect mode() const noexcept { return mode_; }
   /// Bytes of tag that follow the payload of a frame with this event (0 or tag_size).
-  std::size_t tag_bytes(wire::Event e) const noexcept override;
+  std::size_t tag_bytes(wire::ChannelEvent e) const noexcept override;
   /// Seals one outgoing frame: encrypts the payload in place (private) and writes the tag.
   void seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) override;
   /// Checks (and decrypts in place) one incoming frame. False means it was modified,

@@ -10,6 +10,8 @@
 #include <span>
 #include <string>
 
+#include "xdfs/detail/fsm.hpp"
+
 namespace xdfs::session_fsm {
 
 enum class State : std::uint8_t {
@@ -22,7 +24,7 @@ enum class State : std::uint8_t {
   failed,       ///< the session ended with an error (final)
 };
 
-enum class Event : std::uint8_t {
+enum class SessionEvent : std::uint8_t {
   channel_joined,     ///< server: one more authenticated channel
   all_joined,         ///< server: all n are there
   begin,              ///< client: the user starts an operation
@@ -39,7 +41,7 @@ enum class Event : std::uint8_t {
   timeout,            ///< a bounded wait ran out (join, negotiation, idle between operations)
 };
 
-enum class Action : std::uint8_t {
+enum class SessionAction : std::uint8_t {
   none,
   register_session,   ///< server: start the join timer
   add_channel,        ///< server: take the channel
@@ -54,36 +56,20 @@ enum class Action : std::uint8_t {
 };
 
 const char* to_string(State s) noexcept;
-const char* to_string(Event e) noexcept;
-const char* to_string(Action a) noexcept;
+const char* to_string(SessionEvent e) noexcept;
+const char* to_string(SessionAction a) noexcept;
 
-struct Transition {
-  State from;
-  Event on;
-  State to;
-  Action action;
-};
+using Transition = fsm::Transition<State, SessionEvent, SessionAction>;
 
 enum class Side : std::uint8_t { server, client };
 const char* to_string(Side s) noexcept;
 std::span<const Transition> table(Side s) noexcept;
 
 /// A running session machine.
-class Machine {
+class Machine : public fsm::Machine<State, SessionEvent, SessionAction> {
 public:
-  explicit Machine(Side side) noexcept : side_(side), table_(table(side)) {}
-  State state() const noexcept { return state_; }
-  bool finished() const noexcept { return state_ == State::done || state_ == State::failed; }
-  /// Moves on e and returns the action, or nullopt (state unchanged) with why() naming both.
-  std::optional<Action> fire(Event e) noexcept;
-  const Transition* find(Event e) const noexcept;
-  const std::string& why() const noexcept { return why_; }
-
-private:
-  Side side_;
-  std::span<const Transition> table_;
-  State state_ = State::idle;
-  std::string why_;
+  explicit Machine(Side side) noexcept
+      : fsm::Machine<State, SessionEvent, SessionAction>(table(side), side == Side::server ? "session-server" : "session-client") {}
 };
 
 }  // namespace xdfs::session_fsm

@@ -12,6 +12,7 @@
 #include <string>
 #include <system_error>
 
+#include "xdfs/detail/fsm.hpp"
 #include "xdfs/error.hpp"
 
 namespace xdfs::xftsm {
@@ -29,7 +30,7 @@ enum class State : std::uint8_t {
 };
 
 /// Everything that can happen to a session, as the socket and disk code reports it.
-enum class Event : std::uint8_t {
+enum class TransferEvent : std::uint8_t {
   start,            ///< client: the user asked for the transfer
   connected,        ///< client: all n channels are connected, negotiation headers sent
   channel_joined,   ///< server: one more of the n channels arrived
@@ -51,7 +52,7 @@ enum class Event : std::uint8_t {
 };
 
 /// What the driver must do on a transition.
-enum class Action : std::uint8_t {
+enum class TransferAction : std::uint8_t {
   none,              ///< only the state changes (or a counter in the driver)
   connect_channels,  ///< client: open n channels and send the negotiation headers
   register_session,  ///< server: record the session and start the join timer
@@ -71,15 +72,10 @@ enum class Action : std::uint8_t {
 };
 
 const char* to_string(State s) noexcept;
-const char* to_string(Event e) noexcept;
-const char* to_string(Action a) noexcept;
+const char* to_string(TransferEvent e) noexcept;
+const char* to_string(TransferAction a) noexcept;
 
-struct Transition {
-  State from;
-  Event on;
-  State to;
-  Action action;
-};
+using Transition = fsm::Transition<State, TransferEvent, TransferAction>;
 
 /// Which machine: the four xFTSM ones, and the two of the path mode (xPathM).
 enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download, client_path, server_path };
@@ -88,27 +84,16 @@ const char* to_string(Role r) noexcept;
 /// The table of a role.
 std::span<const Transition> table(Role r) noexcept;
 
-/// A running machine: current state plus its table.
-class Machine {
+/// A running machine of a role. An event the table does not allow in the current state is
+/// refused (fire returns nullopt, why() names role, event and state; the driver fails with
+/// errc::state_violation).
+class Machine : public fsm::Machine<State, TransferEvent, TransferAction> {
 public:
-  explicit Machine(Role role) noexcept : role_(role), table_(table(role)) {}
-
+  explicit Machine(Role role) noexcept : fsm::Machine<State, TransferEvent, TransferAction>(table(role), to_string(role)), role_(role) {}
   Role role() const noexcept { return role_; }
-  State state() const noexcept { return state_; }
-  bool finished() const noexcept { return state_ == State::done || state_ == State::failed; }
-
-  /// Feeds an event. On success moves to the next state and returns its action; otherwise the
-  /// state is unchanged and the result is errc::state_violation with why() naming state and event.
-  std::optional<Action> fire(Event e) noexcept;
-  /// The transition the table allows for e in the current state, if any (does not move).
-  const Transition* find(Event e) const noexcept;
-  const std::string& why() const noexcept { return why_; }
 
 private:
   Role role_;
-  std::span<const Transition> table_;
-  State state_ = State::idle;
-  std::string why_;
 };
 
 }  // namespace xdfs::xftsm

@@ -22,7 +22,7 @@
 #include "xdfs/ranges.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
-#include "xdfs/xftsm/cfsm.hpp"
+#include "xdfs/detail/xftsm_fsm.hpp"
 
 namespace xdfs::xftsm {
 
@@ -47,7 +47,7 @@ struct TransferParams {
   std::uint64_t window = 0;
   /// Number of pool slots (the ring between network and disk).
   std::uint32_t slots = 32;
-  wire::Event data_event = wire::Event::xftsmu;
+  wire::ChannelEvent data_event = wire::ChannelEvent::xftsmu;
   std::chrono::milliseconds idle_timeout{60000};
   /// How long a failing side waits for its exception header to leave before closing.
   std::chrono::milliseconds linger{2000};
@@ -76,8 +76,8 @@ public:
 
 protected:
   /// Feeds an event to the CFSM; a refused event fails the session and returns nullopt.
-  std::optional<Action> fire(Event e);
-  void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, Event ev = Event::local_error);
+  std::optional<TransferAction> fire(TransferEvent e);
+  void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev = TransferEvent::local_error);
   void finish_ok();
   void close_all() noexcept;
   void watch_disk();
