@@ -5,7 +5,10 @@
 //
 // Input: a config byte (mode, protection, two channels), a file size, a block-size byte, then
 // records [channel][event][flags][length u16][offset u64][payload...]. Flags: 1 corrupt the tag,
-// 2 write the payload raw (no framing), 4 build a well-formed path request from the payload.
+// 2 write the payload raw (no framing), 4 build a well-formed path request from the payload,
+// 8 build a well-formed next operation from the payload (a NEGO: mode, path, size, transfer
+// number), after which blocks are sealed with that transfer's key: one input runs a session
+// through several operations, switching modes, as a client that keeps its channels does.
 //
 // Oracles, after the client side has closed: the session reports its end exactly once (within a
 // bound: it never freezes), no temporary file is left under the root, nothing appears beside the
@@ -24,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,6 +145,21 @@ std::vector<std::uint8_t> make_request(Reader r) {
   return {b.begin(), b.end()};
 }
 
+// A next operation's negotiation with fields from the input (the session's own parameters, or
+// not, as the input says).
+w::Negotiation make_operation(Reader r, std::uint32_t n, std::uint32_t block) {
+  w::Negotiation g;
+  g.mode = static_cast<xdfs::Mode>(r.u8() % 4);
+  g.remote_path = pick_name(r);
+  g.channel_count = r.u8() % 8 == 0 ? n + 1 : n;
+  g.block_size = r.u8() % 8 == 0 ? block * 2 : block;
+  g.file_size = r.u(r.u8() % 9);
+  g.window = 4ull * block;
+  g.transfer = r.u8() % 6;
+  if (r.u8() % 4 == 0) g.extended_flags = w::flag_memory;
+  return g;
+}
+
 bool has_temp_files(const std::string& root) {
   std::error_code ec;
   for (auto it = fsys::recursive_directory_iterator(root, fsys::directory_options::none, ec);
@@ -198,8 +217,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   // The client's ends of the channels, keyed as a handshake would have keyed them.
   std::vector<std::unique_ptr<xs::FrameProtector>> seal;
-  xs::BlockCrypto blocks(protect == xs::Protect::clear ? xs::Protect::integrity : protect, xs::Cipher::aes256gcm,
-                         xs::data_key(env.session_secret, true, 0));
+  const auto block_protect = protect == xs::Protect::clear ? xs::Protect::integrity : protect;
+  auto blocks = std::make_unique<xs::BlockCrypto>(block_protect, xs::Cipher::aes256gcm,
+                                                  xs::data_key(env.session_secret, true, 0));
   {
     auto handler = xdfs::runtime::session_factory(xdfs::standard_modes())(env);
     for (std::uint32_t i = 0; i < n; ++i) {
@@ -256,13 +276,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         continue;
       }
       w::FrameHeader h;
-      h.event = static_cast<w::Event>(w::is_known(ev_raw) ? ev_raw : (ev_raw % 13) + 1);
+      h.event = static_cast<w::ChannelEvent>(w::is_known(ev_raw) ? ev_raw : (ev_raw % 13) + 1);
       h.offset = off;
       if (flags & 4) payload = make_request(Reader{payload.data(), payload.size()});
-      if ((h.event == w::Event::xftsmu || h.event == w::Event::xftsmd) && protect != xs::Protect::clear) {
+      if (flags & 8) {
+        const auto g = make_operation(Reader{payload.data(), payload.size()}, n, block);
+        h.event = w::ChannelEvent::nego;
+        payload = w::encode(g);
+        blocks = std::make_unique<xs::BlockCrypto>(block_protect, xs::Cipher::aes256gcm,
+                                                   xs::data_key(env.session_secret, true, g.transfer));
+      }
+      if ((h.event == w::ChannelEvent::xftsmu || h.event == w::ChannelEvent::xftsmd) && protect != xs::Protect::clear) {
         const auto body = payload.size();
-        payload.resize(body + blocks.tag_size());
-        blocks.seal(payload.data(), static_cast<std::uint32_t>(body), off);
+        payload.resize(body + blocks->tag_size());
+        blocks->seal(payload.data(), static_cast<std::uint32_t>(body), off);
       }
       h.length = static_cast<std::uint32_t>(payload.size());
       auto hb = w::encode(h);
