@@ -270,6 +270,62 @@ TEST_CASE("a hostile path server: a listed file of 2^62 bytes, names with escape
   t.join();
 }
 
+TEST_CASE("a hostile path server's large files cannot be downloaded outside the tree, nor through a symlink or device") {
+  xt::TempDir local, outside;
+  xt::RawServer srv;
+  const std::string kh = local / "known_hosts";
+  // Its listing: a symlink out of the tree, then large files (which go as transfers of their
+  // own after the path part) through that symlink and onto a symlink to a device (a name with
+  // ".." fails the listing itself). It ends the path operation cleanly and would then be asked for them.
+  std::thread t([&] {
+    auto c = srv.accept();
+    if (!c) return;
+    c->send_reply({0, 0, c->hello.nego.block_size});
+    for (;;) {
+      auto f = c->read_frame();
+      if (!f) break;
+      if (f->first.event == ChannelEvent::eofr) {
+        FrameHeader h;
+        h.event = ChannelEvent::eofr;
+        c->send_frame(h);
+        continue;
+      }
+      if (f->first.event != ChannelEvent::xpathm) break;  // the transfer it must not be asked for, or EOFT
+      auto r = pm::decode_request(aligned(f->second));
+      if (!r) break;
+      pm::Reply rep;
+      rep.id = r->id;
+      auto entry = [](const std::string& path, pm::Type type, std::uint64_t size, const std::string& target = {}) {
+        pm::Entry e;
+        e.path = path;
+        e.type = type;
+        e.size = size;
+        e.mode = 0644;
+        e.target = target;
+        return e;
+      };
+      if (r->op == pm::Op::stat) {
+        rep.entries.push_back(entry(".", pm::Type::directory, 0));
+      } else if (r->op == pm::Op::list) {
+        rep.entries.push_back(entry("out", pm::Type::symlink, 0, outside.path()));
+        rep.entries.push_back(entry("null", pm::Type::symlink, 0, "/dev/null"));
+        rep.entries.push_back(entry("out/big", pm::Type::file, 2 << 20));
+        rep.entries.push_back(entry("null", pm::Type::file, 2 << 20));
+      }
+      send_path(*c, rep);
+    }
+  });
+  auto r = xt::xduc({"-r", "--large-file", "1M", "--known-hosts", kh, url(srv.port(), "t/"), local / "back"}, 60000);
+  t.join();
+  INFO(r.err);
+  CHECK(r.status == 1);
+  CHECK(r.err.find("2 not copied") != std::string::npos);
+  CHECK(r.err.find("out/big") != std::string::npos);
+  CHECK(r.err.find("'null' exists here and is not a regular file") != std::string::npos);
+  CHECK(xt::list_dir(outside.path()).empty());
+  CHECK(xt::list_dir(local / "back") == std::vector<std::string>{"null", "out"});
+}
+
 TEST_CASE("a hostile path server sending more of a file than it listed: xduc refuses it, keeps nothing of it") {
   xt::TempDir local;
   xt::RawServer srv;

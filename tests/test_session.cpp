@@ -155,28 +155,38 @@ TEST_CASE("a tree's large files travel as xFTSM transfers on the tree's session,
   for (const auto& p : {t, root / "t", back / "t", again / "t"}) ::chmod((p + "/sub/deep").c_str(), 0755);
 }
 
-TEST_CASE("set_attrs gives a file the mode asked only when its one link is the client's; mtimes always") {
-  xt::TempDir root;
+TEST_CASE("set_attrs sets the mode only of what the session made, in any of its operations; mtimes always") {
+  xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());
-  xt::write_file(root / "single", "x");
-  xt::write_file(root / "linked", "y");
-  REQUIRE(::link((root / "linked").c_str(), (root / "other-name").c_str()) == 0);
-  REQUIRE(::chmod((root / "single").c_str(), 0600) == 0);
-  REQUIRE(::chmod((root / "linked").c_str(), 0600) == 0);
-  xdfs::RemoteFs fs({"127.0.0.1", d.port()}, options(1));
-  std::vector<xdfs::pathm::Entry> v(2);
-  v[0].path = "single";
-  v[1].path = "linked";
+  xt::write_file(root / "theirs", "x");
+  REQUIRE(::chmod((root / "theirs").c_str(), 0600) == 0);
+  REQUIRE(::mkdir((root / "other").c_str(), 0700) == 0);
+  xt::write_random_file(local / "f", 100000, 1);
+  auto o = options(2);
+  xdfs::Session s({"127.0.0.1", d.port()}, o);
+  xdfs::upload(s, local / "f", "mine", o);  // an xFTSM operation of the session makes "mine"
+  xdfs::RemoteFs fs(s);
+  // A directory the session made, removed, and another moved onto its name: not the session's.
+  fs->mkdir("d", false);
+  fs->remove("d", false);
+  fs->rename("other", "d");
+  std::vector<xdfs::pathm::Entry> v(3);
+  v[0].path = "mine";
+  v[1].path = "theirs";
+  v[2].path = "d";
   for (auto& e : v) {
-    e.mode = 04777;  // setuid never, and 0777 only where the file is the client's alone
+    e.mode = 04757;  // set-user-ID never, the rest only on what the session made
     e.mtime_ns = 1400000000LL * 1000000000;
   }
   xdfs::pathm::TreeResult r;
   fs->set_attrs("", v, r);
   fs.close();
+  s.close();
   CHECK(r.failures.empty());
-  CHECK(attrs(root / "single") == std::pair<unsigned, std::int64_t>{0777 & ~xdfs::files::process_umask(), v[0].mtime_ns});
-  CHECK(attrs(root / "linked") == std::pair<unsigned, std::int64_t>{0600, v[1].mtime_ns});
+  using A = std::pair<unsigned, std::int64_t>;
+  CHECK(attrs(root / "mine") == A{0757 & ~xdfs::files::process_umask(), v[0].mtime_ns});
+  CHECK(attrs(root / "theirs") == A{0600, v[1].mtime_ns});
+  CHECK(attrs(root / "d") == A{0700, v[2].mtime_ns});
 }
 
 TEST_CASE("a large file of a tree that cannot be copied is named; the rest of the tree is copied") {

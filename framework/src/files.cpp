@@ -216,4 +216,28 @@ void PendingFile::discard() noexcept {
   fd_.reset();
 }
 
+std::string Made::key(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  while (p.size() > 2 && p[0] == '.' && p[1] == '/') p.erase(0, 2);
+  return p.empty() ? std::string(".") : p;
+}
+
+void Made::add(int dir, const std::string& name, const std::string& path) {
+  struct stat st {};
+  if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) add(st, path);
+}
+
+void Made::add(const struct stat& st, const std::string& path) {
+  std::lock_guard lk(mu_);
+  if (bytes_ + path.size() + 64 > max_bytes_) return;
+  if (made_.emplace(static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), path).second)
+    bytes_ += path.size() + 64;
+}
+
+bool Made::has(const struct stat& st, const std::string& path) const {
+  std::lock_guard lk(mu_);
+  return made_.count({static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), path}) != 0;
+}
+
 }  // namespace xdfs::files

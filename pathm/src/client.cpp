@@ -884,7 +884,7 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
   const bool existed = ::stat(local.c_str(), &before) == 0;
   make_local_dirs(local);
   Fd dst = open_local_dir(local);
-  auto made = std::make_shared<MadeDirs>();
+  auto made = std::make_shared<files::Made>();
   TreeWriter writer(dst.get(), download_tag(), o.fsync, block_size_, 1024, files::process_umask(), 0, made);
   // The top directory gets the remote mode only if this copy made it: a directory that was
   // there (the user's home, say) keeps its own.

@@ -451,7 +451,7 @@ Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, 
 }  // namespace
 
 TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open, mode_t umask,
-                       std::uint64_t max_file_size, std::shared_ptr<MadeDirs> made)
+                       std::uint64_t max_file_size, std::shared_ptr<files::Made> made)
     : root_(root),
       tag_(std::move(tag)),
       fsync_(fsync),
@@ -459,24 +459,15 @@ TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chun
       max_open_(max_open),
       umask_(umask & 0777),
       max_file_size_(max_file_size),
-      made_(made ? std::move(made) : std::make_shared<MadeDirs>()),
+      made_(made ? std::move(made) : std::make_shared<files::Made>()),
       counter_(writer_ids++) {}
 
 namespace {
-std::string made_key(const std::string& dir) {
-  std::string k = normal(dir);
-  return k.empty() ? std::string(".") : k;
-}
+std::string made_key(const std::string& path) { return files::Made::key(path); }
 }  // namespace
 
-void TreeWriter::made(const std::string& dir) {
-  std::lock_guard lk(made_->mu);
-  made_->dirs.insert(made_key(dir));
-}
-
-bool TreeWriter::made_here(const std::string& dir) const {
-  std::lock_guard lk(made_->mu);
-  return made_->dirs.count(made_key(dir)) != 0;
+void TreeWriter::made(int dir, const std::string& name, const std::string& path) {
+  made_->add(dir, name, made_key(path));
 }
 
 Status TreeWriter::make_parents(const std::string& path) {
@@ -488,7 +479,7 @@ Status TreeWriter::make_parents(const std::string& path) {
     Fd dir;
     std::string name;
     if (auto s = open_parent(root_, prefix, dir, name); !s) return s;
-    if (::mkdirat(dir.get(), name.c_str(), 0777) == 0) made(prefix);
+    if (::mkdirat(dir.get(), name.c_str(), 0777) == 0) made(dir.get(), name, prefix);
     else if (errno != EEXIST) return Status::from_errno(errno, "mkdir " + quoted(prefix));
   }
   return Status::ok();
@@ -607,7 +598,7 @@ Status TreeWriter::put(const Entry& e) {
       // Made with its own mode plus the owner's rwx (so that its contents can be written; the
       // exact mode comes with set_attrs), less the umask.
       if (::mkdirat(dir.get(), name.c_str(), (safe_mode(e.mode) | S_IRWXU) & ~umask_ & 07777) == 0) {
-        made(e.path);
+        made(dir.get(), name, e.path);
         return Status::ok();
       }
       const int err = errno;
@@ -769,12 +760,11 @@ Status TreeWriter::set_attrs(const Entry& e) {
     fd = Fd(::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
     if (!fd) return Status::from_errno(errno, "open " + quoted(e.path));
   }
-  // The mode only of what this writer made, or of a regular file with one link: a directory
-  // that was there before (the user's own destination, say) keeps its mode whatever the peer
-  // says it should be.
+  // The mode only of what this copy made (still the same thing at that path): what was there
+  // before (the user's own destination, say) keeps its mode whatever the peer says.
   struct stat now {};
   if (::fstat(fd.get(), &now) != 0) return Status::from_errno(errno, "stat " + quoted(e.path));
-  const bool mine = made_here(e.path) || (S_ISREG(now.st_mode) && now.st_nlink == 1);
+  const bool mine = made_->has(now, made_key(e.path));
   if (mine && ::fchmod(fd.get(), safe_mode(e.mode) & ~umask_) != 0)
     return Status::from_errno(errno, "chmod " + quoted(e.path));
   if (::futimens(fd.get(), ts) != 0) return Status::from_errno(errno, "set the mtime of " + quoted(e.path));
@@ -792,7 +782,7 @@ Status TreeWriter::make_dir(const std::string& raw, bool parents, std::uint32_t 
   std::string name;
   if (auto s = open_parent(root_, path, dir, name); !s) return s;
   if (::mkdirat(dir.get(), name.c_str(), mode ? safe_mode(mode) & ~umask_ : 0777) == 0) {
-    made(path);
+    made(dir.get(), name, path);
     return Status::ok();
   }
   const int err = errno;
@@ -802,6 +792,12 @@ Status TreeWriter::make_dir(const std::string& raw, bool parents, std::uint32_t 
   return Status::from_errno(err, "mkdir " + quoted(path));
 }
 
-void TreeWriter::claim(const std::string& dir) { made(dir); }
+void TreeWriter::claim(const std::string& path) {
+  const std::string p = normal(path);
+  if (p.empty() || p == ".") return made(root_, ".", p);
+  Fd dir;
+  std::string name;
+  if (open_parent(root_, p, dir, name)) made(dir.get(), name, p);
+}
 
 }  // namespace xdfs::pathm

@@ -27,10 +27,9 @@ public:
     pp.idle_timeout = env_.config.idle_timeout;
     pp.budget = &env_.budget;
     pp.max_file_size = env_.config.max_file_size;
-    // A directory an earlier path operation of this session made is still this session's: a
-    // tree copy sets directory modes in the operation after its large files (xFTSM) went.
-    if (!env_.mode_state) env_.mode_state = std::make_shared<MadeDirs>();
-    pp.made = std::static_pointer_cast<MadeDirs>(env_.mode_state);
+    // What an earlier operation of this session made is still this session's: a tree copy sets
+    // the modes of its directories and large files in the operation after those files went.
+    pp.made = env_.made;
     server_ = std::make_unique<PathServer>(env_.io, env_.channels, env_.root_fd, pp,
                                        [this](errc code, const std::string& message, bool from_peer) {
                                          done_(runtime::OperationResult{code, message, from_peer, false, code == errc::ok});

@@ -139,19 +139,37 @@ TreeResult tree_part(Session& session, const std::function<TreeResult(PathClient
   return r;
 }
 
+// Where a large file of a download goes. Its path is the server's: it must be relative and stay
+// beneath the local tree (no "..", no symlink out of it, as path mode's own writes), and the
+// name there must be a regular file or nothing (never a symlink, device or FIFO, which a
+// download would write through). `dir` holds the directory; the path returned names it by its
+// descriptor, so nothing can swap it while the file is written.
+std::string download_target(int root, const std::string& rel, files::Fd& dir) {
+  if (auto st = files::check_relative_path(rel); !st) throw TransferError(st.code, st.message, true);
+  const auto [parent, name] = files::split_parent(rel);
+  if (auto st = files::open_beneath(root, parent, O_PATH | O_DIRECTORY | O_CLOEXEC, 0, dir); !st)
+    throw TransferError(st.code, st.message, false);
+  struct stat sb {};
+  if (::fstatat(dir.get(), name.c_str(), &sb, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISREG(sb.st_mode))
+    throw TransferError(S_ISDIR(sb.st_mode) ? errc::is_directory : errc::not_regular_file,
+                        "'" + rel + "' exists here and is not a regular file", false);
+  return "/proc/self/fd/" + std::to_string(dir.get()) + "/" + name;
+}
+
 // The large files, one transfer each; those copied are kept in `done`. A failure that leaves
 // the session usable fails its file only.
 void large_part(Session& session, const LargeFiles& large, const std::string& from_base, const std::string& to_base,
-                bool up, const TreeOptions& o, const CopyFile& copy, TreeResult& r, std::vector<Entry>& done) {
+                int local_root, bool up, const TreeOptions& o, const CopyFile& copy, TreeResult& r,
+                std::vector<Entry>& done) {
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& f : large.files) {
     try {
       const std::string from = up ? from_base + "/" + f.path : join(from_base, f.path);
-      const std::string to = up ? join(to_base, f.path) : to_base + "/" + f.path;
-      struct stat sb {};
-      if (!up && ::lstat(to.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode))  // a download would go inside it
-        throw TransferError(errc::is_directory, "'" + to + "' is a directory", false);
+      files::Fd dir;  // download: the destination's directory, held while the file is written
+      const std::string to = up ? join(to_base, f.path) : download_target(local_root, f.path, dir);
       const std::uint64_t bytes = copy(from, to);
+      // Downloaded here by this copy: its mode is the copy's to set (below, with the directories').
+      if (!up && large.made) large.made->add(dir.get(), files::split_parent(f.path).second, files::Made::key(f.path));
       ++r.files;
       ++r.large_files;
       r.bytes += bytes;
@@ -189,7 +207,7 @@ TreeResult upload_tree(Session& session, const std::string& local, const std::st
   TreeResult r = tree_part(session, [&](PathClient& c) { return c.upload_tree(local, remote, o, &large); });
   if (large.files.empty() || !still_usable(session, large, r)) return finish(std::move(r));
   std::vector<Entry> done;
-  large_part(session, large, local, remote, true, o, copy, r, done);
+  large_part(session, large, local, remote, -1, true, o, copy, r, done);
   // Their modes and mtimes, then the directories' (which the large files' renames touched).
   done.insert(done.end(), large.dirs.begin(), large.dirs.end());
   path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); });
@@ -202,13 +220,13 @@ TreeResult download_tree(Session& session, const std::string& remote, const std:
   large.threshold = copy ? o.large_file : 0;
   TreeResult r = tree_part(session, [&](PathClient& c) { return c.download_tree(remote, local, o, &large); });
   if (large.files.empty() || !still_usable(session, large, r)) return finish(std::move(r));
-  std::vector<Entry> done;
-  large_part(session, large, remote, local, false, o, copy, r, done);
   files::Fd root(::open(local.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!root) {
     const auto st = files::Status::from_errno(errno, "open '" + local + "'");
     throw Error(st.code, st.message);
   }
+  std::vector<Entry> done;
+  large_part(session, large, remote, local, root.get(), false, o, copy, r, done);
   // The same directories count as made by this copy as in its path part: only theirs get modes.
   TreeWriter writer(root.get(), download_tag(), o.fsync, 1, 1, files::process_umask(), 0, large.made);
   std::unordered_set<std::string> named;

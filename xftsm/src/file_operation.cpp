@@ -61,7 +61,13 @@ public:
 
   files::Status commit() override {
     if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
-    return pending_.commit(nego_.file_size, env_.config.fsync);
+    struct stat st {};
+    const bool known = ::fstat(pending_.fd(), &st) == 0;
+    auto s = pending_.commit(nego_.file_size, env_.config.fsync);
+    // The session made it: its client may set its mode later (a tree copy does, after its
+    // large files went).
+    if (s && known && env_.made) env_.made->add(st, files::Made::key(nego_.remote_path));
+    return s;
   }
 
   void finished(errc code, const std::string& message, bool from_peer) override {

@@ -1,12 +1,16 @@
 // File-system helpers: RAII descriptors, root confinement and the write-then-rename rule.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "xdfs/error.hpp"
@@ -105,6 +109,28 @@ std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std:
 
 /// The process's umask (read once, without changing it).
 mode_t process_umask() noexcept;
+
+/// What one session (or one local copy) made under its root, directories and files, each by its
+/// identity (device, inode) and its path: the entries whose modes its peer may set. A name
+/// that now holds something else (removed, another renamed onto it) no longer matches.
+/// Bounded: past max_bytes of paths it records nothing more (what it made then keeps the mode it
+/// was made with). Thread-safe.
+class Made {
+public:
+  explicit Made(std::size_t max_bytes = std::size_t(32) << 20) : max_bytes_(max_bytes) {}
+  /// Records what `path` (relative to the root, normalized by the caller) is now: `name` in `dir`.
+  void add(int dir, const std::string& name, const std::string& path);
+  void add(const struct ::stat& st, const std::string& path);
+  bool has(const struct ::stat& st, const std::string& path) const;
+  /// The form paths are recorded in: no trailing slash, no leading "./", "." for the root.
+  static std::string key(const std::string& path);
+
+private:
+  std::size_t max_bytes_;
+  std::size_t bytes_ = 0;
+  mutable std::mutex mu_;
+  std::set<std::tuple<std::uint64_t, std::uint64_t, std::string>> made_;
+};
 
 /// "dir/name" -> ("dir", "name"); "name" -> (".", "name").
 std::pair<std::string, std::string> split_parent(const std::string& path);

@@ -22,6 +22,7 @@
 
 #include "xdfs/budget.hpp"
 #include "xdfs/error.hpp"
+#include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
@@ -152,10 +153,9 @@ struct OperationEnv {
   MemoryBudget& budget;
   xdsi::ChannelList& channels;   ///< all n, each with nothing of this operation read or sent yet
   std::function<void(const std::string&)> log;
-  /// What this operation's mode keeps for the session between its operations (empty before
-  /// the mode's first operation of the session; the mode's own type behind it): path mode
-  /// remembers there which directories the session made, whose modes are the client's to set.
-  std::shared_ptr<void>& mode_state;
+  /// What the session's operations made under the root (directories, received files): the
+  /// entries whose modes its client may set later, in any operation of the session.
+  std::shared_ptr<files::Made> made;
 };
 
 /// How an operation ended.

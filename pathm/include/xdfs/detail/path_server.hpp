@@ -44,8 +44,8 @@ struct ServerParams {
   MemoryBudget* budget = nullptr;
   /// Largest file a put may create (0: what the file system has free).
   std::uint64_t max_file_size = 0;
-  /// The directories the session's path operations made (null: this operation's own).
-  std::shared_ptr<MadeDirs> made;
+  /// What the session's operations made (null: this operation's own).
+  std::shared_ptr<files::Made> made;
 };
 
 /// Serves path requests on a root directory until the client ends the operation (EOFR on every

@@ -72,39 +72,30 @@ std::string download_tag();
 /// directory that cannot be read is left alone.
 std::size_t sweep_stale_downloads(int root, const std::string& path);
 
-/// The directories the writers of one copy made (normalized paths): their modes are the
-/// copy's to set. Writers that share it (the path operations of one session, one after another)
-/// may set the modes of what an earlier one made.
-struct MadeDirs {
-  std::mutex mu;
-  std::unordered_set<std::string> dirs;
-};
-
 class TreeWriter {
 public:
   /// chunk: the block size large files are split into; max_open: large files in progress at
   /// once; umask: masked off every mode it sets (as the kernel does for a plain create);
   /// max_file_size: largest file it accepts (0: what the file system has free when the file
   /// starts).
-  /// made: shared with the writers of the same copy (null: this writer's own).
+  /// made: what the copy (the session) made, shared with its other writers and operations
+  /// (null: this writer's own).
   TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open = 1024,
              mode_t umask = files::process_umask(), std::uint64_t max_file_size = 0,
-             std::shared_ptr<MadeDirs> made = nullptr);
+             std::shared_ptr<files::Made> made = nullptr);
   ~TreeWriter();
   TreeWriter(const TreeWriter&) = delete;
   TreeWriter& operator=(const TreeWriter&) = delete;
 
   Status put(const Entry& e);
-  /// Sets mtime, and mode of the directories this writer (or one sharing its MadeDirs) made
-  /// (directories after their contents are in place), and of regular files with a single link.
-  /// A directory that was there before keeps its mode: a peer must not be able to open up a
-  /// directory it did not make. A file's mode gives a peer nothing a replacing upload would
-  /// not; a file with another link might be that link's too, and keeps its mode.
+  /// Sets mtime, and the mode of what this writer's copy made (Made: the same thing still at
+  /// that path), directories after their contents are in place. What was there before keeps
+  /// its mode: a peer must not be able to open up what it did not make.
   Status set_attrs(const Entry& e);
   /// Makes a directory (with its parents), noting what it made.
   Status make_dir(const std::string& path, bool parents, std::uint32_t mode);
-  /// Counts a directory as made by this writer (the caller made it for this copy).
-  void claim(const std::string& dir);
+  /// Counts what is at `path` as made by this copy (the caller made it for the copy).
+  void claim(const std::string& path);
   /// Files in progress (a large file not yet whole).
   std::size_t open_files() const;
   /// Removes every temporary file still in progress (after a failure).
@@ -120,8 +111,8 @@ private:
   Status parent_of(const std::string& path, files::Fd& dir, std::string& name, bool create);
   /// Makes the missing directories of path (relative to the root), noting each one made.
   Status make_parents(const std::string& path);
-  void made(const std::string& dir);
-  bool made_here(const std::string& dir) const;
+  /// Notes that `path` (`name` in `dir`) was made by this copy.
+  void made(int dir, const std::string& name, const std::string& path);
   /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused; it no
   /// longer counts among the files in progress (its descriptors close once no worker holds it).
   void give_up(const std::shared_ptr<Partial>& p);
@@ -136,7 +127,7 @@ private:
   mutable std::mutex mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Partial>> partial_;
   std::unordered_set<std::uint64_t> failed_;  // ids given up: their late chunks are refused
-  std::shared_ptr<MadeDirs> made_;  // directories this writer (or its copy) created
+  std::shared_ptr<files::Made> made_;  // what this writer (or its copy) created
   std::uint64_t counter_ = 0;
 };
 

@@ -58,7 +58,7 @@ struct LargeFiles {
   std::uint64_t threshold = 0;  ///< in: files of at least this many bytes are left out (0: none)
   std::vector<Entry> files;     ///< out: those files (paths relative to the tree, as listed)
   std::vector<Entry> dirs;      ///< out, when files is not empty: the directories, attributes not set yet
-  std::shared_ptr<MadeDirs> made;  ///< out (download): the directories this copy made here
+  std::shared_ptr<files::Made> made;  ///< out (download): what this copy made here
 };
 
 /// One entry of a tree that could not be copied.
