@@ -157,7 +157,8 @@ std::string download_target(int root, const std::string& rel, files::Fd& dir) {
 }
 
 // The large files, one transfer each; those copied are kept in `done`. A failure that leaves
-// the session usable fails its file only.
+// the session usable fails its file only; one that ends the session fails its file and names
+// every file after it as not copied.
 void large_part(Session& session, const LargeFiles& large, const std::string& from_base, const std::string& to_base,
                 int local_root, bool up, const TreeOptions& o, const CopyFile& copy, TreeResult& r,
                 std::vector<Entry>& done) {
@@ -177,8 +178,12 @@ void large_part(Session& session, const LargeFiles& large, const std::string& fr
       done.push_back(f);
       if (o.progress) o.progress(r.files, r.bytes);
     } catch (const TransferError& e) {
-      if (!session.usable()) throw;
       r.failures.push_back({f.path, e.code(), e.context(), e.remote()});
+      if (!session.usable()) {
+        for (const auto* g = &f + 1; g != large.files.data() + large.files.size(); ++g)
+          r.failures.push_back({g->path, errc::peer_aborted, "not copied: the session ended", false});
+        break;
+      }
     }
   }
   r.large_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -208,9 +213,10 @@ TreeResult upload_tree(Session& session, const std::string& local, const std::st
   if (large.files.empty() || !still_usable(session, large, r)) return finish(std::move(r));
   std::vector<Entry> done;
   large_part(session, large, local, remote, -1, true, o, copy, r, done);
-  // Their modes and mtimes, then the directories' (which the large files' renames touched).
+  // Their modes and mtimes, then the directories' (which the large files' renames touched); a
+  // session that ended with a large file cannot set them (its files are named above).
   done.insert(done.end(), large.dirs.begin(), large.dirs.end());
-  path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); });
+  if (session.usable()) path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); });
   return finish(std::move(r));
 }
 
