@@ -312,6 +312,35 @@ TEST_CASE("the library: one session carries uploads, downloads and path operatio
   CHECK(d.wait_for_log("ops=6"));
 }
 
+TEST_CASE("RemoteFs: single files go up and down as transfers of their own between path calls, on one session") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  auto o = options(3);
+  xt::write_random_file(local / "f", (2 << 20) + 3, 9);
+  {
+    xdfs::RemoteFs fs({"127.0.0.1", d.port()}, o, xdfs::file_transfers(o));
+    fs->mkdir("in", false);
+    CHECK(fs.upload(local / "f", "in/f") == (2u << 20) + 3);
+    CHECK(fs->stat("in/f").size == (2u << 20) + 3);  // a new path operation on the same channels
+    fs->rename("in/f", "in/g");
+    CHECK(fs.download("in/g", local / "g") == (2u << 20) + 3);
+    // A refused transfer leaves it usable.
+    CHECK(xt::error_of([&] { fs.download("in/nope", local / "nope"); }) == errc::no_such_file);
+    CHECK(fs->stat("in/g").type == xdfs::pathm::Type::file);
+    fs.close();
+    CHECK(xt::error_of([&] { fs->stat("in"); }) == errc::state_violation);
+  }
+  CHECK(xt::files_equal(local / "f", local / "g"));
+  CHECK(xt::files_equal(local / "f", root / "in/g"));
+  // One session: path, upload, path, download, refused download, path.
+  REQUIRE(d.wait_for_log("ops=6"));
+  CHECK(count(d.log(), " start peer=") == 1);
+  // Without file transfers, upload says so.
+  xdfs::RemoteFs plain({"127.0.0.1", d.port()}, o);
+  CHECK(xt::error_of([&] { plain.upload(local / "f", "x"); }) == errc::not_supported);
+  plain.close();
+}
+
 TEST_CASE("a session's set-up is paid once: later operations take no handshake; 256 channels join a default xdfsd") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

@@ -20,6 +20,17 @@ inline runtime::Modes standard_modes() {
   return modes;
 }
 
+/// xFTSM as a RemoteFs's file transfers (RemoteFs::upload, RemoteFs::download), with the
+/// transfer's own options of `transfer` (ring, fsync, progress).
+inline FileTransfers file_transfers(const TransferOptions& transfer = {}) {
+  return {[transfer](Session& s, const std::string& local, const std::string& remote) {
+            return upload(s, local, remote, transfer).bytes;
+          },
+          [transfer](Session& s, const std::string& remote, const std::string& local) {
+            return download(s, remote, local, transfer).bytes;
+          }};
+}
+
 /// A directory tree copied over `session`: path mode for its directories, symlinks and small
 /// files, and each file of at least tree.large_file bytes as an xFTSM transfer of its own
 /// (blocks sealed and written on disk threads, as a single file moves) with `transfer`'s own

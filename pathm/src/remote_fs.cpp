@@ -15,14 +15,17 @@ namespace xdfs {
 struct RemoteFs::Impl {
   std::unique_ptr<Session> own;
   Session* session = nullptr;
-  std::unique_ptr<pathm::PathClient> client;
+  FileTransfers transfers;
+  std::unique_ptr<pathm::PathClient> client;  // null between path operations
   // Keep-alives between calls.
   std::thread keeper;
   std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
+  bool closed = false;
 
   void start() {
+    stopping = false;
     wire::Negotiation n;
     n.mode = Mode::path;
     n.remote_path = ".";
@@ -61,16 +64,52 @@ struct RemoteFs::Impl {
     cv.notify_all();
     if (keeper.joinable()) keeper.join();
   }
+
+  // Ends the running path operation, if any; the session stays (unless it failed).
+  void end_path() {
+    if (!client) return;
+    stop_keeper();
+    bool ok = false;
+    try {
+      ok = client->close();
+    } catch (...) {
+      // A handler threw while the operation ended: the session is over (below).
+    }
+    // The session takes its channels back (or closes them) while the client still exists: what
+    // the loop still holds for it runs first.
+    session->end_operation(ok);
+    client.reset();
+  }
+
+  pathm::PathClient& path() {
+    if (closed) throw TransferError(errc::state_violation, "the RemoteFs is closed", false);
+    if (!client) start();
+    return *client;
+  }
+
+  // One file as a transfer of its own, between path operations.
+  template <class Transfer>
+  std::uint64_t transfer(const Transfer& t, const char* what, const std::string& from, const std::string& to) {
+    if (!t) throw TransferError(errc::not_supported, std::string("this RemoteFs has no file ") + what +
+                                                         " (give it xdfs::file_transfers())",
+                                false);
+    if (closed) throw TransferError(errc::state_violation, "the RemoteFs is closed", false);
+    end_path();
+    return t(*session, from, to);
+  }
 };
 
-RemoteFs::RemoteFs(const Endpoint& server, const SessionOptions& options) : impl_(std::make_unique<Impl>()) {
+RemoteFs::RemoteFs(const Endpoint& server, const SessionOptions& options, FileTransfers transfers)
+    : impl_(std::make_unique<Impl>()) {
   impl_->own = std::make_unique<Session>(server, options);
   impl_->session = impl_->own.get();
+  impl_->transfers = std::move(transfers);
   impl_->start();
 }
 
-RemoteFs::RemoteFs(Session& session) : impl_(std::make_unique<Impl>()) {
+RemoteFs::RemoteFs(Session& session, FileTransfers transfers) : impl_(std::make_unique<Impl>()) {
   impl_->session = &session;
+  impl_->transfers = std::move(transfers);
   impl_->start();
 }
 
@@ -81,22 +120,21 @@ RemoteFs::~RemoteFs() {
   }
 }
 
-pathm::PathClient* RemoteFs::operator->() { return impl_->client.get(); }
-pathm::PathClient& RemoteFs::client() { return *impl_->client; }
+pathm::PathClient* RemoteFs::operator->() { return &impl_->path(); }
+pathm::PathClient& RemoteFs::client() { return impl_->path(); }
+
+std::uint64_t RemoteFs::upload(const std::string& local, const std::string& remote) {
+  return impl_->transfer(impl_->transfers.upload, "uploads", local, remote);
+}
+
+std::uint64_t RemoteFs::download(const std::string& remote, const std::string& local) {
+  return impl_->transfer(impl_->transfers.download, "downloads", remote, local);
+}
 
 void RemoteFs::close() {
-  if (!impl_->client) return;
-  impl_->stop_keeper();
-  bool ok = false;
-  try {
-    ok = impl_->client->close();
-  } catch (...) {
-    // A handler threw while the operation ended: the session is over (below).
-  }
-  // The session takes its channels back (or closes them) while the client still exists: what
-  // the loop still holds for it runs first.
-  impl_->session->end_operation(ok);
-  impl_->client.reset();
+  if (impl_->closed) return;
+  impl_->closed = true;
+  impl_->end_path();
   if (impl_->own) impl_->own->close();
 }
 

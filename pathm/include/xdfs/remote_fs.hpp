@@ -23,6 +23,14 @@
 
 namespace xdfs {
 
+/// How a RemoteFs moves one file as a transfer of its own on its session: path mode knows no
+/// other mode, so the caller gives them; xdfs::file_transfers(options) (xdfs/xdfs.hpp) gives
+/// xFTSM's. Each returns the bytes moved and throws TransferError.
+struct FileTransfers {
+  std::function<std::uint64_t(Session&, const std::string& local, const std::string& remote)> upload;
+  std::function<std::uint64_t(Session&, const std::string& remote, const std::string& local)> download;
+};
+
 /// A path-mode operation: remote file operations and whole directory trees over n channels,
 /// many requests outstanding at once.
 ///
@@ -30,18 +38,29 @@ namespace xdfs {
 /// every call then blocks until its answer (or throws xdfs::Error). Paths are relative to the
 /// server's root. Calls are serialized; between them a background thread sends keep-alives
 /// (SessionOptions::keep_alive), so an idle RemoteFs stays connected until close().
+///
+/// upload() and download() move one file as a transfer of its own on the same session (with
+/// the FileTransfers given): the path operation ends first, and the next path call starts a new
+/// one on the same channels.
 class RemoteFs {
 public:
   /// A session of its own.
-  explicit RemoteFs(const Endpoint& server, const SessionOptions& options = {});
+  explicit RemoteFs(const Endpoint& server, const SessionOptions& options = {}, FileTransfers transfers = {});
   /// A path operation of `session` (opened by this if it is not yet); the session stays the
   /// caller's and, once this is closed, carries the next operation.
-  explicit RemoteFs(Session& session);
+  explicit RemoteFs(Session& session, FileTransfers transfers = {});
   ~RemoteFs();
   RemoteFs(const RemoteFs&) = delete;
   RemoteFs& operator=(const RemoteFs&) = delete;
+  /// The path client (starting the next path operation if a file transfer ended the last one).
   pathm::PathClient* operator->();
   pathm::PathClient& client();
+  /// Sends the local regular file `local` to `remote` as a file transfer of its own on this
+  /// session; returns its bytes. A refusal (no such directory, ...) throws and leaves this
+  /// usable; errc::not_supported without FileTransfers.
+  std::uint64_t upload(const std::string& local, const std::string& remote);
+  /// Fetches `remote` into `local` (written under a temporary name, renamed into place whole).
+  std::uint64_t download(const std::string& remote, const std::string& local);
   /// Ends the path operation cleanly (and the session, if it is this one's own). Also done by
   /// the destructor.
   void close();
