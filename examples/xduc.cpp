@@ -1,6 +1,6 @@
 // xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
-#include <fmt/core.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -151,8 +151,26 @@ std::string join_path(const std::string& a, const std::string& b) {
   return a.back() == '/' ? a + b : a + "/" + b;
 }
 
-int report_error(const xdfs::Error& e, bool remote) {
+// A failure for programs: its code, its class (what to do next: retry, reconnect, give-up), the
+// side that hit it, and where (channel, offset) when known.
+std::string json_error(xdfs::errc code, const std::string& message, bool remote, std::optional<std::uint32_t> channel = {},
+                       std::optional<std::uint64_t> offset = {}) {
+  std::string s = fmt::format("{{\"code\":\"{}\",\"recovery\":\"{}\",\"remote\":{},\"message\":\"{}\"",
+                              xdfs::to_string(code), xdfs::to_string(xdfs::recovery(code)), remote,
+                              json_escape(shown(message)));
+  if (channel) s += fmt::format(",\"channel\":{}", *channel);
+  if (offset) s += fmt::format(",\"offset\":{}", *offset);
+  return s + "}";
+}
+
+std::string json_error(const xdfs::Error& e, bool remote) {
+  return json_error(e.code(), e.context(), remote, e.channel(), e.offset());
+}
+
+// The one line on standard error; with --json also {"error":{...}} on standard output.
+int report_error(const xdfs::Error& e, bool remote, bool json = false) {
   fmt::print(stderr, "xduc: {}{}: {}\n", xdfs::to_string(e.code()), remote ? " (server)" : "", shown(e.context()));
+  if (json) fmt::print("{{\"error\":{}}}\n", json_error(e, remote));
   if (e.code() == xdfs::errc::cancelled) return 130;
   return e.code() == xdfs::errc::bad_argument ? 2 : 1;
 }
@@ -212,10 +230,12 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   std::uint64_t files = 0, trees = 0, bytes = 0, failed = 0, skipped = 0;
   double setup = 0;
   xdfs::Session session(ep, opt);
+  std::vector<std::string> errors;  // for --json: each failure, with its class
   auto fail_line = [&](const std::string& what, const xdfs::Error& e, bool remote) {
     line.end();
     fmt::print(stderr, "xduc: {}: {}{}: {}\n", shown(what), xdfs::to_string(e.code()), remote ? " (server)" : "",
                shown(e.context()));
+    errors.push_back(fmt::format("{{\"source\":\"{}\",{}", json_escape(shown(what)), json_error(e, remote).substr(1)));
     ++failed;
   };
   std::size_t k = 0;
@@ -257,9 +277,12 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       }
     } catch (const xdfs::pathm::TreeError& e) {
       line.end();
-      for (const auto& f : e.result().failures)
+      for (const auto& f : e.result().failures) {
         fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
                    f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
+        errors.push_back(fmt::format("{{\"source\":\"{}\",\"path\":\"{}\",{}", json_escape(shown(src)),
+                                     json_escape(shown(f.path)), json_error(f.code, f.message, f.remote).substr(1)));
+      }
       files += e.result().files;
       bytes += e.result().bytes;
       ++failed;
@@ -281,9 +304,10 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   if (json) {
     const double bps = secs > 0 ? static_cast<double>(bytes) / secs : 0;
     fmt::print("{{\"direction\":\"{}\",\"sources\":{},\"files\":{},\"trees\":{},\"skipped\":{},\"failed\":{},"
-               "\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},\"setup_seconds\":{:.6f}}}\n",
+               "\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},\"setup_seconds\":{:.6f},"
+               "\"errors\":[{}]}}\n",
                up ? "upload" : "download", sources.size(), files, trees, skipped, failed + not_tried, bytes, secs, bps,
-               opt.channels, setup);
+               opt.channels, setup, fmt::join(errors, ","));
   } else if (!quiet) {
     fmt::print(stderr, "xduc: {} files{}, {} in {:.2f} s over one session{}\n", files,
                trees ? fmt::format(" ({} trees)", trees) : std::string(), xdfs::cli::human_bytes(static_cast<double>(bytes)),
@@ -457,9 +481,9 @@ int main(int argc, char** argv) {
       fs.close();
       return 0;
     } catch (const xdfs::TransferError& e) {
-      return report_error(e, e.remote());
+      return report_error(e, e.remote(), json);
     } catch (const xdfs::Error& e) {
-      return report_error(e, fsp && fsp->client().remote_error());
+      return report_error(e, fsp && fsp->client().remote_error(), json);
     } catch (const std::exception& e) {
       fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
       return 1;
@@ -559,10 +583,10 @@ int main(int argc, char** argv) {
       return 1;
     } catch (const xdfs::TransferError& e) {
       if (tty) fmt::print(stderr, "\n");
-      return report_error(e, e.remote());
+      return report_error(e, e.remote(), json);
     } catch (const xdfs::Error& e) {
       if (tty) fmt::print(stderr, "\n");
-      return report_error(e, false);
+      return report_error(e, false, json);
     } catch (const std::exception& e) {
       if (tty) fmt::print(stderr, "\n");
       fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
@@ -587,7 +611,7 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const xdfs::TransferError& e) {
     line.end();
-    return report_error(e, e.remote());
+    return report_error(e, e.remote(), json);
   } catch (const std::exception& e) {
     line.end();
     fmt::print(stderr, "xduc: {}\n", shown(e.what()));

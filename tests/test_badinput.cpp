@@ -346,7 +346,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     // A FIN and nothing more: closing the socket outright would answer whatever the server had
     // sent meanwhile with a reset, and the server would report that instead (also an abort).
     c.shutdown_write();
-    CHECK(d.wait_for_log("status=error: peer aborted: channel 0 closed by the peer"));
+    CHECK(d.wait_for_log("status=error: peer aborted: channel 0 closed by the client"));
     CHECK(c.wait_closed());
   }
   // Sends `poke` every 200 ms until an exception arrives (at most 10 s).

@@ -273,6 +273,50 @@ TEST_CASE("a source that fails is reported and the others still travel on the sa
   CHECK(d.log().find("refused operation 1 mode=download path=missing") != std::string::npos);
 }
 
+TEST_CASE("a failure says what to do next and where: a missing file gives up, a server gone mid-transfer reconnects") {
+  xt::TempDir root, local;
+  auto d = std::make_unique<xt::XdfsdProcess>(root.path());
+  xt::write_random_file(root / "big", 256 << 20, 5);
+  auto o = options(2);
+  xdfs::Session s({"127.0.0.1", d->port()}, o);
+  try {
+    xdfs::download(s, "nope", local / "nope", o);
+    FAIL("a missing file was downloaded");
+  } catch (const xdfs::TransferError& e) {
+    CHECK(e.code() == errc::no_such_file);
+    CHECK(e.remote());
+    CHECK(e.recovery() == xdfs::Recovery::give_up);
+  }
+  REQUIRE(s.usable());
+  // The server goes while the file streams in: the error names the channel that saw it go.
+  std::thread killer([&] {
+    if (d->wait_for_log("start op=1 ", 30000)) ::kill(d->pid(), SIGKILL);
+  });
+  try {
+    xdfs::download(s, "big", local / "big", o);
+    FAIL("the download outlived its server");
+  } catch (const xdfs::TransferError& e) {
+    CHECK_MESSAGE(e.code() == errc::peer_aborted, e.what());
+    CHECK(e.recovery() == xdfs::Recovery::reconnect);
+    REQUIRE(e.channel().has_value());
+    CHECK(*e.channel() < 2u);
+    CHECK_MESSAGE(std::regex_search(e.context(), std::regex("^channel [01] (closed|reset) by the server( during the negotiation)?$")), e.context());
+  }
+  killer.join();
+  CHECK_FALSE(s.usable());
+  s.close();
+  CHECK_FALSE(xt::exists(local / "big"));
+  xt::check_no_partials(local.path());
+  // xduc --json gives programs the same: the code, its class and the side, one object per failure.
+  d = std::make_unique<xt::XdfsdProcess>(root.path());
+  auto r = xt::xduc({"-q", "--json", "-p", "2", url(*d, "nope"), url(*d, "big"), local.path()});
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.out.find("\"errors\":[{\"source\":\"" + url(*d, "nope") +
+                           "\",\"code\":\"no such file\",\"recovery\":\"give-up\",\"remote\":true,") != std::string::npos,
+                r.out);
+  CHECK(xt::files_equal(root / "big", local / "big"));
+}
+
 TEST_CASE("the library: one session carries uploads, downloads and path operations, switching modes") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

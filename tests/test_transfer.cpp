@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "support.hpp"
@@ -397,8 +398,10 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
   struct Host final : TransferHost {
     std::atomic<bool> told{false};
     xdfs::errc code = xdfs::errc::ok;
-    void finished(xdfs::errc c, const std::string&, bool) override {
-      code = c;
+    xdfs::Failure failure;
+    void finished(const xdfs::Failure& f) override {
+      code = f.code;
+      failure = f;
       told = true;
     }
   } host;
@@ -452,11 +455,85 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
     sender.join();
     REQUIRE(host.told);
     CHECK(host.code == xdfs::errc::peer_aborted);
+    // Where and how: the channel the sender left, which nothing can be told any more.
+    CHECK(host.failure.channel == 0u);
+    CHECK(host.failure.peer_gone);
+    CHECK(host.failure.message == "channel 0 closed by the client");
     CHECK(machine.state() == State::failed);
   }
   ::close(fd);
   CHECK(io.calls >= 1);
   CHECK(io.late == 0);
+}
+
+TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whether the peer is gone") {
+  using xdfs::errc;
+  namespace asio = boost::asio;
+  using asio::ip::tcp;
+  asio::io_context ctx;
+  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  tcp::socket peer(ctx);
+  peer.connect(acceptor.local_endpoint());
+  xdfs::xdsi::Channel ch(acceptor.accept(), 3);
+  auto read = [&] {
+    boost::system::error_code got;
+    bool called = false;
+    ch.async_read_header([&](const boost::system::error_code& ec, const xdfs::wire::FrameHeader&) {
+      got = ec;
+      called = true;
+    });
+    ctx.restart();
+    ctx.run();
+    REQUIRE(called);
+    return got;
+  };
+  // A header that does not decode: the peer's fault, but it is still there to be told.
+  const std::vector<std::uint8_t> garbage(xdfs::wire::frame_header_size, 0xff);
+  asio::write(peer, asio::buffer(garbage));
+  auto f = ch.failure(read(), "server");
+  CHECK(f.code == errc::protocol_error);
+  CHECK(f.channel == 3u);
+  CHECK_FALSE(f.peer_gone);
+  CHECK_FALSE(f.from_peer);
+  CHECK_MESSAGE(f.message.rfind("channel 3: server sent ", 0) == 0, f.message);
+  CHECK(f.recovery() == xdfs::Recovery::give_up);
+  // The peer closes: gone, nothing can be told; a new connection may do better.
+  peer.close();
+  f = ch.failure(read(), "server");
+  CHECK(f.code == errc::peer_aborted);
+  CHECK(f.channel == 3u);
+  CHECK(f.peer_gone);
+  CHECK(f.from_peer);
+  CHECK(f.message == "channel 3 closed by the server");
+  CHECK(f.recovery() == xdfs::Recovery::reconnect);
+  // As the public API throws it: the code's name heads the text, the channel travels along.
+  const xdfs::Error e(f);
+  CHECK(std::string(e.what()) == "peer aborted: channel 3 closed by the server");
+  CHECK(e.channel() == 3u);
+  CHECK_FALSE(e.offset().has_value());
+}
+
+TEST_CASE("every error code has a class that says what a caller does next") {
+  using xdfs::errc;
+  using xdfs::Recovery;
+  std::set<std::string> names;
+  for (std::uint32_t v = 0; v <= static_cast<std::uint32_t>(xdfs::last_errc); ++v) {
+    const auto c = static_cast<errc>(v);
+    CAPTURE(xdfs::to_string(c));
+    names.insert(xdfs::to_string(xdfs::recovery(c)));
+  }
+  CHECK(names == std::set<std::string>{"retry", "reconnect", "give-up"});
+  // Not retried: a refused key, a missing file, a full disk, a path outside the root, a bad argument.
+  for (auto c : {errc::auth_failed, errc::no_such_file, errc::disk_full, errc::path_escape, errc::bad_argument,
+                 errc::permission_denied, errc::not_supported, errc::cancelled, errc::ok})
+    CHECK(xdfs::recovery(c) == Recovery::give_up);
+  // A new session may do better: the connection went, was refused (a restart), or carried a bad frame.
+  for (auto c : {errc::peer_aborted, errc::connection_refused, errc::connection_failed, errc::timeout,
+                 errc::shutting_down, errc::integrity_error})
+    CHECK(xdfs::recovery(c) == Recovery::reconnect);
+  // The server was busy, or the file changed under the sender: the same request later.
+  CHECK(xdfs::recovery(errc::limit_exceeded) == Recovery::retry);
+  CHECK(xdfs::recovery(errc::size_mismatch) == Recovery::retry);
 }
 
 }  // TEST_SUITE

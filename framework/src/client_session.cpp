@@ -60,9 +60,7 @@ struct Session::Impl {
   std::optional<wire::ExceptionHeader> refusal;
   // The negotiation's outcome when it is not a reply: the error, and whether the server said it.
   bool failed = false;
-  errc code = errc::ok;
-  std::string message;
-  bool remote = false;
+  Failure why;
   std::uint64_t ops = 0;
   Clock::time_point start;
   double setup = 0;
@@ -107,9 +105,11 @@ struct Session::Impl {
     io.poll();
     if (failed || (!reply && !refusal)) {
       if (!failed) fail(errc::internal, "the session's event loop stopped", false);
-      (void)machine.fire(code == errc::timeout ? SessionEvent::timeout : remote ? SessionEvent::peer_exception : SessionEvent::local_error);
+      (void)machine.fire(why.code == errc::timeout ? SessionEvent::timeout
+                         : why.from_peer           ? SessionEvent::peer_exception
+                                                   : SessionEvent::local_error);
       shut();
-      throw TransferError(code, message, remote);
+      throw TransferError(why);
     }
     if (refusal) {
       if (!connected) setup = std::chrono::duration<double>(Clock::now() - start).count();
@@ -148,12 +148,11 @@ struct Session::Impl {
     });
   }
 
-  void fail(errc c, const std::string& m, bool r) {
+  void fail(errc c, const std::string& m, bool r) { fail(Failure(c, m, r)); }
+  void fail(Failure f) {
     if (failed) return;
     failed = true;
-    code = c;
-    message = m;
-    remote = r;
+    why = std::move(f);
     resolver.cancel();
     for (auto& ch : channels)
       if (ch) ch->close();
@@ -316,10 +315,6 @@ struct Session::Impl {
   void read_answer(xdsi::Channel& ch) {
     ch.async_read_header([this, &ch](const ErrorCode& ec, const wire::FrameHeader& h) {
       if (failed) return;
-      if (ec == boost::system::errc::protocol_error)
-        return fail(errc::protocol_error, "server sent " + ch.last_error_text(), false);
-      if (ec == xdsi::integrity_failure)
-        return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), false);
       if (ec) return channel_lost(ch, ec);
       if (h.event != wire::ChannelEvent::nego_reply && h.event != wire::ChannelEvent::exception)
         return fail(errc::protocol_error,
@@ -329,8 +324,6 @@ struct Session::Impl {
       auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
       ch.async_read_payload(*buf, [this, &ch, buf, ev = h.event](const ErrorCode& ec) {
         if (failed) return;
-        if (ec == xdsi::integrity_failure)
-          return fail(errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()), false);
         if (ec) return channel_lost(ch, ec);
         on_answer(ev, *buf);
       });
@@ -360,8 +353,9 @@ struct Session::Impl {
 
   void channel_lost(xdsi::Channel& ch, const ErrorCode& ec) {
     if (ec == boost::asio::error::operation_aborted || failed) return;
-    fail(errc::peer_aborted, fmt::format("server closed channel {} during negotiation ({})", ch.index(), ec.message()),
-         true);
+    auto f = ch.failure(ec, "server");
+    if (f.peer_gone) f.message += " during the negotiation";
+    fail(std::move(f));
   }
 
   void close() noexcept {

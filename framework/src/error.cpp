@@ -71,6 +71,58 @@ errc errc_from_errno(int err) noexcept {
   }
 }
 
+Recovery recovery(errc e) noexcept {
+  switch (e) {
+    // The connection went, or carried something that was not the peer's: a new one may work.
+    case errc::connection_refused:  // a server restarting
+    case errc::connection_failed:
+    case errc::peer_aborted:
+    case errc::timeout:
+    case errc::shutting_down:
+    case errc::integrity_error:     // a frame changed on the way (the keys are not in doubt)
+      return Recovery::reconnect;
+    // The server is busy or the file moved under the sender: the same request later may work.
+    case errc::limit_exceeded:
+    case errc::size_mismatch:
+      return Recovery::retry;
+    // Nothing changes by trying again.
+    case errc::ok:
+    case errc::bad_argument:
+    case errc::protocol_error:      // the peer's software is wrong; it will be wrong again
+    case errc::bad_version:
+    case errc::no_such_file:
+    case errc::permission_denied:
+    case errc::path_escape:
+    case errc::disk_full:
+    case errc::io_error:
+    case errc::bad_channel:
+    case errc::not_regular_file:
+    case errc::is_directory:
+    case errc::internal:
+    case errc::state_violation:
+    case errc::cancelled:
+    case errc::auth_failed:
+    case errc::insecure_key_file:
+    case errc::not_supported:
+      return Recovery::give_up;
+  }
+  return Recovery::give_up;
+}
+
+const char* to_string(Recovery r) noexcept {
+  switch (r) {
+    case Recovery::retry: return "retry";
+    case Recovery::reconnect: return "reconnect";
+    case Recovery::give_up: return "give-up";
+  }
+  return "?";
+}
+
+Error::Error(const Failure& f) : Error(f.code, f.message) {
+  channel_ = f.channel;
+  offset_ = f.offset;
+}
+
 Error::Error(errc code, const std::string& context)
     : std::runtime_error(context.empty() ? std::string(to_string(code))
                                          : std::string(to_string(code)) + ": " + context),

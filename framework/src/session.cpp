@@ -327,10 +327,7 @@ private:
   // A channel closed between operations: the client left; nothing was running.
   void lost(xdsi::Channel& ch, const ErrorCode& ec) {
     if (ec == boost::asio::error::operation_aborted) return;
-    if (ec == boost::system::errc::protocol_error)
-      return fail(SessionEvent::local_error, errc::protocol_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
-    if (ec == xdsi::integrity_failure)
-      return fail(SessionEvent::local_error, errc::integrity_error, fmt::format("channel {}: {}", ch.index(), ch.last_error_text()));
+    if (auto f = ch.failure(ec, "client"); !f.peer_gone) return fail(SessionEvent::local_error, f.code, f.message);
     end_session(SessionEvent::peer_left);
   }
 

@@ -4,6 +4,8 @@
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 
+#include <fmt/core.h>
+
 #include <unistd.h>
 
 #include <charconv>
@@ -59,6 +61,37 @@ bool parse_host_port(const std::string& text, std::uint16_t default_port, std::s
 }
 
 Channel::Channel(tcp::socket socket, std::uint32_t index) : socket_(std::move(socket)), index_(index) {}
+
+Failure Channel::failure(const ErrorCode& ec, std::string_view peer) const {
+  namespace e = asio::error;
+  Failure f;
+  f.channel = index_;
+  const auto on = fmt::format("channel {}", index_);
+  if (ec == boost::system::errc::protocol_error) {
+    f.code = errc::protocol_error;
+    f.message = fmt::format("{}: {} sent {}", on, peer, error_text_);
+  } else if (ec == integrity_failure) {
+    f.code = errc::integrity_error;
+    f.message = fmt::format("{}: {}", on, error_text_);
+  } else if (ec == e::operation_aborted) {
+    f.code = errc::cancelled;
+    f.message = on + ": cancelled";
+  } else if (ec == e::timed_out) {
+    f.code = errc::timeout;
+    f.message = on + ": timed out";
+    f.peer_gone = true;
+  } else {
+    f.code = errc::peer_aborted;
+    f.from_peer = f.peer_gone = true;
+    if (ec == e::eof)
+      f.message = fmt::format("{} closed by the {}", on, peer);
+    else if (ec == e::connection_reset || ec == e::broken_pipe)
+      f.message = fmt::format("{} reset by the {}", on, peer);
+    else
+      f.message = fmt::format("{}: {}", on, ec.message());
+  }
+  return f;
+}
 
 void Channel::async_read_header(HeaderHandler h) {
   asio::async_read(socket_, asio::buffer(in_header_),

@@ -682,6 +682,12 @@ constexpr std::uint32_t max_server_exception = wire::max_control_payload;
 // a join's server nonce and proof; a join's client proof.
 constexpr std::uint32_t msg1_size = 32, msg2_size = 32 + 32 + 2 * tag_size, join_answer_size = 64, proof_size = 32;
 
+// What ended a read during the handshake, as XDSI names it.
+HandshakeResult failed_read(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
+  auto f = ch.failure(ec);
+  return failure(f.code, f.message + " during the handshake", f.from_peer);
+}
+
 // Reads one HANDSHAKE frame of at most `max` bytes (what that step's message can be: a peer's
 // header cannot make us set aside more); an EXCEPTION from the peer (of at most max_exception
 // bytes) ends the handshake with its cause.
@@ -689,9 +695,7 @@ void read_handshake(xdsi::Channel& ch, std::uint32_t max, std::uint32_t max_exce
                     std::function<void(HandshakeResult, std::vector<std::uint8_t>)> next) {
   ch.async_read_header([&ch, max, max_exception, next = std::move(next)](const xdsi::ErrorCode& ec,
                                                                          const wire::FrameHeader& h) {
-    if (ec == xdsi::integrity_failure) return next(failure(errc::integrity_error, ch.last_error_text()), {});
-    if (ec == boost::system::errc::protocol_error) return next(failure(errc::protocol_error, ch.last_error_text()), {});
-    if (ec) return next(failure(errc::peer_aborted, "channel closed during the handshake (" + ec.message() + ")", true), {});
+    if (ec) return next(failed_read(ch, ec), {});
     const bool ex = h.event == wire::ChannelEvent::exception;
     if (!ex && h.event != wire::ChannelEvent::handshake)
       return next(failure(errc::protocol_error, std::string("expected a handshake message, got ") + wire::to_string(h.event)), {});
@@ -701,8 +705,7 @@ void read_handshake(xdsi::Channel& ch, std::uint32_t max, std::uint32_t max_exce
                   {});
     auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
     ch.async_read_payload(*buf, [buf, ex, &ch, next](const xdsi::ErrorCode& ec2) {
-      if (ec2 == xdsi::integrity_failure) return next(failure(errc::integrity_error, ch.last_error_text()), {});
-      if (ec2) return next(failure(errc::peer_aborted, "channel closed during the handshake", true), {});
+      if (ec2) return next(failed_read(ch, ec2), {});
       if (ex) {
         std::string why;
         auto e = wire::decode_exception(*buf, &why);

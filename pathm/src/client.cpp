@@ -12,7 +12,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "read_failure.hpp"
 #include "xdfs/pathm/path_client.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
@@ -153,8 +152,18 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
   }
 }
 
+void PathClient::fail(const Failure& f) {
+  if (code_ != errc::ok) return;
+  channel_ = f.channel;
+  fail(f.code, f.message, f.peer_gone);
+}
+
 void PathClient::check() const {
-  if (code_ != errc::ok) throw Error(code_, message_);
+  if (code_ != errc::ok) {
+    Failure f(code_, message_, remote_);
+    f.channel = channel_;
+    throw Error(f);
+  }
   if (closed_) throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
 
@@ -162,8 +171,8 @@ void PathClient::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (code_ != errc::ok || ended_) return;
     if (ec) {
-      auto f = read_failure(ch, ec, "server");
-      return fail(f.code, f.message, f.peer_gone);
+      auto f = ch.failure(ec, "server");
+      return fail(f);
     }
     if (h.event == wire::ChannelEvent::exception) {
       if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false);
@@ -211,8 +220,8 @@ void PathClient::read_loop(xdsi::Channel& ch) {
 void PathClient::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
   if (code_ != errc::ok || ended_) return;
   if (ec) {
-    auto f = read_failure(ch, ec, "server");
-    return fail(f.code, f.message, f.peer_gone);
+    auto f = ch.failure(ec, "server");
+    return fail(f);
   }
   on_reply(ch, std::move(buf));
   read_loop(ch);

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <condition_variable>
 
-#include "read_failure.hpp"
 #include "xdfs/detail/path_server.hpp"
 #include "xdfs/wire.hpp"
 
@@ -128,7 +127,7 @@ void PathServer::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
     if (finished_) return;
     if (ec) {
-      auto f = read_failure(ch, ec, "client");
+      auto f = ch.failure(ec, "client");
       return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
     }
     // A NOOP keeps an idle session (RemoteFs sends them), not one whose client has stopped
@@ -205,7 +204,7 @@ void PathServer::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
   ch.async_read_payload(buf->writable(), [this, &ch, buf, held](const xdsi::ErrorCode& ec) {
     if (finished_) return;
     if (ec) {
-      auto f = read_failure(ch, ec, "client");
+      auto f = ch.failure(ec, "client");
       return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
     }
     on_request(ch, buf, held);

@@ -84,7 +84,7 @@ public:
     return files::Status::ok();
   }
 
-  void finished(errc code, const std::string& message, bool from_peer) override { end(code, message, from_peer); }
+  void finished(const Failure& f) override { end(f); }
 
 private:
   void prepare_sink(std::string local) {
@@ -153,7 +153,7 @@ private:
     }
     if (!ended_) end(errc::internal, "the session's event loop stopped", false);
     ticker_.cancel();
-    if (code_ != errc::ok) {
+    if (failure_) {
       // The engine may still be telling the server why (bounded by its linger): let it finish
       // before the engine goes.
       try {
@@ -164,10 +164,10 @@ private:
     }
     // The session takes its channels back (or closes them) while the engine still exists: what
     // the loop still holds for it runs first. Then the disk thread goes too.
-    session_.end_operation(code_ == errc::ok);
+    session_.end_operation(!failure_);
     sender_.reset();
     receiver_.reset();
-    if (code_ != errc::ok) throw TransferError(code_, message_, remote_);
+    if (failure_) throw TransferError(failure_);
     if (opt_.progress) opt_.progress(Progress{size_, size_, seconds_});
     return TransferResult{size_, seconds_, static_cast<unsigned>(session_.channels().size()), setup};
   }
@@ -220,14 +220,13 @@ private:
     return block_crypto_.get();
   }
 
-  void end(errc code, const std::string& message, bool remote) {
+  void end(errc code, const std::string& message, bool remote) { end(Failure(code, message, remote)); }
+  void end(const Failure& f) {
     if (ended_) return;
     ended_ = true;
-    code_ = code;
-    message_ = message;
-    remote_ = remote;
+    failure_ = f;
     seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
-    if (code != errc::ok) pending_.discard();
+    if (f) pending_.discard();
     ticker_.cancel();
   }
 
@@ -268,9 +267,7 @@ private:
   Clock::time_point start_;
   Clock::time_point accepted_at_;
   bool ended_ = false;
-  errc code_ = errc::ok;
-  std::string message_;
-  bool remote_ = false;
+  Failure failure_;  // how it ended (ok: it did not fail)
   double seconds_ = 0;
 };
 

@@ -70,10 +70,10 @@ public:
     return s;
   }
 
-  void finished(errc code, const std::string& message, bool from_peer) override {
-    if (code != errc::ok) pending_.discard();
+  void finished(const Failure& f) override {
+    if (f) pending_.discard();
     // Success leaves every channel clear (EOFR both ways); a failure told the peer and closes them.
-    done_(runtime::OperationResult{code, message, from_peer, false, code == errc::ok});
+    done_(runtime::OperationResult{f.code, f.message, f.from_peer, false, !f});
   }
 
 private:

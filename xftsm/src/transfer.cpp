@@ -2,6 +2,8 @@
 
 #include <boost/asio/post.hpp>
 
+#include <fmt/core.h>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,12 +19,6 @@ namespace werr = boost::asio::error;
 namespace {
 
 constexpr std::uint8_t max_per_channel = 2;
-
-std::string describe(const xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
-  if (ec == werr::eof) return "channel " + std::to_string(ch.index()) + " closed by the peer";
-  if (ec == werr::connection_reset) return "channel " + std::to_string(ch.index()) + " reset by the peer";
-  return "channel " + std::to_string(ch.index()) + ": " + ec.message();
-}
 
 // The wake-up descriptor of the engine's event loop: its own copy of the pipe's eventfd.
 int dup_or_throw(int fd) {
@@ -68,7 +64,7 @@ std::optional<TransferAction> Engine::fire(TransferEvent e) {
 
 void Engine::abort(errc code, const std::string& message) { fail(code, message, false, true); }
 
-void Engine::fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev) {
+void Engine::fail(Failure f, bool tell_peer, TransferEvent ev) {
   if (machine_.finished()) return;
   // Force the machine to failed even if ev is not in the table here (every live state has it).
   if (!machine_.fire(ev)) (void)machine_.fire(TransferEvent::local_error);
@@ -80,9 +76,10 @@ void Engine::fail(errc code, const std::string& message, bool from_peer, bool te
   wake_.cancel(ignored);
   // The host drops its partial file first: once the peer reads the exception, nothing of this
   // transfer may be left to see.
-  host_.finished(code, message, from_peer);
+  host_.finished(f);
   if (tell_peer) {
-    tell_and_close(channels_, wire::ExceptionHeader{code, message, 0, done_bytes_}, linger_, params_.linger);
+    tell_and_close(channels_, wire::ExceptionHeader{f.code, f.message, f.channel.value_or(0), done_bytes_}, linger_,
+                   params_.linger);
   } else {
     close_all();
   }
@@ -95,7 +92,7 @@ void Engine::finish_ok() {
   ErrorCode ignored;
   wake_.cancel(ignored);
   stop_disk();
-  host_.finished(errc::ok, {}, false);
+  host_.finished(Failure{});
 }
 
 std::string Engine::unexpected(const xdsi::Channel& ch, const FrameHeader& h) const {
@@ -165,11 +162,18 @@ void Engine::read_exception(xdsi::Channel& ch, std::uint32_t length) {
 
 void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   if (machine_.finished() || ec == werr::operation_aborted) return;
-  if (ec == boost::system::errc::protocol_error)
-    return fail(errc::protocol_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
-  if (ec == xdsi::integrity_failure)
-    return fail(errc::integrity_error, "channel " + std::to_string(ch.index()) + ": " + ch.last_error_text(), false, true);
-  fail(errc::peer_aborted, describe(ch, ec), true, true, TransferEvent::channel_lost);
+  const bool client = machine_.role() == Role::client_upload || machine_.role() == Role::client_download;
+  auto f = ch.failure(ec, client ? "server" : "client");
+  const auto ev = f.peer_gone ? TransferEvent::channel_lost : TransferEvent::local_error;
+  fail(std::move(f), true, ev);
+}
+
+void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::string what) {
+  Failure f(errc::protocol_error, fmt::format("bad block on channel {}: offset {} length {} in a file of {} bytes: {}",
+                                              ch.index(), h.offset, h.length, params_.file_size, what));
+  f.channel = ch.index();
+  f.offset = h.offset;
+  fail(std::move(f), true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -379,10 +383,7 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   // (which block, whether it came before) is judged once the frame is known to be the peer's.
   const std::uint64_t tag = sink_.opener ? sink_.opener->tag_size() : 0;
   if (eofr_[idx] || h.length <= tag || h.length > params_.block_size + tag)
-    return fail(errc::protocol_error,
-                "bad block on channel " + std::to_string(idx) + ": offset " + std::to_string(h.offset) + " length " +
-                    std::to_string(h.length) + " in a file of " + std::to_string(params_.file_size) + " bytes",
-                false, true);
+    return bad_block(ch, h, eofr_[idx] ? "after EOFR" : "no block has that length");
   if (free_slots_.empty()) {
     parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
     return;
@@ -405,14 +406,9 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           const bool aligned = h.offset % bs == 0 && h.offset < size;
                           const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
                           if (!aligned || h.length != expect + tag)
-                            return fail(errc::protocol_error,
-                                        "bad block on channel " + std::to_string(ch.index()) + ": offset " +
-                                            std::to_string(h.offset) + " length " + std::to_string(h.length) +
-                                            " in a file of " + std::to_string(size) + " bytes",
-                                        false, true);
+                            return bad_block(ch, h, "not one of the file's blocks");
                           if (!seen_.insert(h.offset, h.offset + expect))
-                            return fail(errc::protocol_error,
-                                        "block at offset " + std::to_string(h.offset) + " received twice", false, true);
+                            return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
                           if (!fire(TransferEvent::block_received)) return;
                           // The disk thread checks the block's own tag before writing it.
                           received_ += h.length - tag;

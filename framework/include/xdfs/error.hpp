@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -54,18 +55,56 @@ errc errc_from_errno(int err) noexcept;
 /// Short stable name of a code ("disk full"), used as the head of one-line messages.
 const char* to_string(errc e) noexcept;
 
+/// What a caller does next about a failure: its class, decided by the code alone, so that a
+/// retry loop (xduc's, a storage service's) never has to parse a message.
+enum class Recovery : std::uint8_t {
+  retry,      ///< transient: the same request again, after a pause, may succeed
+  reconnect,  ///< the connection ended or cannot be trusted: a new session, after a pause, may succeed
+  give_up,    ///< nothing changes until someone fixes the cause (a missing file, a refused key, a full disk)
+};
+
+/// The class of a code. Every code has one; ok is give_up (there is nothing to retry).
+Recovery recovery(errc e) noexcept;
+/// "retry", "reconnect", "give-up".
+const char* to_string(Recovery r) noexcept;
+
+/// A failure as it travels between the layers (socket, security, mode, session, caller): the
+/// code, what failed in words, and where. XDSI makes one from a socket or frame error
+/// (xdsi::Channel::failure), the engines from what they check, an exception header from what
+/// the peer reported; the public API throws it as an Error.
+struct Failure {
+  errc code = errc::ok;
+  std::string message;                   ///< what failed, without the code's name
+  std::optional<std::uint32_t> channel;  ///< the channel it happened on, where one did
+  std::optional<std::uint64_t> offset;   ///< the file offset it concerns, where one does
+  bool from_peer = false;                ///< the peer reported it, or ended the channel
+  bool peer_gone = false;                ///< the peer closed or reset the channel: nothing can be told to it
+
+  Failure() = default;
+  Failure(errc c, std::string m, bool peer = false) : code(c), message(std::move(m)), from_peer(peer) {}
+  Recovery recovery() const noexcept { return xdfs::recovery(code); }
+  explicit operator bool() const noexcept { return code != errc::ok; }
+};
+
 /// The exception the public API throws: a code plus context that says what failed
-/// (which operation, channel, file or offset).
+/// (which operation, channel, file or offset), and the class of what to do next.
 class Error : public std::runtime_error {
 public:
   Error(errc code, const std::string& context);
+  explicit Error(const Failure& f);
   errc code() const noexcept { return code_; }
   /// The context without the code's name.
   const std::string& context() const noexcept { return context_; }
+  /// The channel and the file offset the failure happened at, where known.
+  std::optional<std::uint32_t> channel() const noexcept { return channel_; }
+  std::optional<std::uint64_t> offset() const noexcept { return offset_; }
+  Recovery recovery() const noexcept { return xdfs::recovery(code_); }
 
 private:
   errc code_;
   std::string context_;
+  std::optional<std::uint32_t> channel_;
+  std::optional<std::uint64_t> offset_;
 };
 
 /// Maps an exception header's code; ok and unknown codes become protocol_error, so a hostile

@@ -63,6 +63,7 @@ struct SessionOptions {
 class TransferError : public Error {
 public:
   TransferError(errc code, const std::string& context, bool remote) : Error(code, context), remote_(remote) {}
+  explicit TransferError(const Failure& f) : Error(f), remote_(f.from_peer) {}
   bool remote() const noexcept { return remote_; }
 
 private:

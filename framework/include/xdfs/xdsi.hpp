@@ -12,9 +12,11 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
+#include "xdfs/error.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::xdsi {
@@ -110,6 +112,13 @@ public:
   void close() noexcept;
 
   const std::string& last_error_text() const noexcept { return error_text_; }
+
+  /// The one place where what ended a read or a write on this channel (a socket error, a header
+  /// that does not decode, a frame that fails its check) becomes an xDFS failure, with this
+  /// channel's index: peer_aborted when the peer closed or reset it (peer_gone), protocol_error
+  /// or integrity_error (with the reason) when it sent something wrong, timeout, cancelled.
+  /// `peer` names the other end in the message ("server", "client").
+  Failure failure(const ErrorCode& ec, std::string_view peer = "peer") const;
 
   /// The channel's socket and protection without its event loop, for another thread's loop to
   /// adopt (the listener authenticates a channel, then hands it to its session's thread). No

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -155,6 +156,8 @@ private:
   Reply call(Request r);
   void wait(const std::function<bool()>& done);
   void fail(errc code, const std::string& message, bool remote);
+  /// A failure of a channel (as XDSI names it): the server is not told when it is gone.
+  void fail(const Failure& f);
   void check() const;
   std::string remote_join(const std::string& base, const std::string& rel) const;
   std::vector<bool> same_content(int local_root, const std::string& remote, const std::vector<Entry>& files,
@@ -178,6 +181,7 @@ private:
   errc code_ = errc::ok;
   std::string message_;
   bool remote_ = false;
+  std::optional<std::uint32_t> channel_;  // where the failure happened, when on a channel
   bool closed_ = false;   // close() was called: no more requests
   bool ended_ = false;    // the operation ended cleanly on every channel
   std::vector<bool> eofr_;  // per channel: the server's EOFR arrived

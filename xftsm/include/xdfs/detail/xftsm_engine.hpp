@@ -36,8 +36,9 @@ public:
   virtual ~TransferHost() = default;
   /// Receiver only: every byte is written; make the file final (rename, flush).
   virtual files::Status commit() { return files::Status::ok(); }
-  /// The transfer ended, successfully (errc::ok) or with the first error. Called once.
-  virtual void finished(errc code, const std::string& message, bool from_peer) = 0;
+  /// The transfer ended, successfully (a Failure whose code is ok) or with the first failure:
+  /// its code, words, and the channel and offset where known. Called once.
+  virtual void finished(const Failure& f) = 0;
 };
 
 struct TransferParams {
@@ -77,7 +78,12 @@ public:
 protected:
   /// Feeds an event to the CFSM; a refused event fails the session and returns nullopt.
   std::optional<TransferAction> fire(TransferEvent e);
-  void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev = TransferEvent::local_error);
+  void fail(Failure f, bool tell_peer, TransferEvent ev = TransferEvent::local_error);
+  void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev = TransferEvent::local_error) {
+    fail(Failure(code, message, from_peer), tell_peer, ev);
+  }
+  /// A block that is not one this transfer takes, named with its channel and offset.
+  void bad_block(const xdsi::Channel& ch, const wire::FrameHeader& h, std::string what);
   void finish_ok();
   void close_all() noexcept;
   void watch_disk();
