@@ -483,7 +483,7 @@ int main(int argc, char** argv) {
     } catch (const xdfs::TransferError& e) {
       return report_error(e, e.remote(), json);
     } catch (const xdfs::Error& e) {
-      return report_error(e, fsp && fsp->client().remote_error(), json);
+      return report_error(e, fsp && fsp->remote_error(), json);
     } catch (const std::exception& e) {
       fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
       return 1;

@@ -82,6 +82,12 @@ TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   CHECK(one_line(r.err));
   CHECK(r.err.find("no such file (server)") != std::string::npos);
 
+  // With --json, programs get the same failure with its class on standard output.
+  r = xt::xduc({"-q", "--json", url(d, "missing"), local / "x"});
+  CHECK(r.status == 1);
+  CHECK(one_line(r.err));
+  CHECK_MESSAGE(r.out.rfind("{\"error\":{\"code\":\"no such file\",\"recovery\":\"give-up\",\"remote\":true,", 0) == 0, r.out);
+
   r = xt::xduc({local / "f", url(d, "../f")});
   CHECK(r.status == 1);
   CHECK(r.err.find("path escapes the server root") != std::string::npos);
@@ -114,6 +120,8 @@ TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   CHECK(r.status == 1);
   CHECK(one_line(r.err));
   CHECK(r.err.find("connection refused") != std::string::npos);
+  r = xt::xduc({"--json", url(d, "f"), local / "x"});
+  CHECK(r.out.find("\"code\":\"connection refused\",\"recovery\":\"reconnect\",\"remote\":false") != std::string::npos);
 }
 
 TEST_CASE("xdfsd refuses bad arguments in one line") {

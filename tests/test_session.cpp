@@ -376,13 +376,51 @@ TEST_CASE("RemoteFs: single files go up and down as transfers of their own betwe
   }
   CHECK(xt::files_equal(local / "f", local / "g"));
   CHECK(xt::files_equal(local / "f", root / "in/g"));
-  // One session: path, upload, path, download, refused download, path.
-  REQUIRE(d.wait_for_log("ops=6"));
+  // One session: path, upload, path (started again at once), download, path, refused download, path.
+  REQUIRE(d.wait_for_log("ops=7"));
   CHECK(count(d.log(), " start peer=") == 1);
   // Without file transfers, upload says so.
   xdfs::RemoteFs plain({"127.0.0.1", d.port()}, o);
   CHECK(xt::error_of([&] { plain.upload(local / "f", "x"); }) == errc::not_supported);
   plain.close();
+}
+
+TEST_CASE("RemoteFs: idle after a transfer it stays connected; once its session ended, each call says so") {
+  xt::TempDir root, local;
+  auto d = std::make_unique<xt::XdfsdProcess>(root.path(), std::vector<std::string>{"--idle-timeout", "1"});
+  auto o = options(2);
+  o.keep_alive = std::chrono::milliseconds(200);
+  xt::write_random_file(local / "f", 100000, 4);
+  xdfs::Session session({"127.0.0.1", d->port()}, o);
+  xdfs::RemoteFs fs(session, xdfs::file_transfers(o));
+  CHECK(fs.upload(local / "f", "f") == 100000u);
+  // Longer than the server waits for a session that does nothing: the keep-alives hold it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  CHECK(fs->stat("f").size == 100000u);
+  CHECK(fs.download("f", local / "g") == 100000u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  CHECK(fs->stat("f").size == 100000u);
+  // The server goes: every later call fails with the session's end (a new session may do
+  // better), never with a usage error and never by hanging.
+  ::kill(d->pid(), SIGKILL);
+  for (int i = 0; i < 3; ++i) {
+    try {
+      if (i == 1)
+        fs.upload(local / "f", "h");
+      else
+        fs->stat("f");
+      FAIL("a call outlived the server");
+    } catch (const xdfs::Error& e) {
+      CAPTURE(i);
+      // What the server's going did, then that the session is over.
+      CHECK_MESSAGE(e.code() == (i < 2 ? errc::peer_aborted : errc::session_ended), e.what());
+      CHECK(e.recovery() == xdfs::Recovery::reconnect);
+    }
+  }
+  CHECK(xt::error_of([&] { xdfs::upload(session, local / "f", "h", o); }) == errc::session_ended);
+  CHECK_FALSE(fs.remote_error());
+  CHECK_NOTHROW(fs.close());
+  session.close();
 }
 
 TEST_CASE("a session's set-up is paid once: later operations take no handshake; 256 channels join a default xdfsd") {

@@ -75,6 +75,8 @@ struct Session::Impl {
   }
 
   wire::NegotiationReply begin(wire::Negotiation op) {
+    if (machine.state() == State::failed)
+      throw TransferError(errc::session_ended, "an earlier failure ended this session", false);
     if (closed || !machine.find(SessionEvent::begin))
       throw TransferError(errc::bad_argument,
                           closed || machine.finished() ? std::string("the session is closed")

@@ -46,6 +46,7 @@ const char* to_string(errc e) noexcept {
     case errc::integrity_error: return "integrity check failed";
     case errc::insecure_key_file: return "insecure key file";
     case errc::not_supported: return "not supported";
+    case errc::session_ended: return "session ended";
   }
   return "unknown error";
 }
@@ -80,6 +81,7 @@ Recovery recovery(errc e) noexcept {
     case errc::timeout:
     case errc::shutting_down:
     case errc::integrity_error:     // a frame changed on the way (the keys are not in doubt)
+    case errc::session_ended:
       return Recovery::reconnect;
     // The server is busy or the file moved under the sender: the same request later may work.
     case errc::limit_exceeded:

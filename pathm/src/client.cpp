@@ -158,12 +158,15 @@ void PathClient::fail(const Failure& f) {
   fail(f.code, f.message, f.peer_gone);
 }
 
+std::optional<Failure> PathClient::failure() const {
+  if (code_ == errc::ok) return std::nullopt;
+  Failure f(code_, message_, remote_);
+  f.channel = channel_;
+  return f;
+}
+
 void PathClient::check() const {
-  if (code_ != errc::ok) {
-    Failure f(code_, message_, remote_);
-    f.channel = channel_;
-    throw Error(f);
-  }
+  if (auto f = failure()) throw Error(*f);
   if (closed_) throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
 
@@ -286,9 +289,9 @@ void PathClient::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
   wire::FrameHeader h;
   h.event = wire::ChannelEvent::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
-  channels_[best]->send(h, holder->bytes(), [this, holder](const xdsi::ErrorCode& ec) {
-    if (ec && ec != boost::asio::error::operation_aborted && code_ == errc::ok)
-      fail(errc::peer_aborted, "sending a path request: " + ec.message(), true);
+  auto* ch = channels_[best].get();
+  ch->send(h, holder->bytes(), [this, holder, ch](const xdsi::ErrorCode& ec) {
+    if (ec && ec != boost::asio::error::operation_aborted && code_ == errc::ok) fail(ch->failure(ec, "server"));
   });
 }
 
@@ -444,8 +447,7 @@ bool PathClient::close() {
     auto* ch = c.get();
     ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent](const xdsi::ErrorCode& ec) {
       --*unsent;
-      if (ec && code_ == errc::ok)
-        fail(errc::peer_aborted, fmt::format("server closed channel {} ({})", ch->index(), ec.message()), true);
+      if (ec && code_ == errc::ok) fail(ch->failure(ec, "server"));
     });
   }
   io_.restart();

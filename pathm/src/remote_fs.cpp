@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -65,37 +66,69 @@ struct RemoteFs::Impl {
     if (keeper.joinable()) keeper.join();
   }
 
-  // Ends the running path operation, if any; the session stays (unless it failed).
-  void end_path() {
-    if (!client) return;
+  // Ends the running path operation, if any; the session stays (unless it failed). Null when it
+  // ended cleanly; otherwise why it did not (the path client's own failure where it has one).
+  std::exception_ptr end_path() {
+    if (!client) return nullptr;
     stop_keeper();
     bool ok = false;
+    std::exception_ptr why;
     try {
       ok = client->close();
+      if (!ok) {
+        if (auto f = client->failure()) throw TransferError(*f);
+        throw TransferError(errc::peer_aborted, "the path operation did not end on every channel", false);
+      }
     } catch (...) {
-      // A handler threw while the operation ended: the session is over (below).
+      // A handler threw, or the operation failed: the session is over (below).
+      why = std::current_exception();
     }
     // The session takes its channels back (or closes them) while the client still exists: what
-    // the loop still holds for it runs first.
+    // the loop still holds for it runs first. The client goes whatever happens.
+    struct Drop {
+      std::unique_ptr<pathm::PathClient>& c;
+      ~Drop() { c.reset(); }
+    } drop{client};
     session->end_operation(ok);
-    client.reset();
+    return why;
   }
 
   pathm::PathClient& path() {
     if (closed) throw TransferError(errc::state_violation, "the RemoteFs is closed", false);
+    if (!client && !session->usable())
+      throw TransferError(errc::session_ended, "an earlier failure ended this session", false);
     if (!client) start();
     return *client;
   }
 
-  // One file as a transfer of its own, between path operations.
+  // One file as a transfer of its own, between path operations. Afterwards the path operation
+  // starts again at once, so that keep-alives hold an idle RemoteFs open as before.
   template <class Transfer>
   std::uint64_t transfer(const Transfer& t, const char* what, const std::string& from, const std::string& to) {
     if (!t) throw TransferError(errc::not_supported, std::string("this RemoteFs has no file ") + what +
                                                          " (give it xdfs::file_transfers())",
                                 false);
     if (closed) throw TransferError(errc::state_violation, "the RemoteFs is closed", false);
-    end_path();
-    return t(*session, from, to);
+    if (auto why = end_path()) std::rethrow_exception(why);
+    std::uint64_t bytes = 0;
+    try {
+      bytes = t(*session, from, to);
+    } catch (...) {
+      restart();
+      throw;
+    }
+    restart();
+    return bytes;
+  }
+
+  // The next path operation, when the session can carry one; a failure here is the next path
+  // call's to report (the transfer before it is done either way).
+  void restart() noexcept {
+    if (closed || client || !session->usable()) return;
+    try {
+      start();
+    } catch (...) {
+    }
   }
 };
 
@@ -122,6 +155,7 @@ RemoteFs::~RemoteFs() {
 
 pathm::PathClient* RemoteFs::operator->() { return &impl_->path(); }
 pathm::PathClient& RemoteFs::client() { return impl_->path(); }
+bool RemoteFs::remote_error() const noexcept { return impl_->client && impl_->client->remote_error(); }
 
 std::uint64_t RemoteFs::upload(const std::string& local, const std::string& remote) {
   return impl_->transfer(impl_->transfers.upload, "uploads", local, remote);
@@ -134,8 +168,9 @@ std::uint64_t RemoteFs::download(const std::string& remote, const std::string& l
 void RemoteFs::close() {
   if (impl_->closed) return;
   impl_->closed = true;
-  impl_->end_path();
+  auto why = impl_->end_path();
   if (impl_->own) impl_->own->close();
+  if (why) std::rethrow_exception(why);
 }
 
 namespace pathm {
@@ -158,9 +193,15 @@ void path_part(Session& session, const std::function<void(PathClient&)>& run) {
   } catch (const TransferError&) {
     throw;
   } catch (const Error& e) {
-    throw TransferError(e.code(), e.context(), fs.client().remote_error());
+    throw TransferError(e.code(), e.context(), fs.remote_error());
   }
-  fs.close();
+  // Every call above had its answer: what was copied is copied. An operation that then does not
+  // end cleanly ends the session, which the tree's next part sees (it names what it could not
+  // copy) rather than losing the result here.
+  try {
+    fs.close();
+  } catch (const Error&) {
+  }
 }
 
 // The path part of a tree copy; the entries it could not copy are kept, and the large files

@@ -240,8 +240,10 @@ void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> 
     --sending_;
     if (!ec) last_ = Clock::now();
     // A channel that is not being read (parked) learns of a vanished client only here.
-    if (ec && ec != boost::asio::error::operation_aborted && !finished_)
-      fail(errc::peer_aborted, fmt::format("client closed channel {} ({})", ch->index(), ec.message()), true, false);
+    if (ec && ec != boost::asio::error::operation_aborted && !finished_) {
+      auto f = ch->failure(ec, "client");
+      fail(f.code, f.message, f.from_peer, !f.peer_gone);
+    }
     if (sent) sent();
     maybe_end();
   });

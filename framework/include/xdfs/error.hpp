@@ -38,10 +38,11 @@ enum class errc : std::uint32_t {
   integrity_error = 23,      ///< a frame failed its check: modified, replayed, reordered or dropped
   insecure_key_file = 24,    ///< a private key file others can read
   not_supported = 25,        ///< the server does not offer what was asked (a mode it disabled)
+  session_ended = 26,        ///< the session's channels are gone (an earlier failure ended it); a new one is needed
 };
 
 /// The highest code defined; wire codes above it are unknown.
-inline constexpr errc last_errc = errc::not_supported;
+inline constexpr errc last_errc = errc::session_ended;
 
 const std::error_category& category() noexcept;
 

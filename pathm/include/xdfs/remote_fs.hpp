@@ -61,8 +61,11 @@ public:
   std::uint64_t upload(const std::string& local, const std::string& remote);
   /// Fetches `remote` into `local` (written under a temporary name, renamed into place whole).
   std::uint64_t download(const std::string& remote, const std::string& local);
-  /// Ends the path operation cleanly (and the session, if it is this one's own). Also done by
-  /// the destructor.
+  /// Whether the last failure of a path call was the server's (it answered with an error); never
+  /// starts anything, so a catch handler may ask.
+  bool remote_error() const noexcept;
+  /// Ends the path operation cleanly (and the session, if it is this one's own); throws the
+  /// operation's failure if it did not end cleanly. Also done by the destructor (which does not throw).
   void close();
 
 private:

@@ -136,6 +136,8 @@ public:
   void keep_alive();
   /// Whether the server reported the last error.
   bool remote_error() const noexcept { return remote_; }
+  /// The failure that ended the operation, if one did (code, words, channel, whose).
+  std::optional<Failure> failure() const;
 
 private:
   using OnReply = std::function<void(Reply&, std::shared_ptr<Buffer>)>;
