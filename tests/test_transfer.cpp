@@ -8,9 +8,11 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -534,6 +536,116 @@ TEST_CASE("every error code has a class that says what a caller does next") {
   // The server was busy, or the file changed under the sender: the same request later.
   CHECK(xdfs::recovery(errc::limit_exceeded) == Recovery::retry);
   CHECK(xdfs::recovery(errc::size_mismatch) == Recovery::retry);
+}
+
+TEST_CASE("the receiving engine runs the action its table answers, not a flag: change a row, the behaviour follows") {
+  namespace asio = boost::asio;
+  using asio::ip::tcp;
+  using namespace xdfs::xftsm;
+  using xdfs::wire::ChannelEvent;
+  constexpr std::uint32_t bs = 65536;
+  constexpr std::uint32_t blocks = 4;
+  struct Host final : TransferHost {
+    bool committed = false, told = false;
+    xdfs::errc code = xdfs::errc::ok;
+    xdfs::files::Status commit() override {
+      committed = true;
+      return xdfs::files::Status::ok();
+    }
+    void finished(const xdfs::Failure& f) override {
+      told = true;
+      code = f.code;
+    }
+  };
+  struct Outcome {
+    bool committed = false;
+    State state = State::idle;
+    std::vector<ChannelEvent> heard;  // what the sender got back, in order
+  };
+  // Four blocks and EOFR from a raw sender on one channel, into a memory sink; then what the
+  // receiver did: committed or not, its state, the frames it sent back.
+  auto run = [&](std::span<const Transition> rows) {
+    asio::io_context ctx;
+    tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+    tcp::socket peer(ctx);
+    peer.connect(acceptor.local_endpoint());
+    xdfs::xdsi::ChannelList channels;
+    channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), 0));
+    Machine machine(Role::server_upload, rows);
+    REQUIRE(machine.fire(TransferEvent::channel_joined));
+    REQUIRE(machine.fire(TransferEvent::all_joined));
+    TransferParams p;
+    p.block_size = bs;
+    p.file_size = std::uint64_t(blocks) * bs;
+    p.slots = blocks;
+    p.idle_timeout = std::chrono::milliseconds(60000);
+    Host host;
+    Outcome out;
+    {
+      Receiver receiver(ctx, machine, channels, host, p, xdfs::piod::Sink{-1, true, true});
+      receiver.start();
+      const std::vector<std::uint8_t> payload(bs, 0x33);
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        xdfs::wire::FrameHeader h;
+        h.event = ChannelEvent::xftsmu;
+        h.length = bs;
+        h.offset = std::uint64_t(i) * bs;
+        const auto head = xdfs::wire::encode(h);
+        asio::write(peer, std::array{asio::buffer(head), asio::buffer(payload)});
+      }
+      xdfs::wire::FrameHeader e;
+      e.event = ChannelEvent::eofr;
+      e.offset = p.file_size;
+      asio::write(peer, asio::buffer(xdfs::wire::encode(e)));
+      // Until the receiver is done or has nothing more to do.
+      for (int i = 0; i < 200 && !machine.finished(); ++i) ctx.run_for(std::chrono::milliseconds(10));
+      out.committed = host.committed;
+      out.state = machine.state();
+      peer.non_blocking(true);
+      std::array<std::uint8_t, xdfs::wire::frame_header_size> hb{};
+      boost::system::error_code ec;
+      while (asio::read(peer, asio::buffer(hb), ec) == hb.size() && !ec) {
+        auto h = xdfs::wire::decode(hb, nullptr);
+        REQUIRE(h);
+        REQUIRE(h->length == 0);
+        out.heard.push_back(h->event);
+      }
+    }
+    return out;
+  };
+  const auto real = table(Role::server_upload);
+  // As the table is: ACKs as blocks are written, commit, EOFR, done.
+  auto o = run(real);
+  CHECK(o.committed);
+  CHECK(o.state == State::done);
+  REQUIRE(!o.heard.empty());
+  CHECK(o.heard.back() == ChannelEvent::eofr);
+  CHECK(std::count(o.heard.begin(), o.heard.end(), ChannelEvent::ack) >= 1);
+  // One row changed at a time.
+  auto changed = [&](TransferEvent on, TransferAction action) {
+    std::vector<Transition> rows(real.begin(), real.end());
+    bool found = false;
+    for (auto& r : rows)
+      if (r.from == State::transferring && r.on == on) {
+        r.action = action;
+        found = true;
+      }
+    REQUIRE(found);
+    return rows;
+  };
+  // block_written answers none: nothing acknowledges, yet the file still commits.
+  auto rows = changed(TransferEvent::block_written, TransferAction::none);
+  o = run(rows);
+  CHECK(o.committed);
+  CHECK(o.state == State::done);
+  CHECK(std::count(o.heard.begin(), o.heard.end(), ChannelEvent::ack) == 0);
+  CHECK(o.heard == std::vector<ChannelEvent>{ChannelEvent::eofr});
+  // all_received answers none: every byte is in, but nothing commits and no EOFR confirms.
+  rows = changed(TransferEvent::all_received, TransferAction::none);
+  o = run(rows);
+  CHECK_FALSE(o.committed);
+  CHECK(o.state == State::draining);
+  CHECK(std::count(o.heard.begin(), o.heard.end(), ChannelEvent::eofr) == 0);
 }
 
 }  // TEST_SUITE

@@ -208,11 +208,26 @@ void Sender::on_disk() {
     ready_.push_back(b);
     any = true;
   }
-  if (any && fire(TransferEvent::block_ready)) pump();
+  if (any) on(TransferEvent::block_ready);
+}
+
+void Sender::on(TransferEvent e) {
+  const auto a = fire(e);
+  if (!a) return;
+  switch (*a) {
+    case TransferAction::send_block:
+    case TransferAction::open_window: return pump();
+    case TransferAction::send_eofr: return send_eofrs();
+    case TransferAction::finish: return finish_ok();
+    case TransferAction::none: return;
+    default:
+      return fail(errc::internal, std::string("the sender has no handler for ") + to_string(*a), false, true);
+  }
 }
 
 void Sender::pump() {
-  if (machine_.finished() || all_sent_) return;
+  // Only while transferring: after all_sent (draining) nothing more is queued.
+  if (machine_.state() != State::transferring) return;
   const std::size_t n = channels_.size();
   while (ready_head_ < ready_.size()) {
     const piod::Block b = ready_[ready_head_];
@@ -246,7 +261,7 @@ void Sender::pump() {
               --inflight_[pick];
               touch();
               pipe_.to_disk(piod::Block{b.slot, 0, 0});  // slot goes back for read-ahead
-              if (fire(TransferEvent::block_sent)) pump();
+              on(TransferEvent::block_sent);
               maybe_finish();
             });
   }
@@ -254,21 +269,21 @@ void Sender::pump() {
     ready_.clear();
     ready_head_ = 0;
   }
-  if (queued_ == source_.size && !all_sent_) {
-    all_sent_ = true;
-    if (!fire(TransferEvent::all_sent)) return;
-    for (auto& ch : channels_) {
-      FrameHeader h;
-      h.event = wire::ChannelEvent::eofr;
-      h.offset = source_.size;
-      ++eofr_unsent_;
-      ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
-        --eofr_unsent_;
-        if (machine_.finished()) return;
-        if (ec) return channel_error(*c, ec);
-        maybe_finish();
-      });
-    }
+  if (queued_ == source_.size) on(TransferEvent::all_sent);
+}
+
+void Sender::send_eofrs() {
+  for (auto& ch : channels_) {
+    FrameHeader h;
+    h.event = wire::ChannelEvent::eofr;
+    h.offset = source_.size;
+    ++eofr_unsent_;
+    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+      --eofr_unsent_;
+      if (machine_.finished()) return;
+      if (ec) return channel_error(*c, ec);
+      maybe_finish();
+    });
   }
 }
 
@@ -296,9 +311,9 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
         done_bytes_ = acked_;
         touch();
       }
-      if (!fire(TransferEvent::ack_received)) return;
-      pump();
-      return read_loop(ch);
+      on(TransferEvent::ack_received);
+      if (!machine_.finished()) read_loop(ch);
+      return;
     case wire::ChannelEvent::eofr:
       // The receiver committed the file: its last word on this channel, which is done with
       // this transfer (it is not read again until the next operation).
@@ -324,7 +339,7 @@ void Sender::maybe_finish() {
   if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0) return;
   for (auto q : inflight_)
     if (q != 0) return;
-  if (fire(TransferEvent::committed)) finish_ok();
+  on(TransferEvent::committed);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -355,10 +370,25 @@ void Receiver::start() {
 
 void Receiver::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
-    if (machine_.finished() || committing_) return;
+    // Read while transferring; once committing (draining) no channel is read in this transfer.
+    if (machine_.state() != State::transferring) return;
     if (ec) return channel_error(ch, ec);
     on_header(ch, h);
   });
+}
+
+void Receiver::on(TransferEvent e, const Arrival& arrival) {
+  const auto a = fire(e);
+  if (!a) return;
+  switch (*a) {
+    case TransferAction::queue_write: return queue_write(arrival);
+    case TransferAction::send_ack: return send_ack();
+    case TransferAction::commit: return commit();
+    case TransferAction::finish: return finish_ok();
+    case TransferAction::none: return;
+    default:
+      return fail(errc::internal, std::string("the receiver has no handler for ") + to_string(*a), false, true);
+  }
 }
 
 void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
@@ -409,12 +439,16 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                             return bad_block(ch, h, "not one of the file's blocks");
                           if (!seen_.insert(h.offset, h.offset + expect))
                             return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
-                          if (!fire(TransferEvent::block_received)) return;
-                          // The disk thread checks the block's own tag before writing it.
-                          received_ += h.length - tag;
-                          pipe_.to_disk(piod::Block{slot, h.length - tag, h.offset});
-                          read_loop(ch);
+                          on(TransferEvent::block_received, Arrival{&ch, slot, h});
                         });
+}
+
+void Receiver::queue_write(const Arrival& a) {
+  // The disk thread checks the block's own tag before writing it.
+  const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
+  received_ += a.h.length - tag;
+  pipe_.to_disk(piod::Block{a.slot, a.h.length - tag, a.h.offset});
+  read_loop(*a.ch);
 }
 
 void Receiver::on_disk() {
@@ -427,18 +461,17 @@ void Receiver::on_disk() {
   }
   if (!any) return;
   touch();
-  if (!fire(TransferEvent::block_written)) return;
+  // Freed slots take the channels that waited for one.
   while (!parked_.empty() && !free_slots_.empty()) {
     Parked p = parked_.back();
     parked_.pop_back();
     read_block(*p.ch, p.h);
   }
-  maybe_ack();
+  on(TransferEvent::block_written);
   maybe_complete();
 }
 
-void Receiver::maybe_ack() {
-  if (machine_.finished() || committing_) return;
+void Receiver::send_ack() {
   if (done_bytes_ - acked_sent_ < ack_every_ && done_bytes_ != params_.file_size) return;
   if (done_bytes_ == acked_sent_) return;
   acked_sent_ = done_bytes_;
@@ -451,12 +484,13 @@ void Receiver::maybe_ack() {
     --acks_unsent_;
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
-    if (fire(TransferEvent::ack_sent)) maybe_finish();
+    on(TransferEvent::ack_sent);
+    maybe_finish();
   });
 }
 
 void Receiver::maybe_complete() {
-  if (machine_.finished() || committing_) return;
+  if (machine_.state() != State::transferring) return;
   if (eofr_count_ != channels_.size()) return;
   if (received_ != params_.file_size)
     return fail(errc::size_mismatch,
@@ -464,8 +498,10 @@ void Receiver::maybe_complete() {
                     " bytes",
                 false, true);
   if (done_bytes_ != params_.file_size) return;  // disk still writing
-  committing_ = true;
-  if (!fire(TransferEvent::all_received)) return;
+  on(TransferEvent::all_received);
+}
+
+void Receiver::commit() {
   // All slots are back, so the disk thread is idle: stop it before the file is made final.
   writer_.reset();
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
@@ -487,8 +523,8 @@ void Receiver::maybe_complete() {
 
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
 void Receiver::maybe_finish() {
-  if (machine_.finished() || !committing_ || eofr_unsent_ != 0 || acks_unsent_ != 0 || writer_) return;
-  if (fire(TransferEvent::committed)) finish_ok();
+  if (machine_.state() != State::draining || eofr_unsent_ != 0 || acks_unsent_ != 0 || writer_) return;
+  on(TransferEvent::committed);
 }
 
 }  // namespace xdfs::xftsm

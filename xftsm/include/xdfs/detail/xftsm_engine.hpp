@@ -127,7 +127,13 @@ public:
 private:
   void on_disk() override;
   void stop_disk() noexcept override;
+  /// Feeds e to the table and runs the action it answers: one handler per action.
+  void on(TransferEvent e);
+  /// send_block and open_window: hands ready blocks to idle channels while the window allows;
+  /// once every byte is queued, all_sent.
   void pump();
+  /// send_eofr: EOFR on every channel.
+  void send_eofrs();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
 
@@ -139,10 +145,12 @@ private:
   std::size_t next_channel_ = 0;
   std::uint64_t queued_ = 0;             // bytes handed to channels
   std::uint64_t acked_ = 0;
-  bool all_sent_ = false;
+  // Counters that turn n channels' happenings into one event of the table (the state is the
+  // table's alone: transferring until all_sent, then draining until committed).
   std::size_t eofr_unsent_ = 0;          // EOFRs queued and not written yet
   std::vector<bool> confirmed_;          // per channel: the receiver's EOFR arrived
   std::size_t confirmations_ = 0;
+  /// committed, once the receiver confirmed on every channel and nothing of ours is unsent.
   void maybe_finish();
 };
 
@@ -159,10 +167,25 @@ public:
 private:
   void on_disk() override;
   void stop_disk() noexcept override;
+  /// What an event of a block carries to its action's handler.
+  struct Arrival {
+    xdsi::Channel* ch = nullptr;
+    std::uint32_t slot = 0;
+    wire::FrameHeader h;
+  };
+  /// Feeds e to the table and runs the action it answers: one handler per action.
+  void on(TransferEvent e, const Arrival& a);
+  void on(TransferEvent e) { on(e, Arrival()); }
   void read_loop(xdsi::Channel& ch);
   void on_header(xdsi::Channel& ch, const wire::FrameHeader& h);
   void read_block(xdsi::Channel& ch, const wire::FrameHeader& h);
-  void maybe_ack();
+  /// queue_write: the authenticated block goes to the disk thread; its channel reads on.
+  void queue_write(const Arrival& a);
+  /// send_ack: a cumulative ACK once a quarter window (or the whole file) is written.
+  void send_ack();
+  /// commit: the file is made final, then EOFR on every channel with the bytes committed.
+  void commit();
+  /// all_received, once EOFR came on every channel and every byte is written.
   void maybe_complete();
 
   piod::Sink sink_;
@@ -179,9 +202,9 @@ private:
   std::uint64_t received_ = 0;
   std::uint64_t acked_sent_ = 0;
   std::uint64_t ack_every_ = 0;
-  bool committing_ = false;
   std::size_t eofr_unsent_ = 0;          // confirmations queued and not written yet
   std::size_t acks_unsent_ = 0;
+  /// committed, once the confirmations (and any ACK) have left.
   void maybe_finish();
 };
 
