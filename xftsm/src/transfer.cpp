@@ -168,6 +168,21 @@ void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   fail(std::move(f), true, ev);
 }
 
+void Engine::eofr_everywhere(std::uint64_t offset) {
+  for (auto& ch : channels_) {
+    FrameHeader h;
+    h.event = wire::ChannelEvent::eofr;
+    h.offset = offset;
+    ++eofr_unsent_;
+    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+      --eofr_unsent_;
+      if (machine_.finished()) return;
+      if (ec) return channel_error(*c, ec);
+      maybe_finish();
+    });
+  }
+}
+
 void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::string what) {
   Failure f(errc::protocol_error, fmt::format("bad block on channel {}: offset {} length {} in a file of {} bytes: {}",
                                               ch.index(), h.offset, h.length, params_.file_size, what));
@@ -272,20 +287,7 @@ void Sender::pump() {
   if (queued_ == source_.size) on(TransferEvent::all_sent);
 }
 
-void Sender::send_eofrs() {
-  for (auto& ch : channels_) {
-    FrameHeader h;
-    h.event = wire::ChannelEvent::eofr;
-    h.offset = source_.size;
-    ++eofr_unsent_;
-    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
-      --eofr_unsent_;
-      if (machine_.finished()) return;
-      if (ec) return channel_error(*c, ec);
-      maybe_finish();
-    });
-  }
-}
+void Sender::send_eofrs() { eofr_everywhere(source_.size); }
 
 void Sender::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
@@ -507,18 +509,7 @@ void Receiver::commit() {
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
   // EOFR back on every channel, with the bytes committed: this side is done with the transfer
   // there, and the channel is ready for the session's next operation.
-  for (auto& ch : channels_) {
-    FrameHeader h;
-    h.event = wire::ChannelEvent::eofr;
-    h.offset = params_.file_size;
-    ++eofr_unsent_;
-    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
-      --eofr_unsent_;
-      if (machine_.finished()) return;
-      if (ec) return channel_error(*c, ec);
-      maybe_finish();
-    });
-  }
+  eofr_everywhere(params_.file_size);
 }
 
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.

@@ -82,6 +82,12 @@ protected:
   void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev = TransferEvent::local_error) {
     fail(Failure(code, message, from_peer), tell_peer, ev);
   }
+  /// EOFR carrying `offset` on every channel (eofr_unsent_ counts those not written yet); each
+  /// that leaves lets the engine see whether it is done.
+  void eofr_everywhere(std::uint64_t offset);
+  /// committed, once everything the engine waits for has happened.
+  virtual void maybe_finish() = 0;
+  std::size_t eofr_unsent_ = 0;          // EOFRs queued and not written yet
   /// A block that is not one this transfer takes, named with its channel and offset.
   void bad_block(const xdsi::Channel& ch, const wire::FrameHeader& h, std::string what);
   void finish_ok();
@@ -147,11 +153,10 @@ private:
   std::uint64_t acked_ = 0;
   // Counters that turn n channels' happenings into one event of the table (the state is the
   // table's alone: transferring until all_sent, then draining until committed).
-  std::size_t eofr_unsent_ = 0;          // EOFRs queued and not written yet
   std::vector<bool> confirmed_;          // per channel: the receiver's EOFR arrived
   std::size_t confirmations_ = 0;
   /// committed, once the receiver confirmed on every channel and nothing of ours is unsent.
-  void maybe_finish();
+  void maybe_finish() override;
 };
 
 /// Receives one file (or into a memory sink) from all channels.
@@ -202,10 +207,9 @@ private:
   std::uint64_t received_ = 0;
   std::uint64_t acked_sent_ = 0;
   std::uint64_t ack_every_ = 0;
-  std::size_t eofr_unsent_ = 0;          // confirmations queued and not written yet
   std::size_t acks_unsent_ = 0;
   /// committed, once the confirmations (and any ACK) have left.
-  void maybe_finish();
+  void maybe_finish() override;
 };
 
 }  // namespace xdfs::xftsm
