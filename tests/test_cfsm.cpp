@@ -19,8 +19,8 @@ namespace {
 
 using namespace xdfs::xftsm;
 
-constexpr std::array<Role, 6> all_roles{Role::client_upload, Role::client_download, Role::server_upload,
-                                        Role::server_download, Role::client_path,   Role::server_path};
+constexpr std::array<Role, 4> all_roles{Role::client_upload, Role::client_download, Role::server_upload,
+                                        Role::server_download};
 
 std::vector<State> all_states() {
   std::vector<State> v;
@@ -478,11 +478,9 @@ TEST_CASE("every live state fails on peer_exception, local_error, channel_lost a
         CHECK(m.finished());
       }
     }
-    const bool is_client = r == Role::client_upload || r == Role::client_download || r == Role::client_path;
-    const bool path = r == Role::client_path || r == Role::server_path;
-    // connecting+negotiating or joining, transferring, and draining (xFTSM only: path mode has
-    // no last block to wait for)
-    CHECK(live == (is_client ? 3u : 2u) + (path ? 0u : 1u));
+    const bool is_client = r == Role::client_upload || r == Role::client_download;
+    // connecting+negotiating or joining, transferring, and draining
+    CHECK(live == (is_client ? 3u : 2u) + 1u);
   }
 }
 
@@ -498,7 +496,7 @@ TEST_CASE("names of states, events, actions and roles") {
     CHECK(n != "?");
     CHECK(names.insert("e:" + n).second);
   }
-  for (int a = 0; a <= static_cast<int>(TransferAction::serve_path); ++a) {
+  for (int a = 0; a <= static_cast<int>(TransferAction::abort); ++a) {
     const std::string n = to_string(static_cast<TransferAction>(a));
     CHECK(n != "?");
     CHECK(names.insert("a:" + n).second);

@@ -12,6 +12,7 @@
 
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
+#include "xdfs/detail/path_fsm.hpp"
 
 using xdfs::errc;
 using xdfs::Mode;
@@ -37,6 +38,29 @@ xdfs::TransferOptions options(unsigned channels) {
 }
 
 void make_dir(const std::string& p) { REQUIRE(::mkdir(p.c_str(), 0755) == 0); }
+
+// A table's own graph: every row's source state is reachable from idle, final states have no
+// rows, one row per (state, event), and both final states are reached.
+template <class Rows>
+void check_graph(const Rows& rows) {
+  using State = std::remove_cvref_t<decltype(rows[0].from)>;
+  std::set<State> reached{State::idle};
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (const auto& t : rows)
+      if (reached.count(t.from) && reached.insert(t.to).second) grew = true;
+  }
+  for (const auto& t : rows) {
+    CHECK(reached.count(t.from) == 1);
+    CHECK(t.from != State::done);
+    CHECK(t.from != State::failed);
+    std::size_t same = 0;
+    for (const auto& u : rows) same += u.from == t.from && u.on == t.on;
+    CHECK(same == 1);
+  }
+  CHECK(reached.count(State::done) == 1);
+  CHECK(reached.count(State::failed) == 1);
+}
 
 }  // namespace
 
@@ -646,25 +670,7 @@ TEST_CASE("the session tables: every row is reachable from idle, final states ha
   namespace sf = xdfs::session_fsm;
   for (auto side : {sf::Side::server, sf::Side::client}) {
     CAPTURE(sf::to_string(side));
-    const auto rows = sf::table(side);
-    // Reachability over the table's own graph: every row's source state can be reached.
-    std::set<sf::State> reached{sf::State::idle};
-    for (bool grew = true; grew;) {
-      grew = false;
-      for (const auto& t : rows)
-        if (reached.count(t.from) && reached.insert(t.to).second) grew = true;
-    }
-    for (const auto& t : rows) {
-      CHECK(reached.count(t.from) == 1);
-      CHECK(t.from != sf::State::done);
-      CHECK(t.from != sf::State::failed);
-      // Deterministic: one row per (state, event).
-      std::size_t same = 0;
-      for (const auto& u : rows) same += u.from == t.from && u.on == t.on;
-      CHECK(same == 1);
-    }
-    CHECK(reached.count(sf::State::done) == 1);
-    CHECK(reached.count(sf::State::failed) == 1);
+    check_graph(sf::table(side));
   }
   sf::Machine m(sf::Side::server);
   CHECK(m.fire(sf::SessionEvent::channel_joined) == sf::SessionAction::register_session);
@@ -677,6 +683,50 @@ TEST_CASE("the session tables: every row is reachable from idle, final states ha
   CHECK(m.fire(sf::SessionEvent::operation_refused) == sf::SessionAction::refuse_operation);
   CHECK(m.fire(sf::SessionEvent::end_asked) == sf::SessionAction::finish);
   CHECK(m.finished());
+}
+
+TEST_CASE("the path tables: every row reachable, every live state can fail, an EOFR out of turn is named") {
+  namespace pm = xdfs::pathm;
+  for (auto side : {pm::PathSide::client, pm::PathSide::server}) {
+    CAPTURE(pm::to_string(side));
+    const auto rows = pm::table(side);
+    check_graph(rows);
+    std::set<pm::PathState> live;
+    for (const auto& t : rows)
+      if (t.from != pm::PathState::idle) live.insert(t.from);
+    // Every live state has the four ways to fail, each to failed with abort.
+    for (auto st : live)
+      for (auto e : {pm::PathEvent::peer_exception, pm::PathEvent::local_error, pm::PathEvent::channel_lost,
+                     pm::PathEvent::timeout}) {
+        std::size_t n = 0;
+        for (const auto& t : rows)
+          n += t.from == st && t.on == e && t.to == pm::PathState::failed && t.action == pm::PathAction::abort;
+        CHECK_MESSAGE(n == 1, pm::to_string(st) << " " << pm::to_string(e));
+      }
+  }
+  // The client: requests and replies, then the end; the server's EOFR before the client ended
+  // is not in the table.
+  pm::PathMachine c(pm::PathSide::client);
+  CHECK(c.fire(pm::PathEvent::accepted) == pm::PathAction::serve);
+  CHECK(c.fire(pm::PathEvent::request) == pm::PathAction::send_request);
+  CHECK(c.fire(pm::PathEvent::reply) == pm::PathAction::deliver_reply);
+  CHECK_FALSE(c.fire(pm::PathEvent::committed).has_value());
+  CHECK(c.why() == "client-path: event committed is not allowed in state serving");
+  CHECK(c.fire(pm::PathEvent::end_asked) == pm::PathAction::send_eofr);
+  CHECK_FALSE(c.fire(pm::PathEvent::request).has_value());  // no request after the end
+  CHECK(c.fire(pm::PathEvent::committed) == pm::PathAction::finish);
+  CHECK(c.state() == pm::PathState::done);
+  // The server: a request after every channel ended is not in the table.
+  pm::PathMachine sv(pm::PathSide::server);
+  CHECK(sv.fire(pm::PathEvent::accepted) == pm::PathAction::serve);
+  CHECK(sv.fire(pm::PathEvent::request) == pm::PathAction::execute);
+  CHECK(sv.fire(pm::PathEvent::all_ended) == pm::PathAction::none);
+  CHECK_FALSE(sv.fire(pm::PathEvent::request).has_value());
+  CHECK(sv.why() == "server-path: event request is not allowed in state ending");
+  CHECK(sv.fire(pm::PathEvent::replied) == pm::PathAction::none);
+  CHECK(sv.fire(pm::PathEvent::all_answered) == pm::PathAction::send_eofr);
+  CHECK(sv.fire(pm::PathEvent::committed) == pm::PathAction::finish);
+  CHECK(sv.finished());
 }
 
 }  // TEST_SUITE("session")

@@ -13,6 +13,8 @@
 #include <unordered_set>
 
 #include "xdfs/pathm/path_client.hpp"
+
+#include "xdfs/detail/path_fsm.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 
@@ -120,21 +122,47 @@ std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std
 PathClient::PathClient(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
                std::chrono::milliseconds idle_timeout)
     : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout) {
+  machine_ = std::make_unique<PathMachine>(PathSide::client);
   outstanding_.assign(channels_.size(), 0);
   eofr_.assign(channels_.size(), false);
   last_ = Clock::now();
-  for (auto& ch : channels_) read_loop(*ch);
+  Work none;
+  on(PathEvent::accepted, none);
+}
+
+void PathClient::on(PathEvent e, Work& w) {
+  if (machine_->finished()) return;
+  const auto a = machine_->fire(e);
+  if (!a) return fail(errc::state_violation, machine_->why(), false);
+  switch (*a) {
+    case PathAction::serve:
+      for (auto& ch : channels_) read_loop(*ch);
+      return;
+    case PathAction::send_request: return send_request(w);
+    case PathAction::deliver_reply: return deliver_reply(w);
+    case PathAction::send_eofr: return send_eofr();
+    case PathAction::finish:
+    case PathAction::none: return;  // finish: close() sees the machine done and returns
+    default: return fail(errc::internal, std::string("the path client has no handler for ") + to_string(*a), false);
+  }
 }
 
 PathClient::~PathClient() {
   // Channels that did not end cleanly must not be read again on behalf of a client that is gone.
-  if (!ended_)
+  if (machine_->state() != PathState::done)
     for (auto& ch : channels_)
       if (ch) ch->close();
 }
 
 void PathClient::fail(errc code, const std::string& message, bool remote) {
-  if (code_ != errc::ok) return;
+  if (code_ != errc::ok || machine_->finished()) return;
+  // The table's row to failed (every live state has them), then abort: tell the server unless
+  // it is the one that went.
+  const auto ev = code == errc::timeout ? PathEvent::timeout
+                  : !remote             ? PathEvent::local_error
+                  : code == errc::peer_aborted ? PathEvent::channel_lost
+                                               : PathEvent::peer_exception;
+  if (!machine_->fire(ev)) (void)machine_->fire(PathEvent::local_error);
   code_ = code;
   message_ = message;
   remote_ = remote;
@@ -153,7 +181,7 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
 }
 
 void PathClient::fail(const Failure& f) {
-  if (code_ != errc::ok) return;
+  if (code_ != errc::ok || machine_->finished()) return;
   channel_ = f.channel;
   fail(f.code, f.message, f.peer_gone);
 }
@@ -167,12 +195,13 @@ std::optional<Failure> PathClient::failure() const {
 
 void PathClient::check() const {
   if (auto f = failure()) throw Error(*f);
-  if (closed_) throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
+  if (machine_->state() != PathState::serving)
+    throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
 
 void PathClient::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
-    if (code_ != errc::ok || ended_) return;
+    if (machine_->finished()) return;
     if (ec) {
       auto f = ch.failure(ec, "server");
       return fail(f);
@@ -196,11 +225,13 @@ void PathClient::read_loop(xdsi::Channel& ch) {
     }
     if (h.event == wire::ChannelEvent::eofr) {
       // The server's answer to our EOFR: the operation is over on this channel, not read again.
-      if (!closed_ || h.length != 0 || eofr_[ch.index()])
-        return fail(errc::protocol_error, fmt::format("EOFR from the server on channel {} before the client ended", ch.index()), false);
+      // Before the client ended, the table refuses it (no row in serving).
+      if (h.length != 0 || eofr_[ch.index()])
+        return fail(errc::protocol_error, fmt::format("EOFR with a payload or twice on channel {}", ch.index()), false);
       eofr_[ch.index()] = true;
       ++eofrs_;
-      return;
+      Work none;
+      return on(eofrs_ == channels_.size() ? PathEvent::committed : PathEvent::channel_ended, none);
     }
     if (h.event != wire::ChannelEvent::xpathm)
       return fail(errc::protocol_error, std::string("unexpected ") + wire::to_string(h.event) + " frame from the server", false);
@@ -221,19 +252,22 @@ void PathClient::read_loop(xdsi::Channel& ch) {
 }
 
 void PathClient::finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec) {
-  if (code_ != errc::ok || ended_) return;
+  if (machine_->finished()) return;
   if (ec) {
     auto f = ch.failure(ec, "server");
     return fail(f);
   }
-  on_reply(ch, std::move(buf));
+  Work w;
+  w.ch = &ch;
+  w.buf = std::move(buf);
+  on(PathEvent::reply, w);
   read_loop(ch);
 }
 
 void PathClient::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total) {
   auto part = buf->writable().subspan(have);
   ch.async_read_payload_part(part, [this, &ch, buf, total](const xdsi::ErrorCode& ec) {
-    if (ec || code_ != errc::ok || ended_) return finish_reply(ch, buf, ec);
+    if (ec || machine_->finished()) return finish_reply(ch, buf, ec);
     if (buf->size < total) {
       auto bigger = Buffer::make(std::min(total, 2 * buf->size));
       std::memcpy(bigger->words.get(), buf->words.get(), buf->size);
@@ -243,7 +277,8 @@ void PathClient::read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> 
   });
 }
 
-void PathClient::on_reply(xdsi::Channel&, std::shared_ptr<Buffer> buf) {
+void PathClient::deliver_reply(Work& w) {
+  auto buf = std::move(w.buf);
   last_ = Clock::now();
   std::string why;
   auto r = decode_reply(buf->bytes(), &why);
@@ -277,15 +312,26 @@ std::string PathClient::remote_join(const std::string& base, const std::string& 
   return rel.empty() || rel == "." ? b : b + "/" + rel;
 }
 
-void PathClient::send(std::uint64_t id, Encoded e, OnReply on, bool many) {
+void PathClient::send(std::uint64_t id, Encoded e, OnReply on_reply, bool many) {
   if (code_ != errc::ok) return;
+  Work w;
+  w.id = id;
+  w.request = &e;
+  w.on_reply = &on_reply;
+  w.many = many;
+  on(PathEvent::request, w);
+}
+
+void PathClient::send_request(Work& w) {
+  const std::uint64_t id = w.id;
+  const bool many = w.many;
   std::size_t best = 0;
   for (std::size_t i = 1; i < channels_.size(); ++i)
     if (outstanding_[i] < outstanding_[best]) best = i;
   ++outstanding_[best];
   ++requests_;
-  pending_.emplace(id, Pending{best, many, std::move(on)});
-  auto holder = std::make_shared<Encoded>(std::move(e));
+  pending_.emplace(id, Pending{best, many, std::move(*w.on_reply)});
+  auto holder = std::make_shared<Encoded>(std::move(*w.request));
   wire::FrameHeader h;
   h.event = wire::ChannelEvent::xpathm;
   h.length = static_cast<std::uint32_t>(holder->size);
@@ -434,25 +480,19 @@ void PathClient::put(std::vector<Entry> entries) {
 
 bool PathClient::close() {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
-  if (closed_ || code_ != errc::ok) return ended_;
-  closed_ = true;
+  if (machine_->state() != PathState::serving) return machine_->state() == PathState::done;
+  for (auto& c : channels_)
+    if (!c || !c->open()) {
+      fail(errc::peer_aborted, "a channel closed before the path operation ended", true);
+      return false;
+    }
   // EOFR on every channel: every request has its answer (calls are synchronous), so the server
-  // answers with EOFR on every channel and the channels are the session's again.
-  auto unsent = std::make_shared<std::size_t>(0);
-  for (auto& c : channels_) {
-    if (!c || !c->open()) return false;
-    wire::FrameHeader h;
-    h.event = wire::ChannelEvent::eofr;
-    ++*unsent;
-    auto* ch = c.get();
-    ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent](const xdsi::ErrorCode& ec) {
-      --*unsent;
-      if (ec && code_ == errc::ok) fail(ch->failure(ec, "server"));
-    });
-  }
+  // answers with EOFR on every channel (committed) and the channels are the session's again.
+  Work none;
+  on(PathEvent::end_asked, none);
   io_.restart();
   const auto until = Clock::now() + idle_timeout_;
-  while (code_ == errc::ok && (eofrs_ < channels_.size() || *unsent > 0)) {
+  while (machine_->state() != PathState::failed && (machine_->state() == PathState::ending || *eofr_unsent_ > 0)) {
     if (Clock::now() >= until) {
       fail(errc::timeout, fmt::format("the server did not end the path operation within {} ms", idle_timeout_.count()),
            false);
@@ -461,15 +501,27 @@ bool PathClient::close() {
     io_.run_one_for(std::chrono::milliseconds(100));
   }
   // What is left of the failure's goodbye leaves before the caller goes on.
-  while (*unsent > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
+  while (*eofr_unsent_ > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
   }
-  ended_ = code_ == errc::ok;
-  return ended_;
+  return machine_->state() == PathState::done;
+}
+
+void PathClient::send_eofr() {
+  for (auto& c : channels_) {
+    wire::FrameHeader h;
+    h.event = wire::ChannelEvent::eofr;
+    ++*eofr_unsent_;
+    auto* ch = c.get();
+    ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent = eofr_unsent_](const xdsi::ErrorCode& ec) {
+      --*unsent;
+      if (ec && code_ == errc::ok) fail(ch->failure(ec, "server"));
+    });
+  }
 }
 
 void PathClient::keep_alive() {
   std::unique_lock<std::recursive_mutex> one_call(call_mu_, std::try_to_lock);
-  if (!one_call.owns_lock() || closed_ || code_ != errc::ok || channels_.empty() || !channels_[0] ||
+  if (!one_call.owns_lock() || machine_->state() != PathState::serving || channels_.empty() || !channels_[0] ||
       !channels_[0]->open())
     return;  // a call is running (the session is not idle), or it is over
   wire::FrameHeader h;

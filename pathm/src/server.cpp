@@ -104,7 +104,23 @@ PathServer::~PathServer() {
   pool_.stop();
 }
 
-void PathServer::start() {
+void PathServer::start() { on(PathEvent::accepted); }
+
+void PathServer::on(PathEvent e, const Arrived& w) {
+  if (machine_.finished()) return;
+  const auto a = machine_.fire(e);
+  if (!a) return fail(errc::state_violation, machine_.why(), false, true);
+  switch (*a) {
+    case PathAction::serve: return serve();
+    case PathAction::execute: return execute_later(w);
+    case PathAction::send_eofr: return send_eofr();
+    case PathAction::finish: return finish();
+    case PathAction::none: return;
+    default: return fail(errc::internal, std::string("the path server has no handler for ") + to_string(*a), false, true);
+  }
+}
+
+void PathServer::serve() {
   last_ = Clock::now();
   arm_watchdog();
   for (auto& ch : channels_) read_loop(*ch);
@@ -113,23 +129,21 @@ void PathServer::start() {
 void PathServer::arm_watchdog() {
   watchdog_.expires_after(std::chrono::milliseconds(500));
   watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
-    if (ec || finished_) return;
+    if (ec || machine_.finished()) return;
     // Idle: nothing received and no reply written out for that long, with no worker busy (a
     // long checksum sends nothing meanwhile) or with replies waiting to be written (a client
     // that stops reading its replies, a listing's among them, counts as idle too).
     if ((busy_ == 0 || sending_ > 0) && Clock::now() - last_ > p_.idle_timeout)
-      return fail(errc::timeout, fmt::format("no progress for {} ms", p_.idle_timeout.count()), false, true);
+      return fail(errc::timeout, fmt::format("no progress for {} ms", p_.idle_timeout.count()), false, true,
+                  PathEvent::timeout);
     arm_watchdog();
   });
 }
 
 void PathServer::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
-    if (finished_) return;
-    if (ec) {
-      auto f = ch.failure(ec, "client");
-      return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
-    }
+    if (machine_.finished()) return;
+    if (ec) return channel_failed(ch, ec);
     // A NOOP keeps an idle session (RemoteFs sends them), not one whose client has stopped
     // reading its replies: that one holds the server's memory and must time out.
     if (h.event != wire::ChannelEvent::noop || (sending_ == 0 && parked_.empty())) last_ = Clock::now();
@@ -153,19 +167,20 @@ void PathServer::read_loop(xdsi::Channel& ch) {
           return fail(errc::protocol_error, fmt::format("EOFR twice on channel {}", ch.index()), false, true);
         eofr_[ch.index()] = true;
         ++eofrs_;
+        on(eofrs_ == channels_.size() ? PathEvent::all_ended : PathEvent::channel_ended);
         return maybe_end();
       }
       case wire::ChannelEvent::noop: return read_loop(ch);
       case wire::ChannelEvent::exception: {
         if (h.length > wire::max_control_payload) return fail(errc::protocol_error, "oversized exception header", false, true);
         auto buf = std::make_shared<std::vector<std::uint8_t>>(h.length);
-        ch.async_read_payload(*buf, [this, buf](const xdsi::ErrorCode& ec) {
-          if (finished_) return;
-          if (ec) return fail(errc::peer_aborted, "client closed a channel", true, false);
+        ch.async_read_payload(*buf, [this, buf, &ch](const xdsi::ErrorCode& ec) {
+          if (machine_.finished()) return;
+          if (ec) return channel_failed(ch, ec);
           std::string why;
           auto ex = wire::decode_exception(*buf, &why);
           if (!ex) return fail(errc::protocol_error, "bad exception header: " + why, false, false);
-          fail(ex->code, ex->message, true, false);
+          fail(ex->code, ex->message, true, false, PathEvent::peer_exception);
         });
         return;
       }
@@ -202,32 +217,34 @@ void PathServer::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
   inflight_ += h.length;
   auto buf = Buffer::make(h.length);
   ch.async_read_payload(buf->writable(), [this, &ch, buf, held](const xdsi::ErrorCode& ec) {
-    if (finished_) return;
-    if (ec) {
-      auto f = ch.failure(ec, "client");
-      return fail(f.code, f.message, f.peer_gone, !f.peer_gone);
-    }
-    on_request(ch, buf, held);
+    if (machine_.finished()) return;
+    if (ec) return channel_failed(ch, ec);
+    on(PathEvent::request, Arrived{&ch, buf, held});
   });
 }
 
-void PathServer::on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held) {
+void PathServer::channel_failed(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
+  auto f = ch.failure(ec, "client");
+  fail(f.code, f.message, f.peer_gone, !f.peer_gone, f.peer_gone ? PathEvent::channel_lost : PathEvent::local_error);
+}
+
+void PathServer::execute_later(const Arrived& w) {
   ++busy_;
   ++requests_;
   last_ = Clock::now();
-  pool_.submit([this, c = &ch, buf, held] { execute(c, buf, held); });
-  read_loop(ch);  // the next header; whether its payload is read then is admit's call
+  pool_.submit([this, c = w.ch, buf = w.buf, held = w.held] { execute(c, buf, held); });
+  read_loop(*w.ch);  // the next header; whether its payload is read then is admit's call
 }
 
 void PathServer::resume() {
-  if (finished_) return;
+  if (machine_.finished()) return;
   auto parked = std::move(parked_);
   parked_.clear();
   for (const auto& p : parked) admit(*p.ch, p.h);  // in order; what still does not fit parks again
 }
 
 void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent) {
-  if (finished_ || !ch->open()) {
+  if (machine_.finished() || !ch->open()) {
     if (sent) sent();
     return;
   }
@@ -240,10 +257,8 @@ void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> 
     --sending_;
     if (!ec) last_ = Clock::now();
     // A channel that is not being read (parked) learns of a vanished client only here.
-    if (ec && ec != boost::asio::error::operation_aborted && !finished_) {
-      auto f = ch->failure(ec, "client");
-      fail(f.code, f.message, f.from_peer, !f.peer_gone);
-    }
+    if (ec && ec != boost::asio::error::operation_aborted && !machine_.finished()) channel_failed(*ch, ec);
+    if (!ec) on(PathEvent::replied);
     if (sent) sent();
     maybe_end();
   });
@@ -253,8 +268,11 @@ void PathServer::send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> 
 // the answers have left, EOFR goes back on every channel, and the channels are the session's
 // again. Files the client left unfinished are discarded.
 void PathServer::maybe_end() {
-  if (finished_ || ending_ || eofrs_ != channels_.size() || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
-  ending_ = true;
+  if (machine_.state() != PathState::ending || busy_ != 0 || sending_ != 0 || !parked_.empty()) return;
+  on(PathEvent::all_answered);
+}
+
+void PathServer::send_eofr() {
   watchdog_.cancel();
   retry_.cancel();
   shared_->stopped = true;
@@ -264,24 +282,26 @@ void PathServer::maybe_end() {
   // have the idle timeout to leave, then the operation fails like any other.
   linger_.expires_after(p_.idle_timeout);
   linger_.async_wait([this](const xdsi::ErrorCode& ec) {
-    if (ec || finished_) return;
+    if (ec || machine_.finished()) return;
     fail(errc::timeout,
          fmt::format("the client did not read the end of the path operation for {} ms", p_.idle_timeout.count()), false,
-         false);
+         false, PathEvent::timeout);
   });
   auto left = std::make_shared<std::size_t>(channels_.size());
   for (auto& c : channels_) {
     wire::FrameHeader h;
     h.event = wire::ChannelEvent::eofr;
-    c->send(h, std::vector<std::uint8_t>{}, [this, left](const xdsi::ErrorCode& ec) {
-      if (finished_) return;
-      if (ec) return fail(errc::peer_aborted, "client closed a channel as the path operation ended", true, false);
-      if (--*left != 0) return;
-      finished_ = true;
-      linger_.cancel();
-      done_(errc::ok, "", false);
+    c->send(h, std::vector<std::uint8_t>{}, [this, left, ch = c.get()](const xdsi::ErrorCode& ec) {
+      if (machine_.finished()) return;
+      if (ec) return channel_failed(*ch, ec);
+      if (--*left == 0) on(PathEvent::committed);
     });
   }
+}
+
+void PathServer::finish() {
+  linger_.cancel();
+  done_(errc::ok, "", false);
 }
 
 // On a worker: decode, do the file-system work, and hand the replies to the network thread. A
@@ -412,7 +432,7 @@ void PathServer::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& h
                 }
                 s->cv.notify_all();
               };
-              if (finished_ || !ch->open()) return done();
+              if (machine_.finished() || !ch->open()) return done();
               send_reply(ch, std::move(e), done);
             });
             return true;
@@ -508,9 +528,10 @@ void PathServer::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& h
 
 void PathServer::abort(errc code, const std::string& message) { fail(code, message, false, true); }
 
-void PathServer::fail(errc code, const std::string& message, bool from_peer, bool tell) {
-  if (finished_) return;
-  finished_ = true;
+void PathServer::fail(errc code, const std::string& message, bool from_peer, bool tell, PathEvent ev) {
+  if (machine_.finished()) return;
+  // Every live state has the failure rows: the machine is failed now, and abort runs.
+  if (!machine_.fire(ev)) (void)machine_.fire(PathEvent::local_error);
   watchdog_.cancel();
   retry_.cancel();
   shared_->stopped = true;

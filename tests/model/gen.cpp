@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "xdfs/detail/path_fsm.hpp"
 #include "xdfs/detail/session_fsm.hpp"
 #include "xdfs/detail/xftsm_fsm.hpp"
 
@@ -26,6 +27,7 @@ namespace {
 
 namespace sf = xdfs::session_fsm;
 namespace xf = xdfs::xftsm;
+namespace pm = xdfs::pathm;
 
 struct Params {
   int channels = 2;
@@ -150,7 +152,6 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
   const auto rows = xf::table(role);
   const std::string tname = xf::to_string(role);
   const bool sender = role == xf::Role::client_upload || role == xf::Role::server_download;
-  const bool path = role == xf::Role::client_path || role == xf::Role::server_path;
   std::map<xf::State, std::vector<Alt>> by_state;
   std::vector<std::string> folded;
   int index = 0;
@@ -208,17 +209,7 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
         a.eager = true;
         break;
       case xf::TransferEvent::committed:
-        if (path && s.client) {
-          // The client's EOFR went on every channel once every request had its answer; the
-          // server's EOFR on every channel ends the operation.
-          a.msg = "EOFR";
-          a.guard = "closing && !eofr_in[ch]";
-          act = "eofr_in[ch] = true; eofrs++; if :: eofrs < N -> goto " + lbl(prefix, xf::to_string(r.from)) + " :: else -> skip fi; " + act;
-        } else if (path) {
-          a.guard = "eofrs == N && answered == asked";
-          a.eager = true;
-          act = send_all(s, p, "EOFR") + act;
-        } else if (sender) {
+        if (sender) {
           // The receiver's EOFR on every channel: the file is committed.
           a.msg = "EOFR";
           a.guard = "!eofr_in[ch]";
@@ -238,30 +229,11 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
     by_state[r.from].push_back(a);
   }
   // What the engines do in a state beyond the table's rows: a receiver counts EOFRs (all_received
-  // fires on the count), a path client asks and a path server answers.
-  for (auto& [st, alts] : by_state) {
-    if (!sender && !path && st == xf::State::transferring)
+  // fires on the count).
+  for (auto& [st, alts] : by_state)
+    if (!sender && st == xf::State::transferring)
       alts.push_back(Alt{"EOFR", "!eofr_in[ch]", "eofr_in[ch] = true; eofrs++; goto " + lbl(prefix, "transferring"),
                          "receiver: the sender's EOFR on a channel (counted; not read again)"});
-    if (path && st == xf::State::transferring) {
-      if (s.client) {
-        alts.push_back(Alt{"", "!closing && asked < R", "asked++; " + send_any(s, p, "REQ") + "goto " +
-                                                            lbl(prefix, "transferring"),
-                           "path client: a request"});
-        alts.push_back(Alt{"RSP", "answered < asked", "answered++; goto " + lbl(prefix, "transferring"),
-                           "path client: its answer"});
-        alts.push_back(Alt{"", "!closing && answered == asked", "closing = true; " + send_all(s, p, "EOFR") +
-                                                                    "goto " + lbl(prefix, "transferring"),
-                           "path client: ends the operation (EOFR on every channel)"});
-      } else {
-        alts.push_back(Alt{"REQ", "!eofr_in[ch]", "asked++; answered++; SEND(s2c[ch], RSP, 0, " + s.peer_gone() +
-                                                      "); goto " + lbl(prefix, "transferring"),
-                           "path server: answers a request"});
-        alts.push_back(Alt{"EOFR", "!eofr_in[ch]", "eofr_in[ch] = true; eofrs++; goto " + lbl(prefix, "transferring"),
-                           "path server: the client ended on a channel (not read again)"});
-      }
-    }
-  }
   for (const auto& f : folded) emit("  /* folded: " + f + " */");
   for (auto& [st, alts] : by_state) {
     std::vector<int> readable;
@@ -270,11 +242,107 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
   }
 }
 
-// The operation's entry: counters reset, then its machine's transferring state.
-std::string op_entry(const std::string& prefix) {
+// ---- path mode's tables, from their serving state on ----
+
+// The model of a path operation on side `s`, from its own table (pathm::table): entry is its
+// `serving` state. The client asks up to R requests, each answered; it ends once every request
+// has its answer; the server ends once every channel ended and every request is answered.
+void write_path_operation(const Side& s, const Params& p, const std::string& prefix, const std::string& done_label,
+                          const std::string& failed_label) {
+  const auto side = s.client ? pm::PathSide::client : pm::PathSide::server;
+  const std::string tname = pm::to_string(side);
+  std::map<pm::PathState, std::vector<Alt>> by_state;
+  std::vector<std::string> folded;
+  int index = 0;
+  // A channel's EOFR, counted: the rows for "not yet on all" and "on the last" split on the count.
+  const std::string count = "eofr_in[ch] = true; eofrs++; ";
+  for (const auto& r : pm::table(side)) {
+    const int row = index++;
+    // The start is the session's: its negotiation (client) or the mode's open (server, below).
+    if (r.from == pm::PathState::idle) continue;
+    const std::string note = tname + " row " + std::to_string(row) + ": " + pm::to_string(r.from) + " --" +
+                             pm::to_string(r.on) + "--> " + pm::to_string(r.to);
+    if (dropped(p, tname, row)) continue;
+    const std::string to = r.to == pm::PathState::done     ? done_label
+                           : r.to == pm::PathState::failed ? failed_label
+                                                           : lbl(prefix, pm::to_string(r.to));
+    Alt a;
+    a.note = note;
+    std::string act;
+    switch (r.action) {
+      case pm::PathAction::send_request: act = "asked++; " + send_any(s, p, "REQ"); break;
+      case pm::PathAction::deliver_reply: act = "answered++; "; break;
+      case pm::PathAction::execute: act = "asked++; "; break;  // a worker takes it
+      case pm::PathAction::send_eofr: act = send_all(s, p, "EOFR"); break;
+      case pm::PathAction::abort: act = abort_body(s, p); break;
+      default: break;  // none, serve, finish
+    }
+    switch (r.on) {
+      case pm::PathEvent::request:
+        if (s.client) {
+          a.guard = "asked < R";
+        } else {
+          a.msg = "REQ";
+          a.guard = "!eofr_in[ch]";
+        }
+        break;
+      case pm::PathEvent::reply:
+        a.msg = "RSP";
+        a.guard = "answered < asked";
+        break;
+      case pm::PathEvent::replied:
+        // A worker's answer leaves (the client takes it on whichever channel).
+        a.guard = "answered < asked";
+        act = "answered++; " + send_any(s, p, "RSP") + act;
+        break;
+      case pm::PathEvent::end_asked: a.guard = "answered == asked"; break;
+      case pm::PathEvent::channel_ended:
+        a.msg = "EOFR";
+        a.guard = "!eofr_in[ch] && eofrs + 1 < N";
+        act = count + act;
+        break;
+      case pm::PathEvent::all_ended:
+        a.msg = "EOFR";
+        a.guard = "!eofr_in[ch] && eofrs + 1 == N";
+        act = count + act;
+        break;
+      case pm::PathEvent::all_answered:
+        a.guard = "answered == asked";
+        a.eager = true;
+        break;
+      case pm::PathEvent::committed:
+        if (s.client) {
+          // The server's EOFR on the last channel.
+          a.msg = "EOFR";
+          a.guard = "!eofr_in[ch] && eofrs + 1 == N";
+          act = count + act;
+        } else {
+          a.guard = "true";  // its EOFRs have left (SEND is atomic here)
+          a.eager = true;
+        }
+        break;
+      case pm::PathEvent::peer_exception: a.msg = "EXC"; break;
+      case pm::PathEvent::local_error: a.guard = "faults > 0"; act = "faults--; injected = true; " + act; break;
+      case pm::PathEvent::channel_lost: a.guard = s.peer_gone() + " && " + drained(s.client, p.channels); break;
+      case pm::PathEvent::timeout: a.guard = "timeout"; break;
+      default: folded.push_back(note + " (no trigger in the model)"); continue;
+    }
+    a.body = marker(tname, row) + act + "goto " + to;
+    by_state[r.from].push_back(a);
+  }
+  for (const auto& f : folded) emit("  /* folded: " + f + " */");
+  for (auto& [st, alts] : by_state) {
+    std::vector<int> readable;
+    for (int i = 0; i < p.channels; ++i) readable.push_back(i);
+    write_state(s, p, lbl(prefix, pm::to_string(st)), alts, readable, "eofr_in");
+  }
+}
+
+// The operation's entry: counters reset, then its machine's first state after the start.
+std::string op_entry(const std::string& prefix, const char* state = "transferring") {
   return "sent = 0; acked = 0; got = 0; pend = 0; written = 0; eofrs = 0; eofr_sent = false; closing = false; "
          "asked = 0; answered = 0; k = 0; do :: k < N -> eofr_in[k] = false; k++ :: else -> break od; goto " +
-         prefix + "_transferring";
+         prefix + "_" + state;
 }
 
 // ---- the session tables ----
@@ -306,7 +374,7 @@ void write_client(const Params& p) {
         break;
       case sf::SessionAction::start_operation:
         act = "if :: mode == UPLOAD -> " + op_entry("cu") + " :: mode == DOWNLOAD -> " + op_entry("cd") +
-              " :: mode == PATH -> " + op_entry("cp") + " fi; ";
+              " :: mode == PATH -> " + op_entry("cp", "serving") + " fi; ";
         break;
       case sf::SessionAction::finish: act = send_all(s, p, "EOFT"); break;
       case sf::SessionAction::abort: act = abort_body(s, p); break;
@@ -343,7 +411,7 @@ void write_client(const Params& p) {
   emit("c_operating: assert(false);  /* entered through an operation's machine only */");
   write_operation(s, p, xf::Role::client_upload, "cu", "c_op_ended", "c_op_failed");
   write_operation(s, p, xf::Role::client_download, "cd", "c_op_ended", "c_op_failed");
-  write_operation(s, p, xf::Role::client_path, "cp", "c_op_ended", "c_op_failed");
+  write_path_operation(s, p, "cp", "c_op_ended", "c_op_failed");
   // The operation's end, as the session table says.
   bool ended = false, failed = false;
   index = 0;
@@ -437,8 +505,7 @@ void write_server(const Params& p) {
     write_state(s, p, std::string("s_") + sf::to_string(st), by_state[st], readable, "heard");
   }
   // Each mode opens (the xFTSM/path tables' joining --all_joined--> row) or refuses.
-  for (auto [prefix, role] : {std::pair{"su", xf::Role::server_upload}, std::pair{"sd", xf::Role::server_download},
-                              std::pair{"sp", xf::Role::server_path}}) {
+  for (auto [prefix, role] : {std::pair{"su", xf::Role::server_upload}, std::pair{"sd", xf::Role::server_download}}) {
     const xf::Transition* open = nullptr;
     int row = 0, open_row = 0;
     for (const auto& r : xf::table(role)) {
@@ -459,7 +526,21 @@ void write_server(const Params& p) {
   }
   write_operation(s, p, xf::Role::server_upload, "su", "s_op_ended", "s_op_failed");
   write_operation(s, p, xf::Role::server_download, "sd", "s_op_ended", "s_op_failed");
-  write_operation(s, p, xf::Role::server_path, "sp", "s_op_ended", "s_op_failed");
+  // Path mode opens with its table's idle --accepted--> row (or refuses).
+  {
+    int row = 0, open_row = -1;
+    for (const auto& r : pm::table(pm::PathSide::server)) {
+      if (r.from == pm::PathState::idle && r.on == pm::PathEvent::accepted && !dropped(p, "server-path", row)) open_row = row;
+      ++row;
+    }
+    emit("sp_open:");
+    if (open_row < 0)
+      emit("  printf(\"server-path: nothing opens the operation\\n\"); assert(false);");
+    else
+      emit("  if :: " + marker("server-path", open_row) + send_all(s, p, "REPLY") + op_entry("sp", "serving") +
+           " :: goto s_op_refused fi;");
+  }
+  write_path_operation(s, p, "sp", "s_op_ended", "s_op_failed");
   bool refused = false, ended = false, failed = false;
   index = 0;
   for (const auto& r : rows) {

@@ -78,29 +78,6 @@ constexpr Transition server_download[] = {
     XDFS_SENDER_ROWS,
 };
 
-// Path mode, client: once accepted, requests flow until the client ends the operation (EOFR on every
-// channel, answered by the server's EOFR on every channel: committed).
-constexpr Transition client_path[] = {
-    {S::idle, E::start, S::connecting, A::connect_channels},
-    {S::connecting, E::connected, S::negotiating, A::none},
-    XDFS_FAILURES(S::connecting),
-    {S::negotiating, E::accepted, S::transferring, A::serve_path},
-    XDFS_FAILURES(S::negotiating),
-    {S::transferring, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::transferring),
-};
-
-// Path mode, server: answers requests until the client's EOFR on every channel; its own EOFRs in
-// answer have left (committed).
-constexpr Transition server_path[] = {
-    {S::idle, E::channel_joined, S::joining, A::register_session},
-    {S::joining, E::channel_joined, S::joining, A::add_channel},
-    {S::joining, E::all_joined, S::transferring, A::open_and_reply},
-    XDFS_FAILURES(S::joining),
-    {S::transferring, E::committed, S::done, A::finish},
-    XDFS_FAILURES(S::transferring),
-};
-
 #undef XDFS_SENDER_ROWS
 #undef XDFS_RECEIVER_ROWS
 #undef XDFS_FAILURES
@@ -113,8 +90,6 @@ std::span<const Transition> table(Role r) noexcept {
     case Role::client_download: return client_download;
     case Role::server_upload: return server_upload;
     case Role::server_download: return server_download;
-    case Role::client_path: return client_path;
-    case Role::server_path: return server_path;
   }
   return {};
 }
@@ -174,7 +149,6 @@ const char* to_string(TransferAction a) noexcept {
     case TransferAction::commit: return "commit";
     case TransferAction::finish: return "finish";
     case TransferAction::abort: return "abort";
-    case TransferAction::serve_path: return "serve-path";
   }
   return "?";
 }
@@ -185,8 +159,6 @@ const char* to_string(Role r) noexcept {
     case Role::client_download: return "client-download";
     case Role::server_upload: return "server-upload";
     case Role::server_download: return "server-download";
-    case Role::client_path: return "client-path";
-    case Role::server_path: return "server-path";
   }
   return "?";
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "xdfs/budget.hpp"
+#include "xdfs/detail/path_fsm.hpp"
 #include "xdfs/pathm/fsops.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/pathm/pool.hpp"
@@ -65,16 +66,35 @@ public:
 private:
   struct Shared;
   using Held = std::shared_ptr<Reservation>;
+  /// What a request's arrival carries to its action's handler.
+  struct Arrived {
+    xdsi::Channel* ch = nullptr;
+    std::shared_ptr<Buffer> buf;
+    Held held;
+  };
+  /// Feeds e to the table and runs the action it answers: one handler per action.
+  void on(PathEvent e, const Arrived& w);
+  void on(PathEvent e) { on(e, Arrived()); }
+  /// serve: the watchdog, and every channel read.
+  void serve();
+  /// execute: the request goes to a worker; its channel reads on.
+  void execute_later(const Arrived& w);
+  /// send_eofr: the workers stop, unfinished files go, EOFR on every channel.
+  void send_eofr();
+  /// finish: the operation ended on every channel.
+  void finish();
+  void channel_failed(xdsi::Channel& ch, const xdsi::ErrorCode& ec);
   void read_loop(xdsi::Channel& ch);
   /// A request's header arrived: read its payload now if the session's bound and the server's
   /// memory allow it, else park the channel (it is not read until they do).
   void admit(xdsi::Channel& ch, const wire::FrameHeader& h);
-  void on_request(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, Held held);
   void execute(xdsi::Channel* ch, std::shared_ptr<Buffer> buf, Held held);
   void answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& held);
   void send_reply(xdsi::Channel* ch, Encoded e, std::function<void()> sent = {});
-  void fail(errc code, const std::string& message, bool from_peer, bool tell);
+  /// abort, with the failure event ev (the table's row to failed).
+  void fail(errc code, const std::string& message, bool from_peer, bool tell, PathEvent ev = PathEvent::local_error);
   void resume();
+  /// all_answered, once the client ended on every channel and every request has left.
   void maybe_end();
   void arm_watchdog();
   // Requests read but not answered yet: a few per worker keep them busy; more would only hold
@@ -105,8 +125,7 @@ private:
   asio::steady_timer retry_;   // memory was short: parked requests try again
   bool retry_armed_ = false;
   std::chrono::steady_clock::time_point last_;
-  bool finished_ = false;
-  bool ending_ = false;   // every channel ended; the EOFRs in answer are on their way
+  PathMachine machine_{PathSide::server};
   std::vector<bool> eofr_ = std::vector<bool>(channels_.size(), false);  // per channel: the client ended there
   std::size_t eofrs_ = 0;
   WorkPool pool_;  // last: joined first

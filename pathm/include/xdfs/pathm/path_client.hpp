@@ -94,6 +94,9 @@ private:
   TreeResult result_;
 };
 
+enum class PathEvent : std::uint8_t;
+class PathMachine;
+
 /// Sends path requests over the channels of an accepted path session. Calls block the calling
 /// thread, which runs the session's io_context meanwhile. Failures throw xdfs::Error; a tree copy
 /// that could not copy some entries copies all the others first, then throws TreeError.
@@ -149,10 +152,26 @@ private:
     bool many;
     OnReply on;
   };
+  /// What an event carries to its action's handler: a request to send, or a reply that came.
+  struct Work {
+    std::uint64_t id = 0;
+    Encoded* request = nullptr;
+    OnReply* on_reply = nullptr;
+    bool many = false;
+    xdsi::Channel* ch = nullptr;
+    std::shared_ptr<Buffer> buf;
+  };
+  /// Feeds e to the table and runs the action it answers: one handler per action.
+  void on(PathEvent e, Work& w);
+  /// send_request: on the channel with the fewest requests outstanding.
+  void send_request(Work& w);
+  /// deliver_reply: to the handler of the request it answers.
+  void deliver_reply(Work& w);
+  /// send_eofr: EOFR on every channel.
+  void send_eofr();
   void read_loop(xdsi::Channel& ch);
   void read_reply_in_parts(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, std::size_t have, std::size_t total);
   void finish_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf, const xdsi::ErrorCode& ec);
-  void on_reply(xdsi::Channel& ch, std::shared_ptr<Buffer> buf);
   void send(std::uint64_t id, Encoded e, OnReply on, bool many = false);
   std::uint64_t new_id() noexcept { return next_id_++; }
   Reply call(Request r);
@@ -184,8 +203,8 @@ private:
   std::string message_;
   bool remote_ = false;
   std::optional<std::uint32_t> channel_;  // where the failure happened, when on a channel
-  bool closed_ = false;   // close() was called: no more requests
-  bool ended_ = false;    // the operation ended cleanly on every channel
+  std::unique_ptr<PathMachine> machine_;  // the client's table (xdfs/detail/path_fsm.hpp)
+  std::shared_ptr<std::size_t> eofr_unsent_ = std::make_shared<std::size_t>(0);  // our EOFRs not written yet
   std::vector<bool> eofr_;  // per channel: the server's EOFR arrived
   std::size_t eofrs_ = 0;
   std::chrono::steady_clock::time_point last_;

@@ -68,7 +68,6 @@ enum class TransferAction : std::uint8_t {
   commit,            ///< receiver: flush, check the size, rename into place, EOFR on every channel
   finish,            ///< close the channels, report success
   abort,             ///< discard any partial file, tell the peer, close the channels
-  serve_path,        ///< path mode: client starts sending path requests; server starts answering them
 };
 
 const char* to_string(State s) noexcept;
@@ -77,8 +76,8 @@ const char* to_string(TransferAction a) noexcept;
 
 using Transition = fsm::Transition<State, TransferEvent, TransferAction>;
 
-/// Which machine: the four xFTSM ones, and the two of the path mode (xPathM).
-enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download, client_path, server_path };
+/// Which machine: the four of xFTSM (path mode has its own: xdfs/detail/path_fsm.hpp).
+enum class Role : std::uint8_t { client_upload, client_download, server_upload, server_download };
 const char* to_string(Role r) noexcept;
 
 /// The table of a role.
