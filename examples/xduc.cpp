@@ -164,7 +164,9 @@ std::string json_error(xdfs::errc code, const std::string& message, bool remote,
 }
 
 std::string json_error(const xdfs::Error& e, bool remote) {
-  return json_error(e.code(), e.context(), remote, e.channel(), e.offset());
+  auto s = json_error(e.code(), e.context(), remote, e.channel(), e.offset());
+  if (!e.operation().empty()) s.insert(s.size() - 1, ",\"operation\":\"" + json_escape(shown(e.operation())) + "\"");
+  return s;
 }
 
 // The one line on standard error; with --json also {"error":{...}} on standard output.

@@ -122,6 +122,7 @@ TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   CHECK(r.err.find("connection refused") != std::string::npos);
   r = xt::xduc({"--json", url(d, "f"), local / "x"});
   CHECK(r.out.find("\"code\":\"connection refused\",\"recovery\":\"reconnect\",\"remote\":false") != std::string::npos);
+  CHECK_MESSAGE(r.out.find("\"operation\":\"session set-up\"}") != std::string::npos, r.out);
 }
 
 TEST_CASE("xdfsd refuses bad arguments in one line") {

@@ -325,6 +325,8 @@ TEST_CASE("a failure says what to do next and where: a missing file gives up, a 
     REQUIRE(e.channel().has_value());
     CHECK(*e.channel() < 2u);
     CHECK_MESSAGE(std::regex_search(e.context(), std::regex("^channel [01] (closed|reset) by the server( during the negotiation)?$")), e.context());
+    // And which operation it ended.
+    CHECK_MESSAGE((e.operation() == "download 'big'" || e.operation() == "negotiation of operation 1"), e.operation());
   }
   killer.join();
   CHECK_FALSE(s.usable());

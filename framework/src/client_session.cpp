@@ -111,6 +111,8 @@ struct Session::Impl {
                          : why.from_peer           ? SessionEvent::peer_exception
                                                    : SessionEvent::local_error);
       shut();
+      if (why.operation.empty())
+        why.operation = connected ? fmt::format("negotiation of operation {}", nego.transfer) : std::string("session set-up");
       throw TransferError(why);
     }
     if (refusal) {

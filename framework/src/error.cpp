@@ -121,6 +121,7 @@ const char* to_string(Recovery r) noexcept {
 }
 
 Error::Error(const Failure& f) : Error(f.code, f.message) {
+  operation_ = f.operation;
   channel_ = f.channel;
   offset_ = f.offset;
 }

@@ -167,7 +167,11 @@ private:
     session_.end_operation(!failure_);
     sender_.reset();
     receiver_.reset();
-    if (failure_) throw TransferError(failure_);
+    if (failure_) {
+      if (failure_.operation.empty())
+        failure_.operation = std::string(nego_.mode == Mode::upload ? "upload" : "download") + " '" + nego_.remote_path + "'";
+      throw TransferError(failure_);
+    }
     if (opt_.progress) opt_.progress(Progress{size_, size_, seconds_});
     return TransferResult{size_, seconds_, static_cast<unsigned>(session_.channels().size()), setup};
   }

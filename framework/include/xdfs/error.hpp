@@ -76,6 +76,7 @@ const char* to_string(Recovery r) noexcept;
 struct Failure {
   errc code = errc::ok;
   std::string message;                   ///< what failed, without the code's name
+  std::string operation;                 ///< the operation it ended ("upload 'a.iso'", "session"), where known
   std::optional<std::uint32_t> channel;  ///< the channel it happened on, where one did
   std::optional<std::uint64_t> offset;   ///< the file offset it concerns, where one does
   bool from_peer = false;                ///< the peer reported it, or ended the channel
@@ -96,6 +97,8 @@ public:
   errc code() const noexcept { return code_; }
   /// The context without the code's name.
   const std::string& context() const noexcept { return context_; }
+  /// The operation it ended ("upload 'a.iso'", "download 'b'", "session"), where known.
+  const std::string& operation() const noexcept { return operation_; }
   /// The channel and the file offset the failure happened at, where known.
   std::optional<std::uint32_t> channel() const noexcept { return channel_; }
   std::optional<std::uint64_t> offset() const noexcept { return offset_; }
@@ -104,6 +107,7 @@ public:
 private:
   errc code_;
   std::string context_;
+  std::string operation_;
   std::optional<std::uint32_t> channel_;
   std::optional<std::uint64_t> offset_;
 };
