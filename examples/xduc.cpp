@@ -1,6 +1,7 @@
 // xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

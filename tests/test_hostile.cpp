@@ -815,6 +815,60 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
   rfs.close();
 }
 
+TEST_CASE("a path client that ends with requests still unanswered: the server answers them all, then ends on every channel") {
+  // The real client ends only once every request has its answer; one that does not is still
+  // served: the server's table has it wait in `ending` until its workers are done and the
+  // replies have left, and only then send its EOFRs (the model checks the honest order only).
+  xt::TempDir root;
+  for (int i = 0; i < 16; ++i) xt::write_file(root / ("f" + std::to_string(i)), std::string(std::size_t(i) + 1, 'x'));
+  xt::InProcessServer srv([&] {
+    xdfs::ServerConfig cfg;
+    cfg.root = root.path();
+    return cfg;
+  }());
+  auto h = xt::make_hello(Mode::path, ".", 2);
+  xt::RawChannel c(srv.port());
+  REQUIRE(c.establish(h));
+  xt::RawChannel other(srv.port());
+  REQUIRE(other.join(h, 1, c.session_secret()));
+  expect_reply(c);
+  expect_reply(other);
+  for (std::uint64_t id = 1; id <= 16; ++id) {
+    pm::Request r;
+    r.id = id;
+    r.op = pm::Op::checksum;
+    r.path = "f" + std::to_string(id - 1);
+    send_path(c, r);
+  }
+  FrameHeader e;
+  e.event = ChannelEvent::eofr;
+  c.send_frame(e);
+  other.send_frame(e);
+  // Every request answered, then EOFR, on the channel they came on; EOFR alone on the other.
+  std::set<std::uint64_t> answered;
+  for (;;) {
+    auto f = c.read_frame();
+    REQUIRE(f.has_value());
+    if (f->first.event == ChannelEvent::eofr) break;
+    REQUIRE_MESSAGE(f->first.event == ChannelEvent::xpathm, xdfs::wire::to_string(f->first.event));
+    std::string why;
+    auto rep = pm::decode_reply(f->second, &why);
+    REQUIRE_MESSAGE(rep.has_value(), why);
+    CHECK(rep->code == errc::ok);
+    answered.insert(rep->id);
+  }
+  CHECK(answered.size() == 16);
+  auto f = other.read_frame();
+  REQUIRE(f.has_value());
+  CHECK(f->first.event == ChannelEvent::eofr);
+  // The operation ended cleanly: the channels are the session's, which takes the end.
+  FrameHeader t;
+  t.event = ChannelEvent::eoft;
+  c.send_frame(t);
+  other.send_frame(t);
+  CHECK(srv.wait_for_log("status=ok", 10000));
+}
+
 TEST_CASE("path mode: an EOFR or NOOP carrying a payload is refused before it is acted on, by either side") {
   // Such a frame's header is authenticated only by the tag after its payload: acting on the
   // header at once would let anyone on the path end an operation as if the client had.

@@ -155,13 +155,16 @@ PathClient::~PathClient() {
 }
 
 void PathClient::fail(errc code, const std::string& message, bool remote) {
+  fail_as(remote ? (code == errc::peer_aborted ? PathEvent::channel_lost : PathEvent::peer_exception)
+                 : code == errc::timeout ? PathEvent::timeout
+                                         : PathEvent::local_error,
+          code, message, remote, !remote);
+}
+
+void PathClient::fail_as(PathEvent ev, errc code, const std::string& message, bool remote, bool tell) {
   if (code_ != errc::ok || machine_->finished()) return;
   // The table's row to failed (every live state has them), then abort: tell the server unless
-  // it is the one that went.
-  const auto ev = code == errc::timeout ? PathEvent::timeout
-                  : !remote             ? PathEvent::local_error
-                  : code == errc::peer_aborted ? PathEvent::channel_lost
-                                               : PathEvent::peer_exception;
+  // it reported the failure or is gone.
   if (!machine_->fire(ev)) (void)machine_->fire(PathEvent::local_error);
   code_ = code;
   message_ = message;
@@ -169,7 +172,7 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
   auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
   for (auto& c : channels_) {
     if (!c || !c->open()) continue;
-    if (remote) {
+    if (!tell) {
       c->close();
       continue;
     }
@@ -183,7 +186,9 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
 void PathClient::fail(const Failure& f) {
   if (code_ != errc::ok || machine_->finished()) return;
   channel_ = f.channel;
-  fail(f.code, f.message, f.peer_gone);
+  // Whose fault (from_peer) and whether it can still be told (peer_gone) are separate: a
+  // connection that timed out is gone, and not the server's doing.
+  fail_as(f.peer_gone ? PathEvent::channel_lost : PathEvent::local_error, f.code, f.message, f.from_peer, !f.peer_gone);
 }
 
 std::optional<Failure> PathClient::failure() const {
@@ -483,7 +488,8 @@ bool PathClient::close() {
   if (machine_->state() != PathState::serving) return machine_->state() == PathState::done;
   for (auto& c : channels_)
     if (!c || !c->open()) {
-      fail(errc::peer_aborted, "a channel closed before the path operation ended", true);
+      fail_as(PathEvent::channel_lost, errc::peer_aborted, "a channel closed before the path operation ended", false,
+              false);
       return false;
     }
   // EOFR on every channel: every request has its answer (calls are synchronous), so the server
@@ -503,7 +509,7 @@ bool PathClient::close() {
   // What is left of the failure's goodbye leaves before the caller goes on.
   while (*eofr_unsent_ > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
   }
-  return machine_->state() == PathState::done;
+  return machine_->state() == PathState::done && !eofr_lost_;
 }
 
 void PathClient::send_eofr() {
@@ -514,7 +520,9 @@ void PathClient::send_eofr() {
     auto* ch = c.get();
     ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent = eofr_unsent_](const xdsi::ErrorCode& ec) {
       --*unsent;
-      if (ec && code_ == errc::ok) fail(ch->failure(ec, "server"));
+      if (!ec) return;
+      eofr_lost_ = true;  // even once the server's EOFRs are in: ours did not all leave
+      if (code_ == errc::ok) fail(ch->failure(ec, "server"));
     });
   }
 }

@@ -23,6 +23,8 @@ constexpr PathTransition client_rows[] = {
     {S::ending, E::channel_ended, S::ending, A::none},
     {S::ending, E::committed, S::done, A::finish},
     XDFS_PATH_FAILURES(S::ending),
+    // Last, so that the rows above keep their numbers: a failure before the operation started.
+    XDFS_PATH_FAILURES(S::idle),
 };
 
 constexpr PathTransition server_rows[] = {
@@ -37,6 +39,7 @@ constexpr PathTransition server_rows[] = {
     XDFS_PATH_FAILURES(S::ending),
     {S::closing, E::committed, S::done, A::finish},
     XDFS_PATH_FAILURES(S::closing),
+    XDFS_PATH_FAILURES(S::idle),
 };
 
 #undef XDFS_PATH_FAILURES

@@ -225,7 +225,7 @@ void PathServer::admit(xdsi::Channel& ch, const wire::FrameHeader& h) {
 
 void PathServer::channel_failed(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   auto f = ch.failure(ec, "client");
-  fail(f.code, f.message, f.peer_gone, !f.peer_gone, f.peer_gone ? PathEvent::channel_lost : PathEvent::local_error);
+  fail(f.code, f.message, f.from_peer, !f.peer_gone, f.peer_gone ? PathEvent::channel_lost : PathEvent::local_error);
 }
 
 void PathServer::execute_later(const Arrived& w) {

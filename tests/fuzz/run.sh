@@ -35,7 +35,7 @@ parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/fram
 session=("$src/framework/src/piod.cpp" "$src/framework/src/files.cpp" "$src/framework/src/session.cpp" "$src/framework/src/session_fsm.cpp"
          "$src/xftsm/src/cfsm.cpp"
          "$src/xftsm/src/transfer.cpp" "$src/xftsm/src/file_operation.cpp" "$src/pathm/src/fsops.cpp"
-         "$src/pathm/src/pool.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp")
+         "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp")
 libs=(-lcapnp -lkj -lbotan-2 -lfmt -lpthread)
 status=0
 for name in "${harnesses[@]}"; do

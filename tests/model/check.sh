@@ -17,8 +17,10 @@ status=0
 # Rows no run of the model can take: the receiver's failures while it sends its confirming EOFRs
 # (a send is one atomic step here), and the join's timeout and lost channel (the model's client
 # sends its negotiation on every channel at once). The path server's ending and closing states
-# are left at once: its client ends only once every request has its answer (so nothing is left
-# to answer, and no reply leaves, in ending), and its EOFRs leave in one step.
+# are left at once here: the model's client is the real one, which ends only once every request
+# has its answer (so nothing is left to answer, and no reply leaves, in ending), and the EOFRs
+# leave in one step. A hostile client that ends with requests outstanding does reach them; the
+# server then waits for its workers and replies (tests/test_hostile.cpp covers it).
 by_construction="client-download:22 client-download:23 client-download:24 server-upload:18 server-upload:19 server-upload:20 session-server:6 session-server:7 
  server-path:9 server-path:11 server-path:12 server-path:13 server-path:14 server-path:16 server-path:17 server-path:18 server-path:19"
 

@@ -177,6 +177,8 @@ private:
   Reply call(Request r);
   void wait(const std::function<bool()>& done);
   void fail(errc code, const std::string& message, bool remote);
+  /// The failure event ev of the table, then abort: the server is told unless `tell` is false.
+  void fail_as(PathEvent ev, errc code, const std::string& message, bool remote, bool tell);
   /// A failure of a channel (as XDSI names it): the server is not told when it is gone.
   void fail(const Failure& f);
   void check() const;
@@ -205,6 +207,7 @@ private:
   std::optional<std::uint32_t> channel_;  // where the failure happened, when on a channel
   std::unique_ptr<PathMachine> machine_;  // the client's table (xdfs/detail/path_fsm.hpp)
   std::shared_ptr<std::size_t> eofr_unsent_ = std::make_shared<std::size_t>(0);  // our EOFRs not written yet
+  bool eofr_lost_ = false;  // one of our EOFRs failed to leave: the operation did not end cleanly
   std::vector<bool> eofr_;  // per channel: the server's EOFR arrived
   std::size_t eofrs_ = 0;
   std::chrono::steady_clock::time_point last_;
