@@ -42,6 +42,15 @@ void expect_reply(xt::RawChannel& c) {
   REQUIRE_MESSAGE(reply->first.event == ChannelEvent::nego_reply, "got " << xdfs::wire::to_string(reply->first.event));
 }
 
+// A path operation on two raw channels: c opens the session, other joins it, both get the reply.
+void open_path_pair(xt::RawChannel& c, xt::RawChannel& other) {
+  auto h = xt::make_hello(Mode::path, ".", 2);
+  REQUIRE(c.establish(h));
+  REQUIRE(other.join(h, 1, c.session_secret()));
+  expect_reply(c);
+  expect_reply(other);
+}
+
 // A path request or reply in an xPathM frame.
 template <class Message>
 void send_path(xt::RawPeer& c, const Message& m) {
@@ -776,13 +785,8 @@ TEST_CASE("a path session that asks for many listings and reads none holds a few
   cfg.memory_limit = 256u << 20;
   cfg.idle_timeout = std::chrono::milliseconds(2000);
   xt::InProcessServer srv(cfg);
-  auto h = xt::make_hello(Mode::path, ".", 2);
-  xt::RawChannel c(srv.port());
-  REQUIRE(c.establish(h));
-  xt::RawChannel other(srv.port());
-  REQUIRE(other.join(h, 1, c.session_secret()));
-  expect_reply(c);
-  expect_reply(other);
+  xt::RawChannel c(srv.port()), other(srv.port());
+  open_path_pair(c, other);
   for (std::uint64_t id = 1; id <= 64; ++id) {
     pm::Request r;
     r.id = id;
@@ -826,13 +830,8 @@ TEST_CASE("a path client that ends with requests still unanswered: the server an
     cfg.root = root.path();
     return cfg;
   }());
-  auto h = xt::make_hello(Mode::path, ".", 2);
-  xt::RawChannel c(srv.port());
-  REQUIRE(c.establish(h));
-  xt::RawChannel other(srv.port());
-  REQUIRE(other.join(h, 1, c.session_secret()));
-  expect_reply(c);
-  expect_reply(other);
+  xt::RawChannel c(srv.port()), other(srv.port());
+  open_path_pair(c, other);
   for (std::uint64_t id = 1; id <= 16; ++id) {
     pm::Request r;
     r.id = id;
