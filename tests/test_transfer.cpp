@@ -27,6 +27,26 @@
 
 namespace {
 
+// One channel over loopback: the engine's end in `channels`, a raw peer socket in `peer`.
+struct Loopback {
+  boost::asio::io_context ctx;
+  boost::asio::ip::tcp::acceptor acceptor{ctx, {boost::asio::ip::make_address("127.0.0.1"), 0}};
+  boost::asio::ip::tcp::socket peer{ctx};
+  xdfs::xdsi::ChannelList channels;
+  explicit Loopback(std::uint32_t index = 0) {
+    peer.connect(acceptor.local_endpoint());
+    channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), index));
+  }
+};
+
+// A server's upload machine on `rows`, its one channel joined: where the receiving engine starts.
+xdfs::xftsm::Machine joined_upload(std::span<const xdfs::xftsm::Transition> rows) {
+  xdfs::xftsm::Machine m(xdfs::xftsm::Role::server_upload, rows);
+  REQUIRE(m.fire(xdfs::xftsm::TransferEvent::channel_joined));
+  REQUIRE(m.fire(xdfs::xftsm::TransferEvent::all_joined));
+  return m;
+}
+
 xdfs::ServerConfig config_for(const xt::TempDir& root) {
   xdfs::ServerConfig c;
   c.root = root.path();
@@ -422,15 +442,11 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
   xt::TempDir dir;
   const int fd = ::open((dir / "part").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   REQUIRE(fd >= 0);
-  asio::io_context ctx;
-  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  tcp::socket peer(ctx);
-  peer.connect(acceptor.local_endpoint());
-  xdfs::xdsi::ChannelList channels;
-  channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), 0));
-  Machine machine(Role::server_upload);
-  REQUIRE(machine.fire(TransferEvent::channel_joined));
-  REQUIRE(machine.fire(TransferEvent::all_joined));
+  Loopback lb;
+  auto& ctx = lb.ctx;
+  auto& peer = lb.peer;
+  auto& channels = lb.channels;
+  Machine machine = joined_upload(table(Role::server_upload));
   TransferParams p;
   p.block_size = bs;
   p.file_size = std::uint64_t(2) * blocks * bs;
@@ -472,11 +488,10 @@ TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whe
   using xdfs::errc;
   namespace asio = boost::asio;
   using asio::ip::tcp;
-  asio::io_context ctx;
-  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  tcp::socket peer(ctx);
-  peer.connect(acceptor.local_endpoint());
-  xdfs::xdsi::Channel ch(acceptor.accept(), 3);
+  Loopback lb(3);
+  auto& ctx = lb.ctx;
+  auto& peer = lb.peer;
+  auto& ch = *lb.channels[0];
   auto read = [&] {
     boost::system::error_code got;
     bool called = false;
@@ -565,15 +580,11 @@ TEST_CASE("the receiving engine runs the action its table answers, not a flag: c
   // Four blocks and EOFR from a raw sender on one channel, into a memory sink; then what the
   // receiver did: committed or not, its state, the frames it sent back.
   auto run = [&](std::span<const Transition> rows) {
-    asio::io_context ctx;
-    tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-    tcp::socket peer(ctx);
-    peer.connect(acceptor.local_endpoint());
-    xdfs::xdsi::ChannelList channels;
-    channels.push_back(std::make_unique<xdfs::xdsi::Channel>(acceptor.accept(), 0));
-    Machine machine(Role::server_upload, rows);
-    REQUIRE(machine.fire(TransferEvent::channel_joined));
-    REQUIRE(machine.fire(TransferEvent::all_joined));
+    Loopback lb;
+    auto& ctx = lb.ctx;
+    auto& peer = lb.peer;
+    auto& channels = lb.channels;
+    Machine machine = joined_upload(rows);
     TransferParams p;
     p.block_size = bs;
     p.file_size = std::uint64_t(blocks) * bs;

@@ -162,7 +162,7 @@ void PathClient::fail(errc code, const std::string& message, bool remote) {
 }
 
 void PathClient::fail_as(PathEvent ev, errc code, const std::string& message, bool remote, bool tell) {
-  if (code_ != errc::ok || machine_->finished()) return;
+  if (machine_->finished()) return;  // failed (code_ set with it) or done
   // The table's row to failed (every live state has them), then abort: tell the server unless
   // it reported the failure or is gone.
   if (!machine_->fire(ev)) (void)machine_->fire(PathEvent::local_error);
@@ -184,7 +184,7 @@ void PathClient::fail_as(PathEvent ev, errc code, const std::string& message, bo
 }
 
 void PathClient::fail(const Failure& f) {
-  if (code_ != errc::ok || machine_->finished()) return;
+  if (machine_->finished()) return;
   channel_ = f.channel;
   // Whose fault (from_peer) and whether it can still be told (peer_gone) are separate: a
   // connection that timed out is gone, and not the server's doing.
@@ -498,7 +498,7 @@ bool PathClient::close() {
   on(PathEvent::end_asked, none);
   io_.restart();
   const auto until = Clock::now() + idle_timeout_;
-  while (machine_->state() != PathState::failed && (machine_->state() == PathState::ending || *eofr_unsent_ > 0)) {
+  while (machine_->state() != PathState::failed && (machine_->state() == PathState::ending || eofr_unsent_ > 0)) {
     if (Clock::now() >= until) {
       fail(errc::timeout, fmt::format("the server did not end the path operation within {} ms", idle_timeout_.count()),
            false);
@@ -507,7 +507,7 @@ bool PathClient::close() {
     io_.run_one_for(std::chrono::milliseconds(100));
   }
   // What is left of the failure's goodbye leaves before the caller goes on.
-  while (*eofr_unsent_ > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
+  while (eofr_unsent_ > 0 && io_.run_one_for(std::chrono::milliseconds(50))) {
   }
   return machine_->state() == PathState::done && !eofr_lost_;
 }
@@ -516,10 +516,10 @@ void PathClient::send_eofr() {
   for (auto& c : channels_) {
     wire::FrameHeader h;
     h.event = wire::ChannelEvent::eofr;
-    ++*eofr_unsent_;
+    ++eofr_unsent_;
     auto* ch = c.get();
-    ch->send(h, std::vector<std::uint8_t>{}, [this, ch, unsent = eofr_unsent_](const xdsi::ErrorCode& ec) {
-      --*unsent;
+    ch->send(h, std::vector<std::uint8_t>{}, [this, ch](const xdsi::ErrorCode& ec) {
+      --eofr_unsent_;
       if (!ec) return;
       eofr_lost_ = true;  // even once the server's EOFRs are in: ours did not all leave
       if (code_ == errc::ok) fail(ch->failure(ec, "server"));

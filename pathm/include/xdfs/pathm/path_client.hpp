@@ -206,7 +206,7 @@ private:
   bool remote_ = false;
   std::optional<std::uint32_t> channel_;  // where the failure happened, when on a channel
   std::unique_ptr<PathMachine> machine_;  // the client's table (xdfs/detail/path_fsm.hpp)
-  std::shared_ptr<std::size_t> eofr_unsent_ = std::make_shared<std::size_t>(0);  // our EOFRs not written yet
+  std::size_t eofr_unsent_ = 0;  // our EOFRs not written yet
   bool eofr_lost_ = false;  // one of our EOFRs failed to leave: the operation did not end cleanly
   std::vector<bool> eofr_;  // per channel: the server's EOFR arrived
   std::size_t eofrs_ = 0;
