@@ -155,13 +155,13 @@ std::string join_path(const std::string& a, const std::string& b) {
 // A failure for programs: its code, its class (what to do next: retry, reconnect, give-up), the
 // side that hit it, and where (channel, offset) when known.
 std::string json_error(xdfs::errc code, const std::string& message, bool remote, const std::string& operation = {},
-                       std::optional<std::uint32_t> channel = {}, std::optional<std::uint64_t> offset = {}) {
+                       std::optional<xdfs::ChannelIndex> channel = {}, std::optional<xdfs::FileOffset> offset = {}) {
   std::string s = fmt::format("{{\"code\":\"{}\",\"recovery\":\"{}\",\"remote\":{},\"message\":\"{}\"",
                               xdfs::to_string(code), xdfs::to_string(xdfs::recovery(code)), remote,
                               json_escape(shown(message)));
   if (!operation.empty()) s += ",\"operation\":\"" + json_escape(shown(operation)) + "\"";
-  if (channel) s += fmt::format(",\"channel\":{}", *channel);
-  if (offset) s += fmt::format(",\"offset\":{}", *offset);
+  if (channel) s += fmt::format(",\"channel\":{}", channel->value());
+  if (offset) s += fmt::format(",\"offset\":{}", offset->value());
   return s + "}";
 }
 

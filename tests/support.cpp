@@ -359,8 +359,8 @@ void RawPeer::send_block(xdfs::wire::ChannelEvent event, std::uint64_t offset, c
                          bool corrupt_tag) {
   std::vector<std::uint8_t> body = data;
   if (blocks_) {
-    body.resize(data.size() + blocks_->tag_size());
-    blocks_->seal(body.data(), static_cast<std::uint32_t>(data.size()), offset);
+    body.resize(data.size() + blocks_->tag_size().value());
+    blocks_->seal(body.data(), xdfs::DataLength(static_cast<std::uint32_t>(data.size())), xdfs::FileOffset(offset));
   }
   xdfs::wire::FrameHeader h;
   h.event = event;

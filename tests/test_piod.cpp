@@ -131,8 +131,8 @@ FeedResult feed_blocks(BlockPipe& pipe, std::uint64_t size, const std::vector<st
       any = true;
       auto it = in_flight.find(b.slot);
       REQUIRE_MESSAGE(it != in_flight.end(), "disk returned a slot it was not given: " << b.slot);
-      CHECK(it->second.offset == b.offset);
-      CHECK(it->second.length == b.length);
+      CHECK(it->second.offset.value() == b.offset.value());
+      CHECK(it->second.length.value() == b.length.value());
       in_flight.erase(it);
       res.returned.push_back(b);
       free_slots.push_back(b.slot);
@@ -150,7 +150,7 @@ FeedResult feed_blocks(BlockPipe& pipe, std::uint64_t size, const std::vector<st
     const auto len = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, size - off));
     std::uint8_t* p = pipe.slot_data(slot);
     for (std::uint32_t i = 0; i < len; ++i) p[i] = byte_at(off + i);
-    Block b{slot, len, off};
+    Block b{slot, xdfs::DataLength(len), xdfs::FileOffset(off)};
     in_flight[slot] = b;
     pipe.to_disk(b);
   }
@@ -269,7 +269,7 @@ TEST_CASE("DiskWriter reports a disk that fills up at the Nth write: disk full, 
   DiskWriter writer(pipe, Sink{f.fd, true, false, nullptr, &io});
   for (std::uint32_t s = 0; s < 8; ++s) {
     std::memset(pipe.slot_data(s), 'a' + static_cast<int>(s), 4096);
-    pipe.to_disk(Block{s, 4096, std::uint64_t(s) * 4096});
+    pipe.to_disk(Block{s, xdfs::DataLength(4096), xdfs::FileOffset(std::uint64_t(s) * 4096)});
   }
   while (!pipe.failed()) wait_wake(pipe);
   CHECK(pipe.error_code() == errc::disk_full);
@@ -305,7 +305,7 @@ TEST_CASE("a stopped DiskWriter writes nothing more: what is still queued is dro
   HeldIo io;
   BlockPipe pipe(bs, blocks);
   // Every other block: no two are contiguous, so each is a write of its own, all in one batch.
-  for (std::uint32_t i = 0; i < blocks; ++i) pipe.to_disk(Block{i, bs, std::uint64_t(i) * 2 * bs});
+  for (std::uint32_t i = 0; i < blocks; ++i) pipe.to_disk(Block{i, xdfs::DataLength(bs), xdfs::FileOffset(std::uint64_t(i) * 2 * bs)});
   {
     DiskWriter writer(pipe, Sink{f.fd, true, false, nullptr, &io});
     io.entered.wait(false);
@@ -331,7 +331,7 @@ TEST_CASE("DiskReader retries short and interrupted reads; a read error is repor
     FaultyIo io;
     BlockPipe pipe(bs, 8);
     DiskReader reader(pipe, Source{f.fd, size, false, nullptr, &io});
-    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
     std::uint64_t next = 0;
     std::size_t bad = 0;
     while (next < size) {
@@ -339,9 +339,9 @@ TEST_CASE("DiskReader retries short and interrupted reads; a read error is repor
       bool any = false;
       while (pipe.from_disk(b)) {
         any = true;
-        if (b.offset != next || std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset, b.length) != 0) ++bad;
-        next += b.length;
-        pipe.to_disk(Block{b.slot, 0, 0});
+        if (b.offset.value() != next || std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset.value(), b.length.value()) != 0) ++bad;
+        next += b.length.value();
+        pipe.to_disk(Block{b.slot});
       }
       if (pipe.failed()) FAIL("disk thread failed: " << pipe.error_text());
       if (!any && next < size) wait_wake(pipe);
@@ -355,7 +355,7 @@ TEST_CASE("DiskReader retries short and interrupted reads; a read error is repor
     io.fail_errno = EIO;
     BlockPipe pipe(bs, 8);
     DiskReader reader(pipe, Source{f.fd, size, false, nullptr, &io});
-    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
     while (!pipe.failed()) wait_wake(pipe);
     CHECK(pipe.error_code() == errc::io_error);
     // The first read moved half a block, the second was interrupted: the third fails where it was.
@@ -495,7 +495,7 @@ TEST_CASE("DiskWriter writes out-of-order blocks to a seekable file") {
       auto res = feed_blocks(pipe, size, scrambled_order(blocks, 16));
       CHECK(res.returned.size() == blocks);
       std::set<std::uint64_t> offsets;
-      for (const auto& b : res.returned) offsets.insert(b.offset);
+      for (const auto& b : res.returned) offsets.insert(b.offset.value());
       CHECK(offsets.size() == blocks);
       CHECK_FALSE(pipe.failed());
     }
@@ -547,8 +547,8 @@ TEST_CASE("DiskWriter with a discard sink returns every block") {
   CHECK(res.returned.size() == blocks);
   std::set<std::uint64_t> offsets;
   for (const auto& b : res.returned) {
-    offsets.insert(b.offset);
-    CHECK(b.length == bs);
+    offsets.insert(b.offset.value());
+    CHECK(b.length.value() == bs);
   }
   CHECK(offsets.size() == blocks);
   CHECK(*offsets.rbegin() == (blocks - 1) * bs);
@@ -564,7 +564,7 @@ TEST_CASE("DiskWriter reports a failing sink") {
     BlockPipe pipe(4096, 4);
     DiskWriter writer(pipe, Sink{ro, seekable, false});
     std::memset(pipe.slot_data(0), 'z', 4096);
-    pipe.to_disk(Block{0, 4096, 0});
+    pipe.to_disk(Block{0, xdfs::DataLength(4096), xdfs::FileOffset(0)});
     // The failure must wake the network thread through the eventfd.
     pollfd p{pipe.net_wake().fd(), POLLIN, 0};
     int r;
@@ -593,7 +593,7 @@ TEST_CASE("DiskReader reads a file block by block") {
     CAPTURE(start);
     BlockPipe pipe(bs, 8);
     DiskReader reader(pipe, Source{f.fd, size, false}, start);
-    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
     std::uint64_t next = start;
     std::size_t blocks = 0, bad_content = 0;
     while (next < size) {
@@ -603,11 +603,11 @@ TEST_CASE("DiskReader reads a file block by block") {
         any = true;
         ++blocks;
         REQUIRE(b.slot < pipe.slots());
-        REQUIRE(b.offset == next);
-        REQUIRE(b.length == std::min<std::uint64_t>(bs, size - b.offset));
-        if (std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset, b.length) != 0) ++bad_content;
-        next += b.length;
-        pipe.to_disk(Block{b.slot, 0, 0});  // recycle
+        REQUIRE(b.offset.value() == next);
+        REQUIRE(b.length.value() == std::min<std::uint64_t>(bs, size - b.offset.value()));
+        if (std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset.value(), b.length.value()) != 0) ++bad_content;
+        next += b.length.value();
+        pipe.to_disk(Block{b.slot});  // recycle
       }
       if (pipe.failed()) FAIL("disk thread failed: " << pipe.error_text());
       if (!any && next < size) wait_wake(pipe);
@@ -627,7 +627,7 @@ TEST_CASE("DiskReader with a zero source makes zero blocks without reading") {
   constexpr std::uint64_t size = 10 * bs + 17;
   BlockPipe pipe(bs, 4);
   DiskReader reader(pipe, Source{-1, size, true});
-  for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+  for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
   std::uint64_t next = 0;
   std::size_t nonzero = 0;
   while (next < size) {
@@ -635,11 +635,11 @@ TEST_CASE("DiskReader with a zero source makes zero blocks without reading") {
     bool any = false;
     while (pipe.from_disk(b)) {
       any = true;
-      REQUIRE(b.offset == next);
-      REQUIRE(b.length == std::min<std::uint64_t>(bs, size - next));
-      for (std::uint32_t i = 0; i < b.length; ++i) nonzero += pipe.slot_data(b.slot)[i] != 0;
-      next += b.length;
-      pipe.to_disk(Block{b.slot, 0, 0});
+      REQUIRE(b.offset.value() == next);
+      REQUIRE(b.length.value() == std::min<std::uint64_t>(bs, size - next));
+      for (std::uint32_t i = 0; i < b.length.value(); ++i) nonzero += pipe.slot_data(b.slot)[i] != 0;
+      next += b.length.value();
+      pipe.to_disk(Block{b.slot});
     }
     if (pipe.failed()) FAIL("disk thread failed: " << pipe.error_text());
     if (!any && next < size) wait_wake(pipe);
@@ -657,7 +657,7 @@ TEST_CASE("DiskReader reports a source shorter than announced") {
 
   BlockPipe pipe(bs, 8);
   DiskReader reader(pipe, Source{f.fd, real + 200'000, false});
-  for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+  for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
   std::uint64_t next = 0;
   std::size_t bad_content = 0, bad_offsets = 0, beyond_end = 0;
   int rounds = 0;
@@ -668,13 +668,13 @@ TEST_CASE("DiskReader reports a source shorter than announced") {
     while (pipe.from_disk(b)) {
       any = true;
       // How many blocks come before the failure depends on batching: count, don't assert each.
-      if (b.offset != next) ++bad_offsets;
+      if (b.offset.value() != next) ++bad_offsets;
       // Only blocks the file really holds may be delivered.
-      if (b.offset + b.length > real) ++beyond_end;
-      if (b.offset + b.length > real || b.length > bs) continue;
-      if (std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset, b.length) != 0) ++bad_content;
-      next += b.length;
-      pipe.to_disk(Block{b.slot, 0, 0});
+      if (b.offset.value() + b.length.value() > real) ++beyond_end;
+      if (b.offset.value() + b.length.value() > real || b.length.value() > bs) continue;
+      if (std::memcmp(pipe.slot_data(b.slot), data.data() + b.offset.value(), b.length.value()) != 0) ++bad_content;
+      next += b.length.value();
+      pipe.to_disk(Block{b.slot});
     }
     if (!any && !pipe.failed()) wait_wake(pipe);
   }
@@ -704,7 +704,7 @@ TEST_CASE("disk threads stop and join when idle") {
     writer.join();  // idempotent
     CHECK(pipe.stopping());
     // A block handed over after the stop is not taken: the thread is gone.
-    pipe.to_disk(Block{0, 4096, 0});
+    pipe.to_disk(Block{0, xdfs::DataLength(4096), xdfs::FileOffset(0)});
     Block b;
     CHECK_FALSE(pipe.from_disk(b));
     CHECK_FALSE(pipe.failed());

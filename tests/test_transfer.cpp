@@ -474,7 +474,7 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
     REQUIRE(host.told);
     CHECK(host.code == xdfs::errc::peer_aborted);
     // Where and how: the channel the sender left, which nothing can be told any more.
-    CHECK(host.failure.channel == 0u);
+    CHECK(host.failure.channel == xdfs::ChannelIndex(0));
     CHECK(host.failure.peer_gone);
     CHECK(host.failure.message == "channel 0 closed by the client");
     CHECK(machine.state() == State::failed);
@@ -509,7 +509,7 @@ TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whe
   asio::write(peer, asio::buffer(garbage));
   auto f = ch.failure(read(), "server");
   CHECK(f.code == errc::protocol_error);
-  CHECK(f.channel == 3u);
+  CHECK(f.channel == xdfs::ChannelIndex(3));
   CHECK_FALSE(f.peer_gone);
   CHECK_FALSE(f.from_peer);
   CHECK_MESSAGE(f.message.rfind("channel 3: server sent ", 0) == 0, f.message);
@@ -518,7 +518,7 @@ TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whe
   peer.close();
   f = ch.failure(read(), "server");
   CHECK(f.code == errc::peer_aborted);
-  CHECK(f.channel == 3u);
+  CHECK(f.channel == xdfs::ChannelIndex(3));
   CHECK(f.peer_gone);
   CHECK(f.from_peer);
   CHECK(f.message == "channel 3 closed by the server");
@@ -526,7 +526,7 @@ TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whe
   // As the public API throws it: the code's name heads the text, the channel travels along.
   const xdfs::Error e(f);
   CHECK(std::string(e.what()) == "peer aborted: channel 3 closed by the server");
-  CHECK(e.channel() == 3u);
+  CHECK(e.channel() == xdfs::ChannelIndex(3));
   CHECK_FALSE(e.offset().has_value());
 }
 

@@ -672,3 +672,51 @@ TEST_CASE("check_relative_path") {
 }
 
 }  // TEST_SUITE("wire")
+
+// ---- units ----
+
+namespace {
+template <class A, class B>
+concept addable = requires(A a, B b) { a + b; };
+template <class A, class B>
+concept comparable = requires(A a, B b) { a == b; };
+
+// A frame length, a data length, a tag, an offset and a channel index do not mix, and a raw
+// integer becomes one only by naming it: each line below would compile if they did.
+static_assert(!std::is_convertible_v<DataLength, FrameLength>);
+static_assert(!std::is_convertible_v<FrameLength, DataLength>);
+static_assert(!std::is_convertible_v<std::uint32_t, DataLength>);
+static_assert(!std::is_convertible_v<DataLength, std::uint32_t>);
+static_assert(!std::is_convertible_v<std::uint64_t, FileOffset>);
+static_assert(!std::is_convertible_v<std::uint32_t, ChannelIndex>);
+static_assert(!addable<DataLength, TagLength>);
+static_assert(!addable<FileOffset, DataLength>);
+static_assert(!addable<DataLength, std::uint32_t>);
+static_assert(!comparable<DataLength, FrameLength>);
+static_assert(!comparable<FileOffset, std::uint64_t>);
+static_assert(comparable<DataLength, DataLength>);
+}  // namespace
+
+TEST_CASE("units: a frame is its data and its tag; blocks sit where the block size says; offsets do not wrap") {
+  const TagLength tag(16), none(0);
+  CHECK(framed(DataLength(4096), tag) == FrameLength(4112));
+  CHECK(framed(DataLength(4096), none) == FrameLength(4096));
+  CHECK(unframed(FrameLength(4112), tag) == DataLength(4096));
+  CHECK(unframed(FrameLength(17), tag) == DataLength(1));
+  // No block is empty: a frame no longer than its tag carries nothing.
+  CHECK_FALSE(unframed(FrameLength(16), tag).has_value());
+  CHECK_FALSE(unframed(FrameLength(3), tag).has_value());
+  CHECK_FALSE(unframed(FrameLength(0), none).has_value());
+  const DataLength bs(1 << 20);
+  const std::uint64_t size = (5u << 20) + 7;
+  CHECK(block_at(FileOffset(0), size, bs) == bs);
+  CHECK(block_at(FileOffset(5u << 20), size, bs) == DataLength(7));
+  CHECK_FALSE(block_at(FileOffset(1), size, bs).has_value());          // not aligned
+  CHECK_FALSE(block_at(FileOffset(6u << 20), size, bs).has_value());   // past the end
+  CHECK_FALSE(block_at(FileOffset(0), 0, bs).has_value());             // an empty file has no block
+  CHECK_FALSE(block_at(FileOffset(0), size, DataLength(0)).has_value());
+  CHECK(block_at(FileOffset(UINT64_MAX - (UINT64_MAX % (1 << 20))), UINT64_MAX, bs).has_value());
+  CHECK(after(FileOffset(10), DataLength(5)) == FileOffset(15));
+  CHECK(after(FileOffset(UINT64_MAX - 5), DataLength(5)) == FileOffset(UINT64_MAX));
+  CHECK_FALSE(after(FileOffset(UINT64_MAX - 4), DataLength(5)).has_value());
+}

@@ -199,21 +199,21 @@ TEST_CASE("block payloads: sealed on the disk thread, bound to their offset") {
       const auto plain = xt::random_bytes(5000, 3);
       std::vector<std::uint8_t> slot(plain);
       slot.resize(plain.size() + 16);
-      tx.seal(slot.data(), 5000, 65536);
+      tx.seal(slot.data(), xdfs::DataLength(5000), xdfs::FileOffset(65536));
       CHECK((std::equal(plain.begin(), plain.end(), slot.begin())) == (mode == xs::Protect::integrity));
       auto ok = slot;
-      REQUIRE(rx.open(ok.data(), 5000, 65536));
+      REQUIRE(rx.open(ok.data(), xdfs::DataLength(5000), xdfs::FileOffset(65536)));
       CHECK(std::equal(plain.begin(), plain.end(), ok.begin()));
       auto flipped = slot;
       flipped[1234] ^= 8;
-      CHECK_FALSE(rx.open(flipped.data(), 5000, 65536));
+      CHECK_FALSE(rx.open(flipped.data(), xdfs::DataLength(5000), xdfs::FileOffset(65536)));
       auto moved = slot;  // the same block presented at another offset
-      CHECK_FALSE(rx.open(moved.data(), 5000, 0));
+      CHECK_FALSE(rx.open(moved.data(), xdfs::DataLength(5000), xdfs::FileOffset(0)));
       auto shorter = slot;
-      CHECK_FALSE(rx.open(shorter.data(), 4999, 65536));
+      CHECK_FALSE(rx.open(shorter.data(), xdfs::DataLength(4999), xdfs::FileOffset(65536)));
       xs::BlockCrypto other(mode, cipher, xs::data_key(xs::Key32{}, false, 0));
       auto wrong_key = slot;
-      CHECK_FALSE(other.open(wrong_key.data(), 5000, 65536));
+      CHECK_FALSE(other.open(wrong_key.data(), xdfs::DataLength(5000), xdfs::FileOffset(65536)));
     }
   }
 }

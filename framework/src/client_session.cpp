@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <boost/asio/connect.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
 
 #include <optional>
+#include <utility>
 
 #include "xdfs/detail/session_fsm.hpp"
 #include "xdfs/types.hpp"
@@ -74,16 +76,25 @@ struct Session::Impl {
                           false);
   }
 
-  wire::NegotiationReply begin(wire::Negotiation op) {
-    if (machine.state() == State::failed)
-      throw TransferError(errc::session_ended, "an earlier failure ended this session", false);
-    if (closed || !machine.find(SessionEvent::begin))
-      throw TransferError(errc::bad_argument,
-                          closed || machine.finished() ? std::string("the session is closed")
-                                                       : "an operation is still running in this session",
-                          false);
-    if (op.remote_path.size() > wire::max_path_bytes)
-      throw TransferError(errc::bad_argument, "remote path longer than 4096 bytes", false);
+  // Starts an operation's negotiation; `done` runs on the loop once it is settled (accepted,
+  // refused or failed), never from inside this call.
+  void start_op(wire::Negotiation op, Completion<wire::NegotiationReply> done) {
+    try {
+      if (waiter) throw TransferError(errc::bad_argument, "an operation is already being negotiated in this session", false);
+      if (machine.state() == State::failed)
+        throw TransferError(errc::session_ended, "an earlier failure ended this session", false);
+      if (closed || !machine.find(SessionEvent::begin))
+        throw TransferError(errc::bad_argument,
+                            closed || machine.finished() ? std::string("the session is closed")
+                                                         : "an operation is still running in this session",
+                            false);
+      if (op.remote_path.size() > wire::max_path_bytes)
+        throw TransferError(errc::bad_argument, "remote path longer than 4096 bytes", false);
+      if (!connected) check_options();
+    } catch (...) {
+      boost::asio::post(io, [done = std::move(done), e = std::current_exception()] { done(e, {}); });
+      return;
+    }
     op.channel_count = base.channel_count;
     op.block_size = base.block_size;
     op.tcp_window = base.tcp_window;
@@ -92,25 +103,48 @@ struct Session::Impl {
     nego = std::move(op);
     answered = refusals = 0;
     reply.reset();
+    pending_reply.reset();
     refusal.reset();
     failed = false;
+    waiter = std::move(done);
     const auto action = machine.fire(SessionEvent::begin);
-    io.restart();
     arm_deadline();
     if (action == SessionAction::connect_channels)
       open();
     else
       renegotiate();
-    while (!failed && !reply && !(refusal && answered == base.channel_count) && io.run_one()) {
-    }
+  }
+
+  // The negotiation has an outcome (or failed): it is settled on the loop, once.
+  void poke() {
+    if (!waiter || settling) return;
+    if (!failed && !reply && !(refusal && answered == base.channel_count)) return;
+    settling = true;
+    boost::asio::post(io, [this] { settle(); });
+  }
+
+  void settle() {
+    settling = false;
+    if (!waiter) return;
+    auto done = std::exchange(waiter, nullptr);
     deadline.cancel();
-    io.poll();
-    if (failed || (!reply && !refusal)) {
-      if (!failed) fail(errc::internal, "the session's event loop stopped", false);
+    wire::NegotiationReply r;
+    std::exception_ptr e;
+    try {
+      r = conclude();
+    } catch (...) {
+      e = std::current_exception();
+    }
+    done(e, r);
+  }
+
+  // What the table makes of the negotiation's outcome.
+  wire::NegotiationReply conclude() {
+    if (failed) {
       (void)machine.fire(why.code == errc::timeout ? SessionEvent::timeout
                          : why.from_peer           ? SessionEvent::peer_exception
                                                    : SessionEvent::local_error);
-      shut();
+      close_channels();
       if (why.operation.empty())
         why.operation = connected ? fmt::format("negotiation of operation {}", nego.transfer) : std::string("session set-up");
       throw TransferError(why);
@@ -118,11 +152,14 @@ struct Session::Impl {
     if (refusal) {
       if (!connected) setup = std::chrono::duration<double>(Clock::now() - start).count();
       connected = true;  // the channels are up: a later operation negotiates on them
-      if (machine.fire(SessionEvent::refused) != SessionAction::report_refusal) throw TransferError(errc::state_violation, machine.why(), false);
+      if (machine.fire(SessionEvent::refused) != SessionAction::report_refusal) {
+        close_channels();
+        throw TransferError(errc::state_violation, machine.why(), false);
+      }
       throw TransferError(refusal->code, refusal->message, true);
     }
     if (machine.fire(SessionEvent::accepted) != SessionAction::start_operation) {
-      shut();
+      close_channels();
       throw TransferError(errc::state_violation, machine.why(), false);
     }
     if (!connected) {
@@ -130,6 +167,33 @@ struct Session::Impl {
       setup = std::chrono::duration<double>(Clock::now() - start).count();
     }
     return *reply;
+  }
+
+  // The blocking form: start, then run the loop on this thread until it is settled.
+  wire::NegotiationReply begin(wire::Negotiation op) {
+    bool done = false;
+    std::exception_ptr err;
+    wire::NegotiationReply out;
+    start_op(std::move(op), [&](std::exception_ptr e, wire::NegotiationReply r) {
+      done = true;
+      err = e;
+      out = std::move(r);
+    });
+    io.restart();
+    while (!done && io.run_one()) {
+    }
+    if (!done) {
+      fail(errc::internal, "the session's event loop stopped", false);
+      io.restart();
+      while (!done && io.run_one()) {
+      }
+    }
+    if (!done) {
+      waiter = nullptr;
+      throw TransferError(errc::internal, "the session's event loop stopped", false);
+    }
+    if (err) std::rethrow_exception(err);
+    return out;
   }
 
   void arm_deadline() {
@@ -160,13 +224,20 @@ struct Session::Impl {
     resolver.cancel();
     for (auto& ch : channels)
       if (ch) ch->close();
+    poke();
   }
 
-  void shut() noexcept {
+  // The session is over: its channels close; what is queued for them runs when the loop next does.
+  void close_channels() noexcept {
     closed = true;
     deadline.cancel();
     for (auto& ch : channels)
       if (ch) ch->close();
+  }
+
+  // close_channels, and runs what is ready (the caller's thread runs the loop, not a handler).
+  void shut() noexcept {
+    close_channels();
     try {
       io.restart();
       io.poll();
@@ -176,7 +247,6 @@ struct Session::Impl {
 
   // The first operation: connect, authenticate, negotiate inside the handshake.
   void open() {
-    check_options();
     const std::string dir = xsec::default_config_dir();
     const std::string id_path = opt.identity_file.empty() ? dir + "/id_x25519" : opt.identity_file;
     known_hosts_path = opt.known_hosts_file.empty() ? dir + "/known_hosts" : opt.known_hosts_file;
@@ -344,7 +414,7 @@ struct Session::Impl {
       if (pending_reply) return fail(errc::protocol_error, "the server both accepted and refused the operation", false);
       refusal = *ex;
       ++answered;
-      return;
+      return poke();
     }
     auto r = wire::decode_reply(payload, &why);
     if (!r) return fail(errc::protocol_error, "bad negotiation reply: " + why, false);
@@ -353,6 +423,7 @@ struct Session::Impl {
       return fail(errc::protocol_error, "negotiation replies disagree", false);
     pending_reply = *r;
     if (++answered == base.channel_count) reply = pending_reply;
+    poke();
   }
 
   void channel_lost(xdsi::Channel& ch, const ErrorCode& ec) {
@@ -395,26 +466,23 @@ struct Session::Impl {
   }
 
   std::optional<wire::NegotiationReply> pending_reply;
+  Completion<wire::NegotiationReply> waiter;       // the running negotiation's completion
+  bool settling = false;  // its settle() is posted
 };
 
 Session::Session(const Endpoint& server, const SessionOptions& options) : impl_(std::make_unique<Impl>(server, options)) {}
 
 Session::~Session() { close(); }
 
-wire::NegotiationReply Session::begin(wire::Negotiation op) {
-  impl_->pending_reply.reset();
-  return impl_->begin(std::move(op));
-}
+wire::NegotiationReply Session::begin(wire::Negotiation op) { return impl_->begin(std::move(op)); }
+
+void Session::start(wire::Negotiation op, Completion<wire::NegotiationReply> done) { impl_->start_op(std::move(op), std::move(done)); }
 
 void Session::end_operation(bool ok) {
   auto& d = *impl_;
   if (d.machine.state() != State::operating) return;
-  if (d.machine.fire(ok ? SessionEvent::operation_ended : SessionEvent::operation_failed) && ok) {
-    d.io.restart();
-    d.io.poll();  // completions that are ready (cancelled timers) run before the mode goes
-    return;
-  }
-  d.shut();
+  if (d.machine.fire(ok ? SessionEvent::operation_ended : SessionEvent::operation_failed) && ok) return;
+  d.close_channels();
 }
 
 void Session::close() noexcept { impl_->close(); }

@@ -202,13 +202,13 @@ void DiskWriter::write_blocks() {
       const std::size_t n = std::min(max_iov, count - i);
       for (std::size_t k = 0; k < n; ++k) {
         iov[k].iov_base = pipe_.slot_data(blocks[i + k].slot);
-        iov[k].iov_len = blocks[i + k].length;
+        iov[k].iov_len = blocks[i + k].length.value();
       }
       if (!sink_.discard) {
-        const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset) : -1;
+        const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset.value()) : -1;
         if (int err = write_all(sink_.io ? *sink_.io : DiskIo::system(), sink_.fd, iov, static_cast<int>(n), off);
             err != 0) {
-          fail(err, blocks[i].offset);
+          fail(err, blocks[i].offset.value());
           return false;
         }
       }
@@ -223,7 +223,7 @@ void DiskWriter::write_blocks() {
     for (std::size_t k = 0; k < count; ++k) {
       if (!sink_.opener->open(pipe_.slot_data(blocks[k].slot), blocks[k].length, blocks[k].offset)) {
         pipe_.set_error(errc::integrity_error,
-                        "block at offset " + std::to_string(blocks[k].offset) + " failed its integrity check");
+                        "block at offset " + std::to_string(blocks[k].offset.value()) + " failed its integrity check");
         return false;
       }
     }
@@ -250,7 +250,7 @@ void DiskWriter::write_blocks() {
       std::size_t start = 0;
       for (std::size_t i = 1; i <= batch.size(); ++i) {
         const bool breaks = i == batch.size() || i - start == cap ||
-                            batch[i].offset != batch[i - 1].offset + batch[i - 1].length;
+                            after(batch[i - 1].offset, batch[i - 1].length) != batch[i].offset;
         if (!breaks) continue;
         if (!open_all(&batch[start], i - start) || !write_run(&batch[start], i - start)) return;
         if (sink_.opener) {
@@ -266,11 +266,11 @@ void DiskWriter::write_blocks() {
       continue;
     }
     if (!open_all(batch.data(), batch.size())) return;
-    for (const auto& blk : batch) pending.emplace(blk.offset, blk);
+    for (const auto& blk : batch) pending.emplace(blk.offset.value(), blk);
     std::vector<Block> run;
     while (!pending.empty() && pending.begin()->first == next_in_order) {
       run.push_back(pending.begin()->second);
-      next_in_order += pending.begin()->second.length;
+      next_in_order += pending.begin()->second.length.value();
       pending.erase(pending.begin());
     }
     if (run.empty()) continue;
@@ -312,12 +312,12 @@ void DiskReader::read_blocks() {
     // With a sealer, each read is at most crypto_group bytes, sealed while still in cache.
     const std::size_t cap = source_.sealer ? crypto_group(bs) : max_iov;
     while (n < cap && off < source_.size && pipe_.disk_pop(b)) {
-      b.offset = off;
-      b.length = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off));
-      off += b.length;
+      b.offset = FileOffset(off);
+      b.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off)));
+      off += b.length.value();
       batch[n] = b;
       iov[n].iov_base = pipe_.slot_data(b.slot);
-      iov[n].iov_len = b.length;
+      iov[n].iov_len = b.length.value();
       ++n;
     }
     if (n == 0) {

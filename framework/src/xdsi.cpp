@@ -65,7 +65,7 @@ Channel::Channel(tcp::socket socket, std::uint32_t index) : socket_(std::move(so
 Failure Channel::failure(const ErrorCode& ec, std::string_view peer) const {
   namespace e = asio::error;
   Failure f;
-  f.channel = index_;
+  f.channel = ChannelIndex(index_);
   const auto on = fmt::format("channel {}", index_);
   if (ec == boost::system::errc::protocol_error) {
     f.code = errc::protocol_error;
@@ -280,23 +280,39 @@ std::unique_ptr<Channel> Channel::adopt(asio::io_context& io, Detached d) {
 }
 
 void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
-                    std::chrono::milliseconds wait) {
+                    std::chrono::milliseconds wait, std::function<void()> closed) {
   auto payload = wire::encode(ex);
-  auto open = std::make_shared<std::size_t>(0);
+  // Counts the channels still open; `closed` runs once, when the last closes or the linger ends.
+  // Once it has run, nothing here touches `linger` again: its owner may be going.
+  struct Left {
+    std::size_t open = 0;
+    std::function<void()> closed;
+    bool over = false;
+    void end() {
+      if (over) return;
+      over = true;
+      if (closed) std::exchange(closed, nullptr)();
+    }
+  };
+  auto left = std::make_shared<Left>();
+  left->closed = std::move(closed);
   for (auto& ch : channels)
-    if (ch && ch->open()) ++*open;
-  if (*open == 0) return;
+    if (ch && ch->open()) ++left->open;
+  if (left->open == 0) return left->end();
   linger.expires_after(wait);
-  linger.async_wait([&channels](const ErrorCode& ec) {
-    if (ec) return;  // every peer closed in time
+  linger.async_wait([&channels, left](const ErrorCode& ec) {
+    if (ec || left->over) return;  // every peer closed in time
     for (auto& ch : channels)
       if (ch) ch->close();
+    left->end();
   });
   for (auto& ch : channels) {
     if (!ch || !ch->open()) continue;
-    ch->send_control(wire::ChannelEvent::exception, payload, [c = ch.get(), open, &linger](const ErrorCode&) {
-      c->linger_close([open, &linger] {
-        if (--*open == 0) linger.cancel();
+    ch->send_control(wire::ChannelEvent::exception, payload, [c = ch.get(), left, &linger](const ErrorCode&) {
+      c->linger_close([left, &linger] {
+        if (--left->open != 0 || left->over) return;
+        linger.cancel();
+        left->end();
       });
     });
   }

@@ -632,16 +632,18 @@ BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(
 
 BlockCrypto::~BlockCrypto() = default;
 
-void BlockCrypto::seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
-  const auto n = block_nonce(offset);
-  const auto ad = block_ad(offset, len);
+void BlockCrypto::seal(std::uint8_t* data, DataLength length, FileOffset at) {
+  const std::uint32_t len = length.value();
+  const auto n = block_nonce(at.value());
+  const auto ad = block_ad(at.value(), len);
   if (mode_ != Protect::private_) return gmac(*mac_, key_, n, ad, {data, len}, data + len);
   aead_seal(*enc_, n, ad, data, len, data + len);
 }
 
-bool BlockCrypto::open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) {
-  const auto n = block_nonce(offset);
-  const auto ad = block_ad(offset, len);
+bool BlockCrypto::open(std::uint8_t* data, DataLength length, FileOffset at) {
+  const std::uint32_t len = length.value();
+  const auto n = block_nonce(at.value());
+  const auto ad = block_ad(at.value(), len);
   if (mode_ != Protect::private_) {
     std::uint8_t expect[xsec::tag_size];
     gmac(*mac_, key_, n, ad, {data, len}, expect);

@@ -121,7 +121,7 @@ std::vector<Unit> plan(const std::vector<Entry>& files, std::uint32_t block, std
 
 PathClient::PathClient(asio::io_context& io, ChannelList& channels, std::uint32_t block_size, const std::atomic<bool>* cancel,
                std::chrono::milliseconds idle_timeout)
-    : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout) {
+    : io_(io), channels_(channels), block_size_(block_size), cancel_(cancel), idle_timeout_(idle_timeout), watch_(io) {
   machine_ = std::make_unique<PathMachine>(PathSide::client);
   outstanding_.assign(channels_.size(), 0);
   eofr_.assign(channels_.size(), false);
@@ -169,6 +169,7 @@ void PathClient::fail_as(PathEvent ev, errc code, const std::string& message, bo
   code_ = code;
   message_ = message;
   remote_ = remote;
+  fail_calls();
   auto payload = wire::encode(wire::ExceptionHeader{code, message, 0, 0});
   for (auto& c : channels_) {
     if (!c || !c->open()) continue;
@@ -199,7 +200,7 @@ std::optional<Failure> PathClient::failure() const {
 }
 
 void PathClient::check() const {
-  if (auto f = failure()) throw Error(*f);
+  if (auto f = failure()) throw TransferError(*f);
   if (machine_->state() != PathState::serving)
     throw Error(errc::bad_argument, "the path operation has ended (RemoteFs closed)");
 }
@@ -367,28 +368,108 @@ void PathClient::wait(const std::function<bool()>& done) {
   check();
 }
 
+std::uint64_t PathClient::start_call(Request r, Completion<Reply> done) {
+  if (code_ != errc::ok || machine_->state() != PathState::serving) {
+    std::exception_ptr e;
+    try {
+      check();
+    } catch (...) {
+      e = std::current_exception();
+    }
+    asio::post(io_, [done = std::move(done), e] { done(e, Reply{}); });
+    return 0;
+  }
+  r.id = new_id();
+  const std::uint64_t id = r.id;
+  if (calls_.empty()) last_ = Clock::now();
+  calls_.emplace(id, std::move(done));
+  send(id, encode(r), [this, id](Reply& rep, std::shared_ptr<Buffer>) {
+    auto it = calls_.find(id);
+    if (it == calls_.end()) return;  // its caller has gone (a blocking call that failed)
+    auto done = std::move(it->second);
+    calls_.erase(it);
+    for (auto& e : rep.entries) e.data = {};
+    if (rep.code != errc::ok) {
+      remote_ = true;
+      return done(std::make_exception_ptr(TransferError(rep.code, rep.message, true)), Reply{});
+    }
+    done(nullptr, std::move(rep));
+  });
+  watch_calls();
+  return id;
+}
+
+void PathClient::fail_calls() {
+  if (calls_.empty()) return;
+  // On the loop, after the failure's own handlers: a blocking call that gave up has taken its
+  // completion out by then.
+  asio::post(io_, [this] {
+    auto calls = std::move(calls_);
+    calls_.clear();
+    const auto e = std::make_exception_ptr(TransferError(*failure()));
+    for (auto& [id, done] : calls) done(e, Reply{});
+  });
+}
+
+void PathClient::watch_calls() {
+  if (watching_ || calls_.empty()) return;
+  watching_ = true;
+  watch_.expires_after(std::chrono::milliseconds(200));
+  watch_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec) return;  // the client is going
+    watching_ = false;
+    if (calls_.empty() || code_ != errc::ok) return;
+    if (cancel_ && cancel_->load()) return fail(errc::cancelled, "cancelled by the user", false);
+    if (Clock::now() - last_ > idle_timeout_)
+      return fail(errc::timeout, fmt::format("no reply from the server for {} ms", idle_timeout_.count()), false);
+    watch_calls();
+  });
+}
+
+void PathClient::start_stat(const std::string& path, Completion<Entry> done) {
+  start_call(request(Op::stat, path, false), [done = std::move(done)](std::exception_ptr e, Reply rep) {
+    if (!e && rep.entries.size() != 1)
+      e = std::make_exception_ptr(Error(errc::protocol_error, "stat reply without exactly one entry"));
+    done(e, e ? Entry{} : std::move(rep.entries[0]));
+  });
+}
+
+void PathClient::start_plain(const Request& r, Completion<> done) {
+  start_call(r, [done = std::move(done)](std::exception_ptr e, Reply) { done(e); });
+}
+
+void PathClient::start_checksum(const Request& r, Completion<std::string> done) {
+  start_call(r, [done = std::move(done)](std::exception_ptr e, Reply rep) {
+    if (!e && (rep.algorithm != "sha256" || rep.digest.size() != 32))
+      e = std::make_exception_ptr(Error(errc::protocol_error, "checksum reply is not a SHA-256"));
+    done(e, e ? std::string() : hex(rep.digest));
+  });
+}
+
+// The blocking form of a single request: start_call, with this thread running the loop.
 Reply PathClient::call(Request r) {
   check();
-  r.id = new_id();
-  std::optional<Reply> out;
-  send(r.id, encode(r), [&out](Reply& rep, std::shared_ptr<Buffer>) {
-    for (auto& e : rep.entries) e.data = {};
+  bool done = false;
+  std::exception_ptr err;
+  Reply out;
+  const auto id = start_call(std::move(r), [&](std::exception_ptr e, Reply rep) {
+    done = true;
+    err = e;
     out = std::move(rep);
   });
-  wait([&] { return out.has_value(); });
-  if (out->code != errc::ok) {
-    remote_ = true;
-    throw Error(out->code, out->message);
+  try {
+    wait([&] { return done; });
+  } catch (...) {
+    calls_.erase(id);  // the completion refers to this frame
+    throw;
   }
-  return std::move(*out);
+  if (err) std::rethrow_exception(err);
+  return out;
 }
 
 Entry PathClient::stat(const std::string& path) {
   std::lock_guard<std::recursive_mutex> one_call(call_mu_);
-  Request r;
-  r.op = Op::stat;
-  r.path = path;
-  auto rep = call(std::move(r));
+  auto rep = call(request(Op::stat, path, false));
   if (rep.entries.size() != 1) throw Error(errc::protocol_error, "stat reply without exactly one entry");
   return rep.entries[0];
 }

@@ -39,6 +39,7 @@ struct RemoteFs::Impl {
     } catch (...) {
       // The session closes its channels while the client (whose reads they hold) still exists.
       session->end_operation(false);
+      run_ready();
       client.reset();
       throw;
     }
@@ -90,7 +91,18 @@ struct RemoteFs::Impl {
       ~Drop() { c.reset(); }
     } drop{client};
     session->end_operation(ok);
+    run_ready();
     return why;
+  }
+
+  // What the loop has ready for the path client (its cancelled reads and timers) runs while the
+  // client still exists: this thread runs the loop between calls.
+  void run_ready() noexcept {
+    try {
+      session->io().restart();
+      session->io().poll();
+    } catch (...) {
+    }
   }
 
   pathm::PathClient& path() {
@@ -155,6 +167,7 @@ RemoteFs::~RemoteFs() {
 
 pathm::PathClient* RemoteFs::operator->() { return &impl_->path(); }
 pathm::PathClient& RemoteFs::client() { return impl_->path(); }
+Session& RemoteFs::session() noexcept { return *impl_->session; }
 bool RemoteFs::remote_error() const noexcept { return impl_->client && impl_->client->remote_error(); }
 
 std::uint64_t RemoteFs::upload(const std::string& local, const std::string& remote) {

@@ -98,10 +98,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         xs::BlockCrypto c(mode, xs::Cipher::aes256gcm, xs::data_key(xs::Key32{}, true, 0));
         auto b = block;
         std::copy(plain.begin(), plain.end(), b.begin());
-        c.seal(b.data(), len, off);
+        c.seal(b.data(), xdfs::DataLength(len), xdfs::FileOffset(off));
         auto moved = b;
-        if (c.open(moved.data(), len, off + 1)) __builtin_trap();
-        if (!c.open(b.data(), len, off) || !std::equal(plain.begin(), plain.end(), b.begin())) __builtin_trap();
+        if (c.open(moved.data(), xdfs::DataLength(len), xdfs::FileOffset(off + 1))) __builtin_trap();
+        if (!c.open(b.data(), xdfs::DataLength(len), xdfs::FileOffset(off)) || !std::equal(plain.begin(), plain.end(), b.begin())) __builtin_trap();
       }
       break;
     }

@@ -288,8 +288,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       if ((h.event == w::ChannelEvent::xftsmu || h.event == w::ChannelEvent::xftsmd) && protect != xs::Protect::clear) {
         const auto body = payload.size();
-        payload.resize(body + blocks->tag_size());
-        blocks->seal(payload.data(), static_cast<std::uint32_t>(body), off);
+        payload.resize(body + blocks->tag_size().value());
+        blocks->seal(payload.data(), xdfs::DataLength(static_cast<std::uint32_t>(body)), xdfs::FileOffset(off));
       }
       h.length = static_cast<std::uint32_t>(payload.size());
       auto hb = w::encode(h);

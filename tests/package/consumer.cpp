@@ -4,6 +4,9 @@
 #include <xdfs/xsec.hpp>
 #include <xdfs/xdfs.hpp>
 
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/use_future.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +30,19 @@ int main(int argc, char** argv) {
   xdfs::Server server(cfg, xdfs::runtime::session_factory(xdfs::standard_modes()));
   std::thread t([&] { server.run(); });
   auto r = xdfs::upload(argv[2], {"127.0.0.1", server.port()}, "copy", {});
+  // The asynchronous form through the installed headers: a second copy on a session, completed
+  // through a future while another thread runs the session's loop.
+  {
+    xdfs::Session s({"127.0.0.1", server.port()}, {});
+    auto work = boost::asio::make_work_guard(s.io());
+    std::thread loop([&] { s.io().run(); });
+    auto f = xdfs::async_upload(s, argv[2], "copy2", {}, boost::asio::use_future);
+    const auto r2 = f.get();
+    work.reset();
+    loop.join();
+    s.close();
+    if (r2.bytes != r.bytes) return 1;
+  }
   server.stop();
   t.join();
   std::filesystem::remove_all(state);

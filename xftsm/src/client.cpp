@@ -5,11 +5,13 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
@@ -33,7 +35,10 @@ std::string basename_of(const std::string& p) {
 
 // One file transfer as an operation of a session: the session negotiates it, this runs the
 // engine on the session's channels and loop.
-class ClientTransfer final : public TransferHost {
+//
+// It completes through a Completion on the session's loop: start_upload/start_download begin it
+// and return at once; the blocking calls run the loop until it is done.
+class ClientTransfer final : public TransferHost, public std::enable_shared_from_this<ClientTransfer> {
 public:
   ClientTransfer(Session& session, Mode mode, std::string remote, const TransferOptions& opt)
       : session_(session),
@@ -47,44 +52,69 @@ public:
     slots_ = static_cast<std::uint32_t>(std::max<std::size_t>(opt.ring_bytes / std::max<std::uint32_t>(bs, 1), 4));
   }
 
-  TransferResult upload(const std::string& local) {
-    if (memory_) {
-      size_ = opt_.memory_size;
+  void start_upload(const std::string& local, Completion<TransferResult> done) {
+    done_ = std::move(done);
+    try {
+      if (memory_) {
+        size_ = opt_.memory_size;
+        nego_.file_size = size_;
+        if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += "memory";
+        memory_source_ = true;
+        return begin();
+      }
+      int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+      if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
+      source_ = files::Fd(fd);
+      struct stat sb {};
+      if (::fstat(fd, &sb) != 0) throw TransferError(errc_from_errno(errno), "stat '" + local + "'", false);
+      if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, "'" + local + "' is a directory", false);
+      if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + local + "' is not a regular file", false);
+      size_ = static_cast<std::uint64_t>(sb.st_size);
       nego_.file_size = size_;
-      if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += "memory";
-      memory_source_ = true;
-      return run();
+      if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += basename_of(local);
+    } catch (...) {
+      return refuse(std::current_exception());
     }
-    int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
-    source_ = files::Fd(fd);
-    struct stat sb {};
-    if (::fstat(fd, &sb) != 0) throw TransferError(errc_from_errno(errno), "stat '" + local + "'", false);
-    if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, "'" + local + "' is a directory", false);
-    if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + local + "' is not a regular file", false);
-    size_ = static_cast<std::uint64_t>(sb.st_size);
-    nego_.file_size = size_;
-    if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += basename_of(local);
-    return run();
+    begin();
   }
 
-  TransferResult download(const std::string& local) {
-    if (memory_) {
-      nego_.file_size = opt_.memory_size;
-      sink_ = piod::Sink{-1, true, true};
-    } else {
-      prepare_sink(local);
+  void start_download(const std::string& local, Completion<TransferResult> done) {
+    done_ = std::move(done);
+    try {
+      if (memory_) {
+        nego_.file_size = opt_.memory_size;
+        sink_ = piod::Sink{-1, true, true};
+      } else {
+        prepare_sink(local);
+      }
+    } catch (...) {
+      return refuse(std::current_exception());
     }
     nego_.window = std::uint64_t(slots_) * session_.options().block_size;
-    return run();
+    begin();
   }
+
+  /// Ends the transfer with an internal error (a handler threw out of the loop).
+  void abort_internal(const std::string& why) {
+    if (ended_) return;
+    if (sender_ && !sender_->finished()) return sender_->abort(errc::internal, why);
+    if (receiver_ && !receiver_->finished()) return receiver_->abort(errc::internal, why);
+    fail(errc::internal, why);
+  }
+
+  bool done() const noexcept { return delivered_; }
 
   files::Status commit() override {
     if (pending_.active()) return pending_.commit(size_, opt_.fsync);
     return files::Status::ok();
   }
 
-  void finished(const Failure& f) override { end(f); }
+  // The engine ended: at once when it succeeded; after a failure, once its channels are closed.
+  void finished(const Failure& f) override {
+    end(f);
+    if (!f) wind_up();
+  }
+  void closed() override { wind_up(); }
 
 private:
   void prepare_sink(std::string local) {
@@ -118,62 +148,74 @@ private:
     sink_ = piod::Sink{pending_.fd(), true, false};
   }
 
-  TransferResult run() {
+  // Nothing was started (a local file that cannot be read, ...): the completion still runs on the loop.
+  void refuse(std::exception_ptr e) {
+    pending_.discard();
+    boost::asio::post(session_.io(), [self = shared_from_this(), e] { self->deliver(e, {}); });
+  }
+
+  void begin() {
     start_ = Clock::now();
-    const bool first = !session_.opened();
-    wire::NegotiationReply reply;
+    first_ = !session_.opened();
     // The machine's way to an accepted transfer: the session does the connecting (for the
     // first operation) and the negotiation; a refusal or failure there fails the machine too.
-    if (machine_.fire(TransferEvent::start) != TransferAction::connect_channels) throw TransferError(errc::internal, machine_.why(), false);
-    try {
-      reply = session_.begin(nego_);
-    } catch (const TransferError&) {
+    if (machine_.fire(TransferEvent::start) != TransferAction::connect_channels)
+      return refuse(std::make_exception_ptr(TransferError(errc::internal, machine_.why(), false)));
+    session_.start(nego_, [self = shared_from_this()](std::exception_ptr e, wire::NegotiationReply reply) {
+      self->on_begun(e, reply);
+    });
+  }
+
+  void on_begun(std::exception_ptr e, const wire::NegotiationReply& reply) {
+    if (e) {
       (void)machine_.fire(TransferEvent::local_error);
       pending_.discard();
-      throw;
+      return deliver(e, {});
     }
     accepted_at_ = Clock::now();
-    const double setup = first ? session_.setup_seconds() : std::chrono::duration<double>(accepted_at_ - start_).count();
-    if (!machine_.fire(TransferEvent::connected)) throw TransferError(errc::state_violation, machine_.why(), false);
+    setup_ = first_ ? session_.setup_seconds() : std::chrono::duration<double>(accepted_at_ - start_).count();
+    if (!machine_.fire(TransferEvent::connected)) return fail(errc::state_violation, machine_.why());
     auto action = machine_.fire(TransferEvent::accepted);
-    if (!action) throw TransferError(errc::state_violation, machine_.why(), false);
+    if (!action) return fail(errc::state_violation, machine_.why());
     try {
-      auto& io = session_.io();
-      io.restart();  // the negotiation ran it dry
       start_engine(*action, reply);
-      tick();
-      while (!ended_ && io.run_one()) {
-      }
-    } catch (const std::exception& e) {
-      // A handler that throws ends this transfer with its reason (and its partial file), not the
-      // calling program.
-      if (sender_) sender_->abort(errc::internal, e.what());
-      if (receiver_) receiver_->abort(errc::internal, e.what());
-      end(errc::internal, e.what(), false);
+      if (!ended_) tick();
+    } catch (const std::exception& ex) {
+      abort_internal(ex.what());
     }
-    if (!ended_) end(errc::internal, "the session's event loop stopped", false);
+  }
+
+  // The end, on the loop: the session takes its channels back (or closes them) once what the
+  // loop has queued for the engine has run; then the engine and its disk thread go, and the
+  // completion runs.
+  void wind_up() {
+    if (winding_) return;
+    winding_ = true;
     ticker_.cancel();
-    if (failure_) {
-      // The engine may still be telling the server why (bounded by its linger): let it finish
-      // before the engine goes.
-      try {
-        session_.io().restart();
-        session_.io().run();
-      } catch (...) {
-      }
-    }
-    // The session takes its channels back (or closes them) while the engine still exists: what
-    // the loop still holds for it runs first. Then the disk thread goes too.
-    session_.end_operation(!failure_);
-    sender_.reset();
-    receiver_.reset();
-    if (failure_) {
-      if (failure_.operation.empty())
-        failure_.operation = std::string(nego_.mode == Mode::upload ? "upload" : "download") + " '" + nego_.remote_path + "'";
-      throw TransferError(failure_);
-    }
-    if (opt_.progress) opt_.progress(Progress{size_, size_, seconds_});
-    return TransferResult{size_, seconds_, static_cast<unsigned>(session_.channels().size()), setup};
+    boost::asio::post(session_.io(), [self = shared_from_this()] {
+      self->session_.end_operation(!self->failure_);
+      boost::asio::post(self->session_.io(), [self] {
+        self->sender_.reset();
+        self->receiver_.reset();
+        if (self->failure_) {
+          auto& f = self->failure_;
+          if (f.operation.empty())
+            f.operation = std::string(self->nego_.mode == Mode::upload ? "upload" : "download") + " '" +
+                          self->nego_.remote_path + "'";
+          return self->deliver(std::make_exception_ptr(TransferError(f)), {});
+        }
+        if (self->opt_.progress) self->opt_.progress(Progress{self->size_, self->size_, self->seconds_});
+        self->deliver(nullptr, TransferResult{self->size_, self->seconds_,
+                                              static_cast<unsigned>(self->session_.channels().size()), self->setup_});
+      });
+    });
+  }
+
+  void deliver(std::exception_ptr e, TransferResult r) {
+    if (delivered_) return;
+    delivered_ = true;
+    auto done = std::exchange(done_, nullptr);
+    if (done) done(e, r);
   }
 
   void start_engine(TransferAction action, const wire::NegotiationReply& reply) {
@@ -214,6 +256,7 @@ private:
     for (auto& ch : session_.channels())
       if (ch) ch->close();
     end(code, message, false);
+    wind_up();
   }
 
   // The block protection of this transfer's direction (none in clear mode).
@@ -236,7 +279,7 @@ private:
 
   void tick() {
     ticker_.expires_after(opt_.progress_interval);
-    ticker_.async_wait([this](const ErrorCode& ec) {
+    ticker_.async_wait([this, self = shared_from_this()](const ErrorCode& ec) {
       if (ec || ended_) return;
       const auto* cancel = session_.options().cancel;
       if (cancel && cancel->load()) {
@@ -270,23 +313,80 @@ private:
   std::unique_ptr<Receiver> receiver_;
   Clock::time_point start_;
   Clock::time_point accepted_at_;
-  bool ended_ = false;
+  bool first_ = false;      // this transfer opens the session
+  double setup_ = 0;
+  Completion<TransferResult> done_;
+  bool ended_ = false;      // the engine (or this) ended the transfer
+  bool winding_ = false;    // wind_up() ran
+  bool delivered_ = false;  // the completion ran
   Failure failure_;  // how it ended (ok: it did not fail)
   double seconds_ = 0;
 };
 
+// Runs the session's loop on this thread until t is done. A handler that throws out of the loop
+// ends this transfer with its reason (and its partial file), not the calling program.
+void run_until_done(Session& session, ClientTransfer& t) {
+  auto& io = session.io();
+  io.restart();
+  while (!t.done()) {
+    try {
+      if (!io.run_one()) break;
+    } catch (const std::exception& e) {
+      t.abort_internal(e.what());
+    }
+  }
+  if (!t.done()) {
+    t.abort_internal("the session's event loop stopped");
+    io.restart();
+    while (!t.done() && io.run_one()) {
+    }
+  }
+}
+
+template <class Start>
+TransferResult blocking(Session& session, Mode mode, const std::string& remote, const TransferOptions& options,
+                        Start start) {
+  std::exception_ptr err;
+  TransferResult out;
+  auto t = std::make_shared<ClientTransfer>(session, mode, remote, options);
+  start(*t, [&err, &out](std::exception_ptr e, TransferResult r) {
+    err = e;
+    out = r;
+  });
+  run_until_done(session, *t);
+  if (!t->done()) throw TransferError(errc::internal, "the session's event loop stopped", false);
+  if (err) std::rethrow_exception(err);
+  return out;
+}
+
 }  // namespace
+
+namespace detail {
+
+void start_upload(Session& session, const std::string& local, const std::string& remote_path,
+                  const TransferOptions& options, Completion<TransferResult> done) {
+  auto t = std::make_shared<ClientTransfer>(session, Mode::upload, remote_path, options);
+  t->start_upload(local, std::move(done));
+}
+
+void start_download(Session& session, const std::string& remote_path, const std::string& local,
+                    const TransferOptions& options, Completion<TransferResult> done) {
+  auto t = std::make_shared<ClientTransfer>(session, Mode::download, remote_path, options);
+  t->start_download(local, std::move(done));
+}
+
+}  // namespace detail
 
 TransferResult upload(Session& session, const std::string& local, const std::string& remote_path,
                       const TransferOptions& options) {
-  ClientTransfer t(session, Mode::upload, remote_path, options);
-  return t.upload(local);
+  return blocking(session, Mode::upload, remote_path, options,
+                  [&](ClientTransfer& t, Completion<TransferResult> done) { t.start_upload(local, std::move(done)); });
 }
 
 TransferResult download(Session& session, const std::string& remote_path, const std::string& local,
                         const TransferOptions& options) {
-  ClientTransfer t(session, Mode::download, remote_path, options);
-  return t.download(local);
+  return blocking(session, Mode::download, remote_path, options,
+                  [&](ClientTransfer& t, Completion<TransferResult> done) { t.start_download(local, std::move(done)); });
 }
 
 TransferResult upload(const std::string& local, const Endpoint& server, const std::string& remote_path,

@@ -78,10 +78,11 @@ void Engine::fail(Failure f, bool tell_peer, TransferEvent ev) {
   // transfer may be left to see.
   host_.finished(f);
   if (tell_peer) {
-    tell_and_close(channels_, wire::ExceptionHeader{f.code, f.message, f.channel.value_or(0), done_bytes_}, linger_,
-                   params_.linger);
+    tell_and_close(channels_, wire::ExceptionHeader{f.code, f.message, f.channel.value_or(ChannelIndex(0)).value(), done_bytes_}, linger_,
+                   params_.linger, [this] { host_.closed(); });
   } else {
     close_all();
+    host_.closed();
   }
 }
 
@@ -186,8 +187,8 @@ void Engine::eofr_everywhere(std::uint64_t offset) {
 void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::string what) {
   Failure f(errc::protocol_error, fmt::format("bad block on channel {}: offset {} length {} in a file of {} bytes: {}",
                                               ch.index(), h.offset, h.length, params_.file_size, what));
-  f.channel = ch.index();
-  f.offset = h.offset;
+  f.channel = ChannelIndex(ch.index());
+  f.offset = FileOffset(h.offset);
   fail(std::move(f), true);
 }
 
@@ -209,7 +210,7 @@ void Sender::stop_disk() noexcept {
 }
 
 void Sender::start() {
-  for (std::uint32_t s = 0; s < pipe_.slots(); ++s) pipe_.to_disk(piod::Block{s, 0, 0});
+  for (std::uint32_t s = 0; s < pipe_.slots(); ++s) pipe_.to_disk(piod::Block{s});
   reader_.emplace(pipe_, source_);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);
@@ -246,7 +247,7 @@ void Sender::pump() {
   const std::size_t n = channels_.size();
   while (ready_head_ < ready_.size()) {
     const piod::Block b = ready_[ready_head_];
-    if (queued_ - acked_ + b.length > params_.window && queued_ != acked_) break;  // window full
+    if (queued_ - acked_ + b.length.value() > params_.window && queued_ != acked_) break;  // window full
     // The least loaded channel, round robin among equals from where we stopped. Two blocks per
     // channel keep its socket buffer fed while the completion of the first one is handled.
     std::size_t pick = n;
@@ -261,21 +262,21 @@ void Sender::pump() {
     next_channel_ = (pick + 1) % n;
     ++ready_head_;
     ++inflight_[pick];
-    queued_ += b.length;
+    queued_ += b.length.value();
     FrameHeader h;
     h.event = params_.data_event;
     // The disk thread has sealed the block: its tag follows the data in the slot.
-    const auto tag = static_cast<std::uint32_t>(source_.sealer ? source_.sealer->tag_size() : 0);
-    h.length = b.length + tag;
-    h.offset = b.offset;
+    const FrameLength frame = framed(b.length, source_.sealer ? source_.sealer->tag_size() : TagLength(0));
+    h.length = frame.value();
+    h.offset = b.offset.value();
     auto& ch = *channels_[pick];
-    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), b.length + tag),
+    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()),
             [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
               if (machine_.finished()) return;
               if (ec) return channel_error(ch, ec);
               --inflight_[pick];
               touch();
-              pipe_.to_disk(piod::Block{b.slot, 0, 0});  // slot goes back for read-ahead
+              pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
               on(TransferEvent::block_sent);
               maybe_finish();
             });
@@ -413,8 +414,8 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   // The header is not authenticated until its frame's tag, after the payload, has been checked:
   // only its length is used before that, as a bound on what to read into a slot. What it says
   // (which block, whether it came before) is judged once the frame is known to be the peer's.
-  const std::uint64_t tag = sink_.opener ? sink_.opener->tag_size() : 0;
-  if (eofr_[idx] || h.length <= tag || h.length > params_.block_size + tag)
+  const auto data = unframed(FrameLength(h.length), tag());
+  if (eofr_[idx] || !data || data->value() > params_.block_size)
     return bad_block(ch, h, eofr_[idx] ? "after EOFR" : "no block has that length");
   if (free_slots_.empty()) {
     parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
@@ -432,24 +433,20 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           if (ec) return channel_error(ch, ec);
                           touch();
                           // Authenticated now: it must name one whole, aligned, new block.
-                          const std::uint64_t bs = params_.block_size;
-                          const std::uint64_t size = params_.file_size;
-                          const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
-                          const bool aligned = h.offset % bs == 0 && h.offset < size;
-                          const std::uint64_t expect = aligned ? std::min<std::uint64_t>(bs, size - h.offset) : 0;
-                          if (!aligned || h.length != expect + tag)
+                          const FileOffset at(h.offset);
+                          const auto expect = block_at(at, params_.file_size, DataLength(params_.block_size));
+                          if (!expect || framed(*expect, tag()) != FrameLength(h.length))
                             return bad_block(ch, h, "not one of the file's blocks");
-                          if (!seen_.insert(h.offset, h.offset + expect))
+                          if (!seen_.insert(at.value(), after(at, *expect)->value()))
                             return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
-                          on(TransferEvent::block_received, Arrival{&ch, slot, h});
+                          on(TransferEvent::block_received, Arrival{&ch, slot, h, *expect});
                         });
 }
 
 void Receiver::queue_write(const Arrival& a) {
   // The disk thread checks the block's own tag before writing it.
-  const auto tag = static_cast<std::uint32_t>(sink_.opener ? sink_.opener->tag_size() : 0);
-  received_ += a.h.length - tag;
-  pipe_.to_disk(piod::Block{a.slot, a.h.length - tag, a.h.offset});
+  received_ += a.data.value();
+  pipe_.to_disk(piod::Block{a.slot, a.data, FileOffset(a.h.offset)});
   read_loop(*a.ch);
 }
 
@@ -458,7 +455,7 @@ void Receiver::on_disk() {
   bool any = false;
   while (pipe_.from_disk(b)) {
     free_slots_.push_back(b.slot);
-    done_bytes_ += b.length;
+    done_bytes_ += b.length.value();
     any = true;
   }
   if (!any) return;

@@ -7,6 +7,8 @@
 #include <string>
 #include <system_error>
 
+#include "xdfs/types.hpp"
+
 namespace xdfs {
 
 /// Every failure xDFS reports, on the wire (as an exception header's code) and locally.
@@ -77,8 +79,8 @@ struct Failure {
   errc code = errc::ok;
   std::string message;                   ///< what failed, without the code's name
   std::string operation;                 ///< the operation it ended ("upload 'a.iso'", "session"), where known
-  std::optional<std::uint32_t> channel;  ///< the channel it happened on, where one did
-  std::optional<std::uint64_t> offset;   ///< the file offset it concerns, where one does
+  std::optional<ChannelIndex> channel;   ///< the channel it happened on, where one did
+  std::optional<FileOffset> offset;      ///< the file offset it concerns, where one does
   bool from_peer = false;                ///< the peer reported it, or ended the channel
   bool peer_gone = false;                ///< the peer closed or reset the channel: nothing can be told to it
 
@@ -100,16 +102,27 @@ public:
   /// The operation it ended ("upload 'a.iso'", "download 'b'", "session"), where known.
   const std::string& operation() const noexcept { return operation_; }
   /// The channel and the file offset the failure happened at, where known.
-  std::optional<std::uint32_t> channel() const noexcept { return channel_; }
-  std::optional<std::uint64_t> offset() const noexcept { return offset_; }
+  std::optional<ChannelIndex> channel() const noexcept { return channel_; }
+  std::optional<FileOffset> offset() const noexcept { return offset_; }
   Recovery recovery() const noexcept { return xdfs::recovery(code_); }
 
 private:
   errc code_;
   std::string context_;
   std::string operation_;
-  std::optional<std::uint32_t> channel_;
-  std::optional<std::uint64_t> offset_;
+  std::optional<ChannelIndex> channel_;
+  std::optional<FileOffset> offset_;
+};
+
+/// A failed operation or session; remote() tells whether the server reported the error.
+class TransferError : public Error {
+public:
+  TransferError(errc code, const std::string& context, bool remote) : Error(code, context), remote_(remote) {}
+  explicit TransferError(const Failure& f) : Error(f), remote_(f.from_peer) {}
+  bool remote() const noexcept { return remote_; }
+
+private:
+  bool remote_;
 };
 
 /// Maps an exception header's code; ok and unknown codes become protocol_error, so a hostile

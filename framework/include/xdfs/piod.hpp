@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "xdfs/error.hpp"
+#include "xdfs/types.hpp"
 
 namespace xdfs::piod {
 
@@ -81,8 +82,8 @@ private:
 /// One block of file data living in a pool slot.
 struct Block {
   std::uint32_t slot = 0;
-  std::uint32_t length = 0;
-  std::uint64_t offset = 0;
+  DataLength length{};  ///< file data in the slot; a sealed block's tag follows it
+  FileOffset offset{};
 };
 
 /// RAII eventfd: the disk thread's way to wake the network thread's event loop.
@@ -107,11 +108,11 @@ class BlockSealer {
 public:
   virtual ~BlockSealer() = default;
   /// Bytes of tag stored right after a block's data.
-  virtual std::size_t tag_size() const noexcept = 0;
+  virtual TagLength tag_size() const noexcept = 0;
   /// Protects data[0, len) in place and writes the tag at data + len.
-  virtual void seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) = 0;
+  virtual void seal(std::uint8_t* data, DataLength len, FileOffset offset) = 0;
   /// Checks (and decrypts in place) the block whose tag is at data + len.
-  virtual bool open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) = 0;
+  virtual bool open(std::uint8_t* data, DataLength len, FileOffset offset) = 0;
 };
 
 /// Slack after every slot for a block's tag.

@@ -6,19 +6,27 @@
 // channels and event loop, and ended on every channel with EOFR both ways, after which the
 // channels are ready for the next. close() ends the session (EOFT on every channel).
 //
-// The session knows no mode: a mode calls begin() with its operation's negotiation, runs its
-// engine on io() and channels(), and reports the end with end_operation().
+// The session knows no mode: a mode starts its operation's negotiation (start(), or begin(),
+// which blocks), runs its engine on io() and channels(), and reports the end with end_operation().
+//
+// Asynchronous use: every completion runs on the thread that runs io() (the caller's own loop;
+// the blocking calls run it themselves until they are done). A session is not thread-safe: one
+// thread runs its loop and makes its calls.
 #pragma once
 
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "xdfs/completion.hpp"
 #include "xdfs/error.hpp"
 #include "xdfs/piod.hpp"
 #include "xdfs/wire.hpp"
@@ -59,17 +67,6 @@ struct SessionOptions {
   bool memory = false;
 };
 
-/// A failed operation or session; remote() tells whether the server reported the error.
-class TransferError : public Error {
-public:
-  TransferError(errc code, const std::string& context, bool remote) : Error(code, context), remote_(remote) {}
-  explicit TransferError(const Failure& f) : Error(f), remote_(f.from_peer) {}
-  bool remote() const noexcept { return remote_; }
-
-private:
-  bool remote_;
-};
-
 class Session {
 public:
   /// Does not connect yet: the first begin() does.
@@ -85,9 +82,26 @@ public:
   /// throws TransferError and leaves the session ready for the next operation; any other
   /// failure throws and leaves it closed.
   wire::NegotiationReply begin(wire::Negotiation op);
+  /// The same, asynchronous: `done` runs on the session's loop (never inside this call) with the
+  /// reply, or with the failure that begin() would throw.
+  void start(wire::Negotiation op, Completion<wire::NegotiationReply> done);
+  /// start() for any Asio completion token, from any thread (it starts on the loop); the
+  /// signature is void(std::exception_ptr, wire::NegotiationReply).
+  template <class Token>
+  auto async_begin(wire::Negotiation op, Token&& token) {
+    return boost::asio::async_initiate<Token, void(std::exception_ptr, wire::NegotiationReply)>(
+        [this](auto handler, wire::Negotiation n) {
+          auto done = detail::completion<wire::NegotiationReply>(std::move(handler), io().get_executor());
+          // Started on the session's loop, whichever thread asks.
+          boost::asio::dispatch(io(), [this, n = std::move(n), done]() mutable { start(std::move(n), done); });
+        },
+        token, std::move(op));
+  }
   /// The running operation ended. ok: it ended on every channel (EOFR both ways) and the
   /// channels are ready for the next; otherwise the mode has told the peer and the session is
-  /// over.
+  /// over (its channels close). Callable from a handler: it runs nothing itself, so the mode
+  /// keeps what its handlers refer to until the handlers already queued have run (it posts its
+  /// own clean-up, or runs the loop's ready handlers before it goes).
   void end_operation(bool ok);
   /// Ends the session: EOFT on every channel, then closes them. Idempotent; never throws.
   void close() noexcept;

@@ -166,8 +166,9 @@ private:
 using ChannelList = std::vector<std::unique_ptr<Channel>>;
 
 /// Sends an exception header on every open channel and closes each once it has left; `linger`
-/// closes the rest after `wait` if the peer does not read.
+/// closes the rest after `wait` if the peer does not read. `closed`, if given, runs once every
+/// channel is closed (on the loop, or at once if none was open).
 void tell_and_close(ChannelList& channels, const wire::ExceptionHeader& ex, asio::steady_timer& linger,
-                    std::chrono::milliseconds wait);
+                    std::chrono::milliseconds wait, std::function<void()> closed = {});
 
 }  // namespace xdfs::xdsi

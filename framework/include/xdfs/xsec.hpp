@@ -176,9 +176,9 @@ class BlockCrypto final : public piod::BlockSealer {
 public:
   BlockCrypto(Protect mode, Cipher cipher, const Key32& key);
   ~BlockCrypto() override;
-  std::size_t tag_size() const noexcept override { return 16; }
-  void seal(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) override;
-  bool open(std::uint8_t* data, std::uint32_t len, std::uint64_t offset) override;
+  TagLength tag_size() const noexcept override { return TagLength(16); }
+  void seal(std::uint8_t* data, DataLength len, FileOffset offset) override;
+  bool open(std::uint8_t* data, DataLength len, FileOffset offset) override;
 
 private:
   Protect mode_;

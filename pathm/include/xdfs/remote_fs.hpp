@@ -61,6 +61,9 @@ public:
   std::uint64_t upload(const std::string& local, const std::string& remote);
   /// Fetches `remote` into `local` (written under a temporary name, renamed into place whole).
   std::uint64_t download(const std::string& remote, const std::string& local);
+  /// The session the path operation runs on (its own, or the one it was given): its io() is the
+  /// loop that a caller of the client's async_ calls runs (restart() it after a blocking call).
+  Session& session() noexcept;
   /// Whether the last failure of a path call was the server's (it answered with an error); never
   /// starts anything, so a catch handler may ask.
   bool remote_error() const noexcept;

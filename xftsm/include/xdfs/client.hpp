@@ -10,7 +10,8 @@
 //   for (auto& f : files) xdfs::upload(s, f, "incoming/", opt);
 //   s.close();
 //
-// Each call's network thread is the calling thread, plus one disk thread. Failures throw
+// Each call's network thread is the calling thread, plus one disk thread; async_upload and
+// async_download run on the thread that runs the session's io_context instead. Failures throw
 // xdfs::TransferError, whose code() says what went wrong and whose what() is one line.
 #pragma once
 
@@ -72,5 +73,56 @@ TransferResult upload(Session& session, const std::string& local, const std::str
                       const TransferOptions& options = {});
 TransferResult download(Session& session, const std::string& remote_path, const std::string& local,
                         const TransferOptions& options = {});
+
+namespace detail {
+void start_upload(Session& session, const std::string& local, const std::string& remote_path,
+                  const TransferOptions& options, Completion<TransferResult> done);
+void start_download(Session& session, const std::string& remote_path, const std::string& local,
+                    const TransferOptions& options, Completion<TransferResult> done);
+}  // namespace detail
+
+/// The asynchronous forms of upload(session, ...) and download(session, ...), for any Asio
+/// completion token (a callback, use_future, use_awaitable, ...); the completion signature is
+/// void(std::exception_ptr, TransferResult), the exception what the blocking form would throw.
+/// They return at once, from any thread: the transfer starts and runs on the thread that runs
+/// session.io(), and its completion runs through the handler's executor (by default on that
+/// thread). One operation at a time per
+/// session: the next may start from the completion. The blocking forms are these, with the
+/// calling thread running the loop until the completion.
+///
+///   xdfs::async_upload(s, "a.iso", "in/", opt, [&](std::exception_ptr e, xdfs::TransferResult r) {
+///     if (!e) xdfs::async_upload(s, "b.iso", "in/", opt, next);
+///   });
+///   s.io().run();
+namespace detail {
+/// async_upload and async_download: `start` (start_upload or start_download) on the session's loop.
+template <class Token, class Start>
+auto async_transfer(Session& session, Start start, std::string from, std::string to, TransferOptions options,
+                    Token&& token) {
+  return boost::asio::async_initiate<Token, void(std::exception_ptr, TransferResult)>(
+      [&session, start](auto handler, std::string f, std::string t, TransferOptions o) {
+        auto done = completion<TransferResult>(std::move(handler), session.io().get_executor());
+        // Started on the session's loop, whichever thread asks.
+        boost::asio::dispatch(session.io(), [&session, start, f = std::move(f), t = std::move(t), o = std::move(o), done] {
+          start(session, f, t, o, done);
+        });
+      },
+      token, std::move(from), std::move(to), std::move(options));
+}
+}  // namespace detail
+
+template <class Token>
+auto async_upload(Session& session, std::string local, std::string remote_path, TransferOptions options,
+                  Token&& token) {
+  return detail::async_transfer(session, &detail::start_upload, std::move(local), std::move(remote_path),
+                                std::move(options), std::forward<Token>(token));
+}
+
+template <class Token>
+auto async_download(Session& session, std::string remote_path, std::string local, TransferOptions options,
+                    Token&& token) {
+  return detail::async_transfer(session, &detail::start_download, std::move(remote_path), std::move(local),
+                                std::move(options), std::forward<Token>(token));
+}
 
 }  // namespace xdfs

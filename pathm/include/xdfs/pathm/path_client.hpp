@@ -6,6 +6,8 @@
 // outstanding are bounded by a window.
 #pragma once
 
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
 
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "xdfs/budget.hpp"
+#include "xdfs/completion.hpp"
 #include "xdfs/pathm/fsops.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/pathm/pool.hpp"
@@ -117,6 +120,50 @@ public:
   /// Sends a put request as is (tests use it to check what the server refuses).
   void put(std::vector<Entry> entries);
 
+  /// Asynchronous forms of the single-request calls, for any Asio completion token; each
+  /// completes with std::exception_ptr (the xdfs::Error the blocking call would throw) and its
+  /// result, through the handler's executor (by default on the thread that runs the session's
+  /// loop). They return at once, from any thread, and start on the loop; many may be
+  /// outstanding at once, spread over the channels. The blocking calls are these with the
+  /// calling thread running the loop. A caller that runs the loop itself gives its RemoteFs
+  /// SessionOptions::keep_alive = 0 (the keep-alive thread runs the loop between blocking calls),
+  /// and runs it until its completions are in (run_one, or stop()): while the operation is
+  /// open, a read waits on every channel, so the loop never runs out of work. A completion that
+  /// throws ends the path operation (errc::internal), as any handler of the client does.
+  template <class Token>
+  auto async_stat(std::string path, Token&& token) {
+    return initiate<Entry>(std::forward<Token>(token), [path = std::move(path)](PathClient& c, Completion<Entry> done) {
+      c.start_stat(path, std::move(done));
+    });
+  }
+  template <class Token>
+  auto async_mkdir(std::string path, bool parents, Token&& token) {
+    return initiate<>(std::forward<Token>(token), [r = request(Op::mkdir, std::move(path), parents)](
+                                                      PathClient& c, Completion<> done) { c.start_plain(r, std::move(done)); });
+  }
+  template <class Token>
+  auto async_remove(std::string path, bool recursive, Token&& token) {
+    return initiate<>(std::forward<Token>(token), [r = request(Op::remove, std::move(path), recursive)](
+                                                      PathClient& c, Completion<> done) { c.start_plain(r, std::move(done)); });
+  }
+  template <class Token>
+  auto async_rename(std::string from, std::string to, Token&& token) {
+    Request r = request(Op::rename, std::move(from), false);
+    r.to = std::move(to);
+    return initiate<>(std::forward<Token>(token),
+                      [r = std::move(r)](PathClient& c, Completion<> done) { c.start_plain(r, std::move(done)); });
+  }
+  /// SHA-256 (hex) of a remote file or range.
+  template <class Token>
+  auto async_checksum(std::string path, std::uint64_t offset, std::uint64_t length, Token&& token) {
+    Request r = request(Op::checksum, std::move(path), false);
+    r.offset = offset;
+    r.length = length;
+    return initiate<std::string>(std::forward<Token>(token), [r = std::move(r)](PathClient& c, Completion<std::string> done) {
+      c.start_checksum(r, std::move(done));
+    });
+  }
+
   /// The tree at local (a directory) becomes remote; remote is made if missing.
   /// With `large`: the files of at least large->threshold bytes are left out (in large->files)
   /// and so are the directories' attributes if any file was (large->dirs).
@@ -144,6 +191,33 @@ public:
 
 private:
   using OnReply = std::function<void(Reply&, std::shared_ptr<Buffer>)>;
+  static Request request(Op op, std::string path, bool recursive) {
+    Request r;
+    r.op = op;
+    r.path = std::move(path);
+    r.recursive = recursive;
+    return r;
+  }
+  /// An async_ call: its completion wrapped for the token, started on the loop.
+  template <class... Result, class Token, class Start>
+  auto initiate(Token&& token, Start start) {
+    return boost::asio::async_initiate<Token, void(std::exception_ptr, Result...)>(
+        [this](auto handler, Start s) {
+          auto done = detail::completion<Result...>(std::move(handler), io_.get_executor());
+          boost::asio::dispatch(io_, [this, s = std::move(s), done]() mutable { s(*this, std::move(done)); });
+        },
+        token, std::move(start));
+  }
+  /// Sends r and completes `done` with its reply (or the failure): the one way a single-request
+  /// call runs, blocking or not. Returns the request's id.
+  std::uint64_t start_call(Request r, Completion<Reply> done);
+  void start_stat(const std::string& path, Completion<Entry> done);
+  void start_plain(const Request& r, Completion<> done);
+  void start_checksum(const Request& r, Completion<std::string> done);
+  /// Completes every async call still waiting with the operation's failure.
+  void fail_calls();
+  /// While calls wait on the caller's loop: the user's cancel and the idle timeout.
+  void watch_calls();
   /// A request that awaits its reply. Its handler runs once per reply and may refer to the
   /// caller's locals: only a listing (`many`) has more than one reply, and the request is
   /// forgotten at its final reply, so no handler can run after its caller has returned.
@@ -204,7 +278,7 @@ private:
   errc code_ = errc::ok;
   std::string message_;
   bool remote_ = false;
-  std::optional<std::uint32_t> channel_;  // where the failure happened, when on a channel
+  std::optional<ChannelIndex> channel_;  // where the failure happened, when on a channel
   std::unique_ptr<PathMachine> machine_;  // the client's table (xdfs/detail/path_fsm.hpp)
   std::size_t eofr_unsent_ = 0;  // our EOFRs not written yet
   bool eofr_lost_ = false;  // one of our EOFRs failed to leave: the operation did not end cleanly
@@ -212,6 +286,9 @@ private:
   std::size_t eofrs_ = 0;
   std::chrono::steady_clock::time_point last_;
   std::recursive_mutex call_mu_;  // one call at a time (trees call stat, list and mkdir inside)
+  std::unordered_map<std::uint64_t, Completion<Reply>> calls_;  // single-request calls waiting
+  asio::steady_timer watch_;  // watch_calls()
+  bool watching_ = false;
 };
 
 }  // namespace xdfs::pathm

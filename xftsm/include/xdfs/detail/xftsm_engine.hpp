@@ -39,6 +39,9 @@ public:
   /// The transfer ended, successfully (a Failure whose code is ok) or with the first failure:
   /// its code, words, and the channel and offset where known. Called once.
   virtual void finished(const Failure& f) = 0;
+  /// After a failure: the peer has been told (or could not be) and every channel is closed;
+  /// nothing of the engine's is left on the channels. Called once, on the loop.
+  virtual void closed() {}
 };
 
 struct TransferParams {
@@ -170,6 +173,8 @@ public:
   void start();
 
 private:
+  /// The tag each block carries after its data (none in clear mode).
+  TagLength tag() const noexcept { return sink_.opener ? sink_.opener->tag_size() : TagLength(0); }
   void on_disk() override;
   void stop_disk() noexcept override;
   /// What an event of a block carries to its action's handler.
@@ -177,6 +182,7 @@ private:
     xdsi::Channel* ch = nullptr;
     std::uint32_t slot = 0;
     wire::FrameHeader h;
+    DataLength data{};  // the block's file data: the frame without its tag
   };
   /// Feeds e to the table and runs the action it answers: one handler per action.
   void on(TransferEvent e, const Arrival& a);

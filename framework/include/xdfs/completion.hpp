@@ -1,0 +1,37 @@
+// How the library's asynchronous operations complete (Asio completion tokens).
+#pragma once
+
+#include <boost/asio/associated_executor.hpp>
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/execution/outstanding_work.hpp>
+#include <boost/asio/prefer.hpp>
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+namespace xdfs {
+
+/// How an asynchronous operation of the library completes: with the failure (a TransferError,
+/// or another xdfs::Error) or with its result.
+template <class... Result>
+using Completion = std::function<void(std::exception_ptr, Result...)>;
+
+namespace detail {
+/// Wraps an Asio completion handler as a Completion: the handler runs through its associated
+/// executor (by default `ex`), as Asio's own operations run theirs.
+template <class... Result, class Handler, class Executor>
+Completion<Result...> completion(Handler&& handler, const Executor& ex) {
+  auto h = std::make_shared<std::decay_t<Handler>>(std::forward<Handler>(handler));
+  auto work = boost::asio::prefer(boost::asio::get_associated_executor(*h, ex),
+                                  boost::asio::execution::outstanding_work.tracked);
+  return [h, work](std::exception_ptr e, Result... r) mutable {
+    auto w = std::move(work);
+    boost::asio::dispatch(w, [h, e, ... r = std::move(r)]() mutable { std::move (*h)(e, std::move(r)...); });
+  };
+}
+}  // namespace detail
+
+}  // namespace xdfs
