@@ -511,15 +511,24 @@ TEST_CASE("async path calls: many outstanding on the caller's loop; a refusal an
     CHECK(remote);
     got.push_back("nope");
   });
+  std::set<std::string> names;
+  c.async_list(
+      ".", false, [&](std::vector<xdfs::pathm::Entry>& chunk) { for (auto& e : chunk) names.insert(e.path); },
+      [&](std::exception_ptr e, std::size_t chunks) {
+        REQUIRE_FALSE(e);
+        CHECK(chunks >= 1);
+        got.push_back("list");
+      });
   CHECK(got.empty());  // nothing completes inside the calls
   // The path operation always has a read waiting on each channel (the server may speak at any
   // time): the loop runs until the completions are in, not until it runs out of work.
   auto& io = fs.session().io();
   io.restart();
-  while (got.size() < 5 && io.run_one()) {
+  while (got.size() < 6 && io.run_one()) {
   }
   std::sort(got.begin(), got.end());
-  CHECK(got == std::vector<std::string>{"checksum", "mkdir", "nope", "rename", "stat"});
+  CHECK(got == std::vector<std::string>{"checksum", "list", "mkdir", "nope", "rename", "stat"});
+  CHECK(names.count("f") == 1);
   struct stat sb {};
   CHECK(::stat((root / "d/g").c_str(), &sb) == 0);
   CHECK(S_ISDIR(sb.st_mode));

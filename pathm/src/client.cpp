@@ -368,14 +368,26 @@ void PathClient::wait(const std::function<bool()>& done) {
   check();
 }
 
+std::exception_ptr PathClient::ended() const {
+  try {
+    check();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+void PathClient::wait_for(std::uint64_t id, const bool& done) {
+  try {
+    wait([&] { return done; });
+  } catch (...) {
+    calls_.erase(id);  // its completion refers to the caller's frame
+    throw;
+  }
+}
+
 std::uint64_t PathClient::start_call(Request r, Completion<Reply> done) {
-  if (code_ != errc::ok || machine_->state() != PathState::serving) {
-    std::exception_ptr e;
-    try {
-      check();
-    } catch (...) {
-      e = std::current_exception();
-    }
+  if (auto e = ended()) {
     asio::post(io_, [done = std::move(done), e] { done(e, Reply{}); });
     return 0;
   }
@@ -457,12 +469,7 @@ Reply PathClient::call(Request r) {
     err = e;
     out = std::move(rep);
   });
-  try {
-    wait([&] { return done; });
-  } catch (...) {
-    calls_.erase(id);  // the completion refers to this frame
-    throw;
-  }
+  wait_for(id, done);
   if (err) std::rethrow_exception(err);
   return out;
 }
@@ -474,22 +481,29 @@ Entry PathClient::stat(const std::string& path) {
   return rep.entries[0];
 }
 
-std::size_t PathClient::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
-  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
-  check();
-  Request r;
-  r.op = Op::list;
-  r.path = path;
-  r.recursive = recursive;
+std::uint64_t PathClient::start_list(const std::string& path, bool recursive, Chunk chunk, Completion<std::size_t> done) {
+  if (auto e = ended()) {
+    asio::post(io_, [done = std::move(done), e] { done(e, 0); });
+    return 0;
+  }
+  Request r = request(Op::list, path, recursive);
   r.id = new_id();
-  bool done = false;
-  std::size_t chunks = 0;
-  std::optional<Error> err;
-  send(r.id, encode(r), [&](Reply& rep, std::shared_ptr<Buffer>) {
+  const std::uint64_t id = r.id;
+  auto chunks = std::make_shared<std::size_t>(0);
+  if (calls_.empty()) last_ = Clock::now();
+  // What completes the listing, at its last part or with the operation's failure.
+  calls_.emplace(id, [done = std::move(done), chunks](std::exception_ptr e, Reply) { done(e, e ? 0 : *chunks); });
+  send(id, encode(r), [this, id, chunks, chunk = std::move(chunk)](Reply& rep, std::shared_ptr<Buffer>) {
+    auto it = calls_.find(id);
+    if (it == calls_.end()) return;  // its caller has gone (a blocking call that failed)
+    auto finish = [&](std::exception_ptr e) {
+      auto d = std::move(it->second);
+      calls_.erase(it);
+      d(e, Reply{});
+    };
     if (rep.code != errc::ok) {
-      done = true;
-      err.emplace(rep.code, rep.message);
-      return;
+      remote_ = true;
+      return finish(std::make_exception_ptr(TransferError(rep.code, rep.message, true)));
     }
     // A part says something: parts without entries would hold the session for ever, each one
     // resetting the timeout and adding nothing to what --max-listing counts.
@@ -502,16 +516,28 @@ std::size_t PathClient::list(const std::string& path, bool recursive, const std:
       e.data = {};
     }
     if (!rep.entries.empty()) {
-      ++chunks;
+      ++*chunks;
       chunk(rep.entries);
     }
-    if (rep.last) done = true;
+    if (rep.last) finish(nullptr);
   }, true);
-  wait([&] { return done; });
-  if (err) {
-    remote_ = true;
-    throw *err;
-  }
+  watch_calls();
+  return id;
+}
+
+std::size_t PathClient::list(const std::string& path, bool recursive, const std::function<void(std::vector<Entry>&)>& chunk) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
+  check();
+  bool done = false;
+  std::exception_ptr err;
+  std::size_t chunks = 0;
+  const auto id = start_list(path, recursive, chunk, [&](std::exception_ptr e, std::size_t n) {
+    done = true;
+    err = e;
+    chunks = n;
+  });
+  wait_for(id, done);
+  if (err) std::rethrow_exception(err);
   return chunks;
 }
 

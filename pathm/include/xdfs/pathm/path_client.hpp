@@ -153,6 +153,14 @@ public:
     return initiate<>(std::forward<Token>(token),
                       [r = std::move(r)](PathClient& c, Completion<> done) { c.start_plain(r, std::move(done)); });
   }
+  /// Calls chunk() (on the loop) with each chunk of the listing as it arrives; completes with the
+  /// number of chunks.
+  template <class Token>
+  auto async_list(std::string path, bool recursive, std::function<void(std::vector<Entry>&)> chunk, Token&& token) {
+    return initiate<std::size_t>(std::forward<Token>(token),
+                                 [path = std::move(path), recursive, chunk = std::move(chunk)](
+                                     PathClient& c, Completion<std::size_t> done) { c.start_list(path, recursive, chunk, std::move(done)); });
+  }
   /// SHA-256 (hex) of a remote file or range.
   template <class Token>
   auto async_checksum(std::string path, std::uint64_t offset, std::uint64_t length, Token&& token) {
@@ -214,6 +222,13 @@ private:
   void start_stat(const std::string& path, Completion<Entry> done);
   void start_plain(const Request& r, Completion<> done);
   void start_checksum(const Request& r, Completion<std::string> done);
+  using Chunk = std::function<void(std::vector<Entry>&)>;
+  std::uint64_t start_list(const std::string& path, bool recursive, Chunk chunk, Completion<std::size_t> done);
+  /// Why no call can start (the operation failed or ended), or null.
+  std::exception_ptr ended() const;
+  /// A blocking call: runs the loop until `done`; if the operation fails first, forgets the
+  /// call `id` (its completion refers to the caller's frame) and throws.
+  void wait_for(std::uint64_t id, const bool& done);
   /// Completes every async call still waiting with the operation's failure.
   void fail_calls();
   /// While calls wait on the caller's loop: the user's cancel and the idle timeout.
