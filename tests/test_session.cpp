@@ -557,6 +557,23 @@ TEST_CASE("async path calls: many outstanding on the caller's loop; a refusal an
   CHECK_THROWS_AS(fs.close(), xdfs::Error);
 }
 
+TEST_CASE("async path calls still waiting when the path operation ends get their replies first") {
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path());
+  xt::write_random_file(root / "f", 1000, 5);
+  auto o = options(2);
+  o.keep_alive = std::chrono::milliseconds(0);
+  xdfs::RemoteFs fs({"127.0.0.1", d.port()}, o);
+  int answered = 0;
+  for (int k = 0; k < 8; ++k)
+    fs.client().async_stat("f", [&](std::exception_ptr e, xdfs::pathm::Entry en) { answered += !e && en.size == 1000; });
+  auto& io = fs.session().io();
+  io.restart();
+  io.poll();  // the requests leave; their replies have not been read
+  fs.close();  // ends cleanly: the replies come before our EOFRs
+  CHECK(answered == 8);
+}
+
 TEST_CASE("RemoteFs: single files go up and down as transfers of their own between path calls, on one session") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

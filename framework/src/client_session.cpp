@@ -108,11 +108,20 @@ struct Session::Impl {
     failed = false;
     waiter = std::move(done);
     const auto action = machine.fire(SessionEvent::begin);
-    arm_deadline();
-    if (action == SessionAction::connect_channels)
-      open();
-    else
-      renegotiate();
+    // From here every outcome, a throw included, settles through the completion.
+    try {
+      arm_deadline();
+      if (action == SessionAction::connect_channels)
+        open();
+      else
+        renegotiate();
+    } catch (const Error& e) {
+      fail(e.code(), e.context(), false);
+    } catch (const std::exception& e) {
+      fail(errc::internal, e.what(), false);
+    } catch (...) {
+      fail(errc::internal, "the negotiation failed", false);
+    }
   }
 
   // The negotiation has an outcome (or failed): it is settled on the loop, once.
@@ -179,8 +188,25 @@ struct Session::Impl {
       err = e;
       out = std::move(r);
     });
+    // However this frame is left, no completion refers to it afterwards.
+    struct Forget {
+      Impl& d;
+      bool& done;
+      ~Forget() {
+        if (!done) d.waiter = nullptr;
+      }
+    } forget{*this, done};
     io.restart();
-    while (!done && io.run_one()) {
+    try {
+      while (!done && io.run_one()) {
+      }
+    } catch (...) {
+      // A handler threw (a notice callback): the session is over, as for any failure.
+      fail(errc::internal, "a handler threw during the negotiation", false);
+      waiter = nullptr;
+      (void)machine.fire(SessionEvent::local_error);
+      close_channels();
+      throw;
     }
     if (!done) {
       fail(errc::internal, "the session's event loop stopped", false);
@@ -188,10 +214,7 @@ struct Session::Impl {
       while (!done && io.run_one()) {
       }
     }
-    if (!done) {
-      waiter = nullptr;
-      throw TransferError(errc::internal, "the session's event loop stopped", false);
-    }
+    if (!done) throw TransferError(errc::internal, "the session's event loop stopped", false);
     if (err) std::rethrow_exception(err);
     return out;
   }
@@ -435,6 +458,8 @@ struct Session::Impl {
 
   void close() noexcept {
     if (closed) return;
+    // A negotiation still waiting completes (cancelled) when the loop next runs.
+    if (waiter) fail(errc::cancelled, "the session was closed", false);
     // The table: from ready, the end is told (EOFT on every channel); before any operation
     // there is nothing to tell; anywhere else the channels just close.
     const bool tell = machine.fire(SessionEvent::end_asked) == SessionAction::finish && connected;

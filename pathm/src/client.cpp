@@ -419,7 +419,14 @@ void PathClient::fail_calls() {
     auto calls = std::move(calls_);
     calls_.clear();
     const auto e = std::make_exception_ptr(TransferError(*failure()));
-    for (auto& [id, done] : calls) done(e, Reply{});
+    for (auto& [id, done] : calls) {
+      try {
+        done(e, Reply{});
+      } catch (...) {
+        // The operation has failed already; one completion's exception must not keep the
+        // others from theirs.
+      }
+    }
   });
 }
 
@@ -494,9 +501,11 @@ std::uint64_t PathClient::start_list(const std::string& path, bool recursive, Ch
   // What completes the listing, at its last part or with the operation's failure.
   calls_.emplace(id, [done = std::move(done), chunks](std::exception_ptr e, Reply) { done(e, e ? 0 : *chunks); });
   send(id, encode(r), [this, id, chunks, chunk = std::move(chunk)](Reply& rep, std::shared_ptr<Buffer>) {
-    auto it = calls_.find(id);
-    if (it == calls_.end()) return;  // its caller has gone (a blocking call that failed)
+    if (!calls_.count(id)) return;  // its caller has gone (a blocking call that failed)
+    // Found again each time: chunk() may start calls of its own, which can rehash calls_.
     auto finish = [&](std::exception_ptr e) {
+      auto it = calls_.find(id);
+      if (it == calls_.end()) return;
       auto d = std::move(it->second);
       calls_.erase(it);
       d(e, Reply{});
@@ -599,8 +608,17 @@ bool PathClient::close() {
               false);
       return false;
     }
-  // EOFR on every channel: every request has its answer (calls are synchronous), so the server
-  // answers with EOFR on every channel (committed) and the channels are the session's again.
+  // Asynchronous calls still waiting get their replies first: a reply after our EOFR is out of
+  // turn (the table has no reply row in ending).
+  if (!pending_.empty()) {
+    try {
+      wait([&] { return pending_.empty(); });
+    } catch (const Error&) {
+      return false;
+    }
+  }
+  // EOFR on every channel: every request has its answer, so the server answers with EOFR on
+  // every channel (committed) and the channels are the session's again.
   Work none;
   on(PathEvent::end_asked, none);
   io_.restart();

@@ -98,10 +98,14 @@ struct RemoteFs::Impl {
   // What the loop has ready for the path client (its cancelled reads and timers) runs while the
   // client still exists: this thread runs the loop between calls.
   void run_ready() noexcept {
-    try {
-      session->io().restart();
-      session->io().poll();
-    } catch (...) {
+    // A completion that throws stops poll(): go on until everything ready has run.
+    for (int k = 0; k < 1000; ++k) {
+      try {
+        session->io().restart();
+        session->io().poll();
+        return;
+      } catch (...) {
+      }
     }
   }
 

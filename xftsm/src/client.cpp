@@ -96,13 +96,23 @@ public:
 
   /// Ends the transfer with an internal error (a handler threw out of the loop).
   void abort_internal(const std::string& why) {
-    if (ended_) return;
+    if (ended_) {
+      // Ended, but the engine threw before its channels were closed: close them and wind up.
+      if (failure_ && !winding_) {
+        for (auto& ch : session_.channels())
+          if (ch) ch->close();
+        wind_up();
+      }
+      return;
+    }
     if (sender_ && !sender_->finished()) return sender_->abort(errc::internal, why);
     if (receiver_ && !receiver_->finished()) return receiver_->abort(errc::internal, why);
     fail(errc::internal, why);
   }
 
   bool done() const noexcept { return delivered_; }
+  /// Its completion will not be called (its caller has gone).
+  void forget() noexcept { done_ = nullptr; }
 
   files::Status commit() override {
     if (pending_.active()) return pending_.commit(size_, opt_.fsync);
@@ -204,7 +214,11 @@ private:
                           self->nego_.remote_path + "'";
           return self->deliver(std::make_exception_ptr(TransferError(f)), {});
         }
-        if (self->opt_.progress) self->opt_.progress(Progress{self->size_, self->size_, self->seconds_});
+        try {
+          if (self->opt_.progress) self->opt_.progress(Progress{self->size_, self->size_, self->seconds_});
+        } catch (...) {
+          return self->deliver(std::current_exception(), {});  // the caller's own exception, as it threw it
+        }
         self->deliver(nullptr, TransferResult{self->size_, self->seconds_,
                                               static_cast<unsigned>(self->session_.channels().size()), self->setup_});
       });
@@ -333,6 +347,8 @@ void run_until_done(Session& session, ClientTransfer& t) {
       if (!io.run_one()) break;
     } catch (const std::exception& e) {
       t.abort_internal(e.what());
+    } catch (...) {
+      t.abort_internal("a handler threw");
     }
   }
   if (!t.done()) {
@@ -349,6 +365,11 @@ TransferResult blocking(Session& session, Mode mode, const std::string& remote, 
   std::exception_ptr err;
   TransferResult out;
   auto t = std::make_shared<ClientTransfer>(session, mode, remote, options);
+  // However this frame is left, the transfer's completion no longer refers to it.
+  struct Forget {
+    ClientTransfer& t;
+    ~Forget() { t.forget(); }
+  } forget{*t};
   start(*t, [&err, &out](std::exception_ptr e, TransferResult r) {
     err = e;
     out = r;

@@ -103,7 +103,9 @@ public:
   /// keeps what its handlers refer to until the handlers already queued have run (it posts its
   /// own clean-up, or runs the loop's ready handlers before it goes).
   void end_operation(bool ok);
-  /// Ends the session: EOFT on every channel, then closes them. Idempotent; never throws.
+  /// Ends the session: EOFT on every channel, then closes them. Idempotent; never throws. It runs
+  /// the loop itself: call it between operations and not from a handler (a negotiation still
+  /// waiting completes as cancelled; a running operation is ended first by its own mode).
   void close() noexcept;
 
   /// Whether another operation may begin.
