@@ -205,8 +205,10 @@ TEST_CASE("frame header decode bounds payload lengths") {
     w::FrameHeader h;
     h.event = e;
     auto b = w::encode(h);
-    // Exactly at the limit: accepted.
-    const std::uint32_t limit = data ? w::max_block_size : path ? w::max_path_payload : w::max_control_payload;
+    // Exactly at the limit: accepted. A data frame's limit is the largest block and its tag, so a
+    // full block of the largest size still travels sealed.
+    const std::uint32_t limit =
+        data ? w::max_block_size + w::max_block_tag : path ? w::max_path_payload : w::max_control_payload;
     put_le32(&b[4], limit);
     std::string why;
     auto ok = decode_bytes(b, &why);

@@ -134,7 +134,7 @@ std::optional<FrameHeader> decode(std::span<const std::uint8_t, frame_header_siz
                      " bytes exceeds the " + std::to_string(max_control_payload) + "-byte limit");
     return std::nullopt;
   }
-  if (data && h.length > max_block_size) {
+  if (data && h.length > max_block_size + max_block_tag) {
     set_why(why, "data block of " + std::to_string(h.length) + " bytes exceeds the maximum block size");
     return std::nullopt;
   }

@@ -23,6 +23,7 @@
 
 #include "xdfs/error.hpp"
 #include "xdfs/types.hpp"
+#include "xdfs/wire.hpp"
 
 namespace xdfs::piod {
 
@@ -116,7 +117,7 @@ public:
 };
 
 /// Slack after every slot for a block's tag.
-inline constexpr std::uint32_t slot_tag_room = 64;
+inline constexpr std::uint32_t slot_tag_room = wire::max_block_tag;
 
 /// The system calls a disk thread makes. The default makes the real ones; a test puts a faulty
 /// one in their place (short transfers, EINTR, ENOSPC at the Nth call) to drive the retry and

@@ -28,6 +28,8 @@ inline constexpr std::uint32_t max_control_payload = 64 * 1024;
 /// Bounds on the negotiated block size.
 inline constexpr std::uint32_t min_block_size = 4 * 1024;
 inline constexpr std::uint32_t max_block_size = 64 * 1024 * 1024;
+/// Room for a block's tag after its data in a data frame (xSec's is 16 bytes).
+inline constexpr std::uint32_t max_block_tag = 64;
 /// Largest xPathM payload at the frame level (a session bounds it further by its block size).
 inline constexpr std::uint32_t max_path_payload = max_block_size + (8u << 20);
 /// Longest remote path accepted.

@@ -191,6 +191,7 @@ private:
 void random_fill(std::span<std::uint8_t> out);
 
 inline constexpr std::size_t tag_size = 16;
+static_assert(tag_size <= wire::max_block_tag, "a sealed block must fit its frame and its slot");
 
 /// Protects the frames of one channel. Each direction has its own key and counter.
 class FrameProtector final : public xdsi::FrameGuard {
