@@ -92,8 +92,7 @@ struct Session::Impl {
         throw TransferError(errc::bad_argument, "remote path longer than 4096 bytes", false);
       if (!connected) check_options();
     } catch (...) {
-      boost::asio::post(io, [done = std::move(done), e = std::current_exception()] { done(e, {}); });
-      return;
+      return detail::fail_later(io, std::move(done), std::current_exception());
     }
     op.channel_count = base.channel_count;
     op.block_size = base.block_size;
@@ -201,9 +200,9 @@ struct Session::Impl {
       while (!done && io.run_one()) {
       }
     } catch (...) {
-      // A handler threw (a notice callback): the session is over, as for any failure.
+      // A handler threw (a notice callback): the session is over, as for any failure (`forget`
+      // drops the completion).
       fail(errc::internal, "a handler threw during the negotiation", false);
-      waiter = nullptr;
       (void)machine.fire(SessionEvent::local_error);
       close_channels();
       throw;

@@ -388,7 +388,7 @@ void PathClient::wait_for(std::uint64_t id, const bool& done) {
 
 std::uint64_t PathClient::start_call(Request r, Completion<Reply> done) {
   if (auto e = ended()) {
-    asio::post(io_, [done = std::move(done), e] { done(e, Reply{}); });
+    detail::fail_later(io_, std::move(done), e);
     return 0;
   }
   r.id = new_id();
@@ -490,7 +490,7 @@ Entry PathClient::stat(const std::string& path) {
 
 std::uint64_t PathClient::start_list(const std::string& path, bool recursive, Chunk chunk, Completion<std::size_t> done) {
   if (auto e = ended()) {
-    asio::post(io_, [done = std::move(done), e] { done(e, 0); });
+    detail::fail_later(io_, std::move(done), e);
     return 0;
   }
   Request r = request(Op::list, path, recursive);

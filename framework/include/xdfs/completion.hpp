@@ -4,6 +4,7 @@
 #include <boost/asio/associated_executor.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/execution/outstanding_work.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/prefer.hpp>
 
 #include <exception>
@@ -31,6 +32,13 @@ Completion<Result...> completion(Handler&& handler, const Executor& ex) {
     auto w = std::move(work);
     boost::asio::dispatch(w, [h, e, ... r = std::move(r)]() mutable { std::move (*h)(e, std::move(r)...); });
   };
+}
+
+/// Completes `done` with `e` (and empty results) on `ex`: an operation that cannot start still
+/// completes on the loop, never inside its initiating call.
+template <class Executor, class... Result>
+void fail_later(Executor&& ex, Completion<Result...> done, std::exception_ptr e) {
+  boost::asio::post(std::forward<Executor>(ex), [done = std::move(done), e] { done(e, Result{}...); });
 }
 }  // namespace detail
 
