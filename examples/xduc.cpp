@@ -2,6 +2,7 @@
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,7 +31,7 @@ const char* usage =
     "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
     "       xduc [OPTIONS] --files-from FILE DST\n"
     "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
-    "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum  xdfs://HOST[:PORT]/PATH ...\n"
+    "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum [--sha256]  xdfs://HOST[:PORT]/PATH ...\n"
     "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
     "       xduc keygen | pubkey\n"
     "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
@@ -51,11 +52,14 @@ const char* usage =
     "                         on the same session, as a single file does (default 64M; 0: never)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
-    "server, sum prints the SHA-256 of remote files as sha256sum does.\n"
+    "server. sum prints a file's manifest digest for the block size (what --json reports after\n"
+    "a copy; local files too), or with --sha256 the SHA-256 of remote files as sha256sum does.\n"
     "  -p, --parallel N       parallel TCP channels (default 1)\n"
     "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
     "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
     "  --fsync                flush a downloaded file to disk before renaming it into place\n"
+    "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
+    "                         faster; in clear mode nothing then checks the data\n"
     "  --protect MODE         clear | integrity | private (default private): clear MACs control\n"
     "                         frames only, integrity MACs every frame, private encrypts every frame\n"
     "  --identity FILE        private key (default ~/.config/xdfs/id_x25519, made on first use)\n"
@@ -204,6 +208,33 @@ bool read_sources(const std::string& file, std::vector<std::string>& out, std::s
   return why.empty();
 }
 
+// xduc sum FILE...: the manifest digest of local files (every one a local path).
+int sum_local(const std::vector<std::string>& paths, std::uint32_t block_size, bool plain_sha256) {
+  if (plain_sha256) bad("--sha256 is for remote files (sha256sum does local ones)");
+  int status = 0;
+  for (const auto& p : paths) {
+    if (xdfs::cli::is_url(p)) bad("sum takes local files or xdfs:// URLs, not both");
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    struct stat sb {};
+    std::string why;
+    if (fd < 0 || ::fstat(fd, &sb) != 0) {
+      why = std::strerror(errno);
+    } else if (!S_ISREG(sb.st_mode)) {
+      why = "not a regular file";
+    } else {
+      const auto r = xdfs::manifest::of_file(fd, static_cast<std::uint64_t>(sb.st_size), block_size, &g_cancel);
+      if (r.code == xdfs::errc::ok) fmt::print("{}  {}\n", xdfs::manifest::hex(r.digest), shown(p));
+      else why = r.message;
+    }
+    if (fd >= 0) ::close(fd);
+    if (!why.empty()) {
+      fmt::print(stderr, "xduc: '{}': {}\n", shown(p), shown(why));
+      status = 1;
+    }
+  }
+  return status;
+}
+
 // Several sources over one session: files as xFTSM transfers, directories (with -r) as tree
 // copies in path mode, switching modes on the same channels. A source that fails gets its line
 // and the others go on while the session does; the exit status says whether all went well.
@@ -233,6 +264,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   double setup = 0;
   xdfs::Session session(ep, opt);
   std::vector<std::string> errors;  // for --json: each failure, with its class
+  std::vector<std::string> digests;  // for --json: each file's manifest digest
   auto fail_line = [&](const std::string& what, const xdfs::Error& e, bool remote) {
     line.end();
     fmt::print(stderr, "xduc: {}: {}{}: {}\n", shown(what), xdfs::to_string(e.code()), remote ? " (server)" : "",
@@ -274,6 +306,8 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
         }
         line.end();
         if (files == 0 && trees == 0) setup = r.setup_seconds;
+        if (!r.digest.empty())
+          digests.push_back(fmt::format("{{\"source\":\"{}\",\"digest\":\"{}\"}}", json_escape(shown(src)), r.digest));
         ++files;
         bytes += r.bytes;
       }
@@ -307,9 +341,9 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
     const double bps = secs > 0 ? static_cast<double>(bytes) / secs : 0;
     fmt::print("{{\"direction\":\"{}\",\"sources\":{},\"files\":{},\"trees\":{},\"skipped\":{},\"failed\":{},"
                "\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},\"setup_seconds\":{:.6f},"
-               "\"errors\":[{}]}}\n",
+               "\"block_size\":{},\"digests\":[{}],\"errors\":[{}]}}\n",
                up ? "upload" : "download", sources.size(), files, trees, skipped, failed + not_tried, bytes, secs, bps,
-               opt.channels, setup, fmt::join(errors, ","));
+               opt.channels, setup, opt.block_size, fmt::join(digests, ","), fmt::join(errors, ","));
   } else if (!quiet) {
     fmt::print(stderr, "xduc: {} files{}, {} in {:.2f} s over one session{}\n", files,
                trees ? fmt::format(" ({} trees)", trees) : std::string(), xdfs::cli::human_bytes(static_cast<double>(bytes)),
@@ -325,6 +359,7 @@ int main(int argc, char** argv) {
   xdfs::TransferOptions opt;
   bool quiet = false;
   bool json = false;
+  bool plain_sha256 = false;
   bool recursive = false;
   bool parents = false;
   xdfs::pathm::TreeOptions tree;
@@ -353,6 +388,10 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v || *v < 4096 || *v > (1ull << 30)) bad("--tcp-window takes a size from 4K to 1G");
       opt.tcp_window = static_cast<std::uint32_t>(*v);
+    } else if (a == "--no-verify") {
+      opt.verify = false;
+    } else if (a == "--sha256") {
+      plain_sha256 = true;
     } else if (a == "--fsync") {
       opt.fsync = true;
     } else if (a == "--protect") {
@@ -434,6 +473,9 @@ int main(int argc, char** argv) {
     const std::string op = positional[0];
     std::vector<std::string> targets(positional.begin() + 1, positional.end());
     if (targets.empty()) bad(op + " needs an xdfs://HOST[:PORT]/PATH");
+    if (plain_sha256 && op != "sum") bad("--sha256 goes with sum");
+    // sum of local files: the same manifest digest, computed here.
+    if (op == "sum" && !xdfs::cli::is_url(targets[0])) return sum_local(targets, opt.block_size, plain_sha256);
     if (op == "mv" && targets.size() != 2) bad("mv takes xdfs://HOST[:PORT]/PATH and the new path");
     std::vector<xdfs::cli::Url> urls;
     for (std::size_t k = 0; k < targets.size(); ++k) {
@@ -476,7 +518,8 @@ int main(int argc, char** argv) {
           } else if (op == "rm") {
             fs->remove(u.path, recursive);
           } else if (op == "sum") {
-            fmt::print("{}  {}\n", fs->checksum(u.path), shown(u.path));
+            fmt::print("{}  {}\n", plain_sha256 ? fs->checksum(u.path) : fs->manifest_digest(u.path, opt.block_size),
+                       shown(u.path));
           }
         }
       }
@@ -607,8 +650,11 @@ int main(int argc, char** argv) {
     if (json) {
       const double bps = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0;
       fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},"
-                 "\"setup_seconds\":{:.6f}}}\n",
-                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds);
+                 "\"setup_seconds\":{:.6f}{}}}\n",
+                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds,
+                 r.digest.empty() ? std::string()
+                                  : fmt::format(",\"block_size\":{},\"digest_algorithm\":\"{}\",\"digest\":\"{}\"",
+                                                opt.block_size, xdfs::manifest::algorithm, r.digest));
     }
     return 0;
   } catch (const xdfs::TransferError& e) {

@@ -25,7 +25,6 @@
 #include <doctest/doctest.h>
 
 #include "xdfs/xdfs.hpp"
-#include "xdfs/xdfs.hpp"
 
 extern char** environ;
 
@@ -358,9 +357,14 @@ void RawPeer::send_frame(const xdfs::wire::FrameHeader& h, const std::vector<std
 void RawPeer::send_block(xdfs::wire::ChannelEvent event, std::uint64_t offset, const std::vector<std::uint8_t>& data,
                          bool corrupt_tag) {
   std::vector<std::uint8_t> body = data;
+  if (manifest) {
+    const auto d = xdfs::manifest::BlockHasher().digest(data.data(), data.size());
+    body.insert(body.end(), d.begin(), d.end());
+  }
   if (blocks_) {
-    body.resize(data.size() + blocks_->tag_size().value());
-    blocks_->seal(body.data(), xdfs::DataLength(static_cast<std::uint32_t>(data.size())), xdfs::FileOffset(offset));
+    const auto covered = body.size();
+    body.resize(covered + blocks_->tag_size().value());
+    blocks_->seal(body.data(), xdfs::DataLength(static_cast<std::uint32_t>(covered)), xdfs::FileOffset(offset));
   }
   xdfs::wire::FrameHeader h;
   h.event = event;
@@ -405,6 +409,7 @@ bool RawChannel::establish(const Hello& hello, const xdfs::xsec::KeyPair* id, in
   if (!m2 || m2->first.event != xdfs::wire::ChannelEvent::handshake || !noise.read_message_2(m2->second)) return false;
   server_key_ = noise.remote_static();
   auto m3 = noise.write_message_3(xdfs::wire::encode(hello.nego));
+  manifest = (hello.nego.extended_flags & xdfs::wire::flag_manifest) != 0;
   h.length = static_cast<std::uint32_t>(m3.size());
   send_frame(h, m3);
   auto keys = noise.split();
@@ -461,6 +466,28 @@ std::uint64_t status_kib(pid_t pid, const char* field) {
   return 0;
 }
 }  // namespace
+
+bool wait_stopped(pid_t pid, int timeout_ms) {
+  // Every thread's state in /proc/PID/task/TID/stat is 'T' once the group stop is complete.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  while (std::chrono::steady_clock::now() < until) {
+    bool all = true, any = false;
+    std::error_code ec;
+    for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream in(t.path() / "stat");
+      std::string line;
+      std::getline(in, line);
+      const auto paren = line.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= line.size()) continue;
+      any = true;
+      if (line[paren + 2] != 'T' && line[paren + 2] != 't') all = false;
+    }
+    if (any && all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
 
 std::uint64_t rss_kib(pid_t pid) { return status_kib(pid, "VmRSS:"); }
 std::uint64_t peak_rss_kib(pid_t pid) { return status_kib(pid, "VmHWM:"); }
@@ -609,6 +636,7 @@ std::unique_ptr<RawServer::Conn> RawServer::accept(int timeout_ms) {
   auto nego = xdfs::wire::decode_negotiation(payload);
   if (!nego) return nullptr;
   c->hello.nego = *nego;
+  c->manifest = (nego->extended_flags & xdfs::wire::flag_manifest) != 0;
   auto keys = noise.split();
   c->secret = keys.session_secret;
   c->key(keys.send, keys.recv);

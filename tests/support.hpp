@@ -146,6 +146,9 @@ public:
   /// Sends every byte on its own (with TCP_NODELAY: its own segment), so that the peer reads
   /// each frame a byte at a time.
   bool trickle = false;
+  /// Blocks carry their digest after their data, as a real disk thread writes it (the
+  /// negotiation's flag_manifest, set when the handshake sends or reads it).
+  bool manifest = false;
 
 protected:
   /// From now on frames are sealed and checked with these keys, and the blocks this end sends
@@ -219,6 +222,9 @@ private:
 /// A real upload and download through xduc (-p 3 and -p 2) against the server at port, whose
 /// root is `root`: the proof that it still serves everyone else.
 void check_serving(std::uint16_t port, const std::string& root, const std::string& local);
+
+/// Waits (bounded) until every thread of a process sent SIGSTOP is stopped.
+bool wait_stopped(pid_t pid, int timeout_ms = 10000);
 
 /// Resident memory of a process (VmRSS) and its peak (VmHWM), in KiB; 0 if unknown.
 std::uint64_t rss_kib(pid_t pid);

@@ -754,9 +754,11 @@ TEST_CASE("xduc path commands: output, one-line errors, exit codes; a read-only 
   auto ls = xt::xduc({"ls", "--json", url(d.port(), "")});
   CHECK(ls.out.find("\"path\":\"file\",\"type\":\"file\",\"size\":10") != std::string::npos);
   CHECK(ls.out.find("\"path\":\"p\",\"type\":\"directory\"") != std::string::npos);
-  auto sum = xt::xduc({"sum", url(d.port(), "file")});
+  auto sum = xt::xduc({"sum", "--sha256", url(d.port(), "file")});
   xt::write_file(local / "file", "some bytes");
   CHECK(sum.out.substr(0, 64) == xt::run("/usr/bin/sha256sum", {local / "file"}).out.substr(0, 64));
+  // Without --sha256: the manifest digest, the same as for the local copy.
+  CHECK(xt::xduc({"sum", url(d.port(), "file")}).out.substr(0, 64) == xt::xduc({"sum", local / "file"}).out.substr(0, 64));
   CHECK(ok(xt::xduc({"mv", url(d.port(), "file"), "p/q/file"})));
   CHECK(xt::exists(root / "p/q/file"));
   CHECK(one_line_error(xt::xduc({"rm", url(d.port(), "p")}), "is a directory"));

@@ -486,7 +486,9 @@ TEST_CASE("async path calls: many outstanding on the caller's loop; a refusal an
   auto& c = fs.client();
   const std::string whole = c.checksum("f");  // blocking, the same engine
   std::vector<std::string> got;
-  auto code = [](std::exception_ptr e, bool* remote) { return xt::error_of([&] { std::rethrow_exception(e); }, remote); };
+  auto code = [](std::exception_ptr e, bool* remote) {
+    return e ? xt::error_of([&] { std::rethrow_exception(e); }, remote) : errc::ok;
+  };
   c.async_stat("f", [&](std::exception_ptr e, xdfs::pathm::Entry en) {
     REQUIRE_FALSE(e);
     CHECK(en.size == (3u << 20) + 5);
@@ -534,6 +536,9 @@ TEST_CASE("async path calls: many outstanding on the caller's loop; a refusal an
   CHECK(S_ISDIR(sb.st_mode));
   // A server that stops answering: every call still waiting completes with the timeout.
   REQUIRE(::kill(d.pid(), SIGSTOP) == 0);
+  // kill() returns before every thread of the server has stopped: wait until it has, or a
+  // busy machine lets it answer the first calls.
+  REQUIRE(xt::wait_stopped(d.pid()));
   int timeouts = 0;
   int completed = 0;
   for (int k = 0; k < 3; ++k)

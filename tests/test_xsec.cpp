@@ -410,9 +410,10 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
   const std::uint32_t bs = 64 * 1024;
   xt::write_random_file(root / "src", 8 * bs + 100, 5);
 
-  auto download_via = [&](xt::Relay& relay, xs::Protect mode) {
+  auto download_via = [&](xt::Relay& relay, xs::Protect mode, bool verify = true) {
     xdfs::TransferOptions o;
     o.protect = mode;
+    o.verify = verify;
     o.block_size = bs;
     o.ring_bytes = 4 * bs;
     o.known_hosts_file = local / "kh";
@@ -448,14 +449,23 @@ TEST_CASE("a man in the middle: downgrades and tampered frames are detected, no 
       CHECK_FALSE(xt::exists(local / "dst"));
     }
   }
-  SUBCASE("clear mode does not claim to protect data: the relay really does change bytes") {
+  SUBCASE("clear mode without the manifest does not claim to protect data: the relay really does change bytes") {
     xt::Relay relay(srv.port(), xs::Protect::clear);
     relay.hook = [](const xt::Relay::Seen& f) {
       return f.dir == xt::Relay::Dir::down && f.data_index == 2 ? xt::Relay::Verdict::flip_payload_bit
                                                                 : xt::Relay::Verdict::pass;
     };
-    CHECK(download_via(relay, xs::Protect::clear) == errc::ok);
+    CHECK(download_via(relay, xs::Protect::clear, false) == errc::ok);
     CHECK_FALSE(xt::files_equal(root / "src", local / "dst"));
+  }
+  SUBCASE("with the manifest, clear mode catches a changed block by its digest and keeps nothing") {
+    xt::Relay relay(srv.port(), xs::Protect::clear);
+    relay.hook = [](const xt::Relay::Seen& f) {
+      return f.dir == xt::Relay::Dir::down && f.data_index == 2 ? xt::Relay::Verdict::flip_payload_bit
+                                                                : xt::Relay::Verdict::pass;
+    };
+    CHECK(download_via(relay, xs::Protect::clear) == errc::integrity_error);
+    CHECK_FALSE(xt::exists(local / "dst"));
   }
   SUBCASE("a recorded join does not replay; a rewritten version or negotiation does not pass") {
     // The version in the preamble: refused before any handshake.
@@ -509,9 +519,10 @@ TEST_CASE("a man in the middle tampering either way, on any of n channels, in bo
 
   // One transfer through the relay: a download (blocks go down) or an upload (blocks go up), with
   // three channels; returns its error code and whether the server reported it.
-  auto transfer = [&](xt::Relay& relay, xs::Protect mode, D data_dir, bool* remote) {
+  auto transfer = [&](xt::Relay& relay, xs::Protect mode, bool verify, D data_dir, bool* remote) {
     xdfs::TransferOptions o;
     o.protect = mode;
+    o.verify = verify;
     o.block_size = bs;
     o.ring_bytes = 4 * bs;
     o.channels = 3;
@@ -526,23 +537,35 @@ TEST_CASE("a man in the middle tampering either way, on any of n channels, in bo
     V verdict;
     bool control;  // an EOFR (with the data) or an ACK (against it) instead of a data frame
     bool against;  // the frame goes against the data: an ACK from the receiver
-    errc integrity, clear;  // what integrity/private must report, and what clear does
+    // What integrity/private must report, what clear does with the manifest (a block's digest
+    // catches a changed block) and without it (--no-verify: nothing looks at data bytes).
+    errc integrity, clear, raw;
   };
   const std::vector<Case> cases{
-      {"flip a payload bit", V::flip_payload_bit, false, false, errc::integrity_error, errc::ok},
-      {"flip a bit of an EOFR's header", V::flip_header_bit, true, false, errc::integrity_error, errc::integrity_error},
-      {"flip a bit of an ACK's header", V::flip_header_bit, true, true, errc::integrity_error, errc::integrity_error},
-      {"replay a data frame", V::duplicate, false, false, errc::integrity_error, errc::protocol_error},
-      {"drop a data frame", V::drop, false, false, errc::integrity_error, errc::integrity_error},
-      {"reorder two data frames", V::swap_with_next, false, false, errc::integrity_error, errc::ok},
-      {"cut the stream", V::cut, false, false, errc::peer_aborted, errc::peer_aborted},
+      {"flip a payload bit", V::flip_payload_bit, false, false, errc::integrity_error, errc::integrity_error, errc::ok},
+      {"flip a bit of an EOFR's header", V::flip_header_bit, true, false, errc::integrity_error, errc::integrity_error,
+       errc::integrity_error},
+      {"flip a bit of an ACK's header", V::flip_header_bit, true, true, errc::integrity_error, errc::integrity_error,
+       errc::integrity_error},
+      {"replay a data frame", V::duplicate, false, false, errc::integrity_error, errc::protocol_error,
+       errc::protocol_error},
+      {"drop a data frame", V::drop, false, false, errc::integrity_error, errc::integrity_error, errc::integrity_error},
+      {"reorder two data frames", V::swap_with_next, false, false, errc::integrity_error, errc::ok, errc::ok},
+      {"cut the stream", V::cut, false, false, errc::peer_aborted, errc::peer_aborted, errc::peer_aborted},
   };
+  struct Level {
+    xs::Protect mode;
+    bool verify;
+  };
+  const Level levels[] = {{xs::Protect::clear, false}, {xs::Protect::clear, true}, {xs::Protect::integrity, true},
+                          {xs::Protect::private_, true}};
   for (D data_dir : {D::down, D::up}) {
     for (const auto& c : cases) {
-      for (auto mode : {xs::Protect::clear, xs::Protect::integrity, xs::Protect::private_}) {
+      for (const auto [mode, verify] : levels) {
         CAPTURE(std::string(data_dir == D::down ? "download" : "upload"));
         CAPTURE(std::string(c.name));
         CAPTURE(std::string(xs::to_string(mode)));
+        CAPTURE(verify);
         xt::Relay relay(srv.port(), mode);
         // Blocks and EOFR on channel 1 (a joined one); ACKs travel on channel 0.
         relay.hook = [&c, data_dir](const xt::Relay::Seen& f) {
@@ -553,8 +576,8 @@ TEST_CASE("a man in the middle tampering either way, on any of n channels, in bo
           return target ? c.verdict : V::pass;
         };
         bool remote = false;
-        const errc got = transfer(relay, mode, data_dir, &remote);
-        const errc want = mode == xs::Protect::clear ? c.clear : c.integrity;
+        const errc got = transfer(relay, mode, verify, data_dir, &remote);
+        const errc want = mode != xs::Protect::clear ? c.integrity : verify ? c.clear : c.raw;
         // Clear mode promises nothing of data frames; a replay there trips the counter (integrity)
         // or the duplicate-block check first (protocol): either is fine, success is not.
         if (mode == xs::Protect::clear && c.verdict == V::duplicate)
@@ -575,7 +598,7 @@ TEST_CASE("a man in the middle tampering either way, on any of n channels, in bo
         } else if (got != errc::ok) {
           CHECK_FALSE(xt::exists(dst));
         } else if (c.verdict == V::flip_payload_bit) {
-          // Clear mode moved the changed bytes, as it says it would.
+          // Clear mode without the manifest moved the changed bytes, as it says it would.
           CHECK_FALSE(xt::files_equal(src, dst));
         }
         ::unlink((local / "dst").c_str());

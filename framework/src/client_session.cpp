@@ -33,6 +33,7 @@ struct Session::Impl {
     base.block_size = opt.block_size;
     base.tcp_window = opt.tcp_window;
     if (opt.memory) base.extended_flags |= wire::flag_memory;
+    if (opt.verify && !opt.memory) base.extended_flags |= wire::flag_manifest;
   }
 
   piod::PoolCache pools;  // outlives every transfer of the session
@@ -517,6 +518,7 @@ boost::asio::io_context& Session::io() noexcept { return impl_->io; }
 xdsi::ChannelList& Session::channels() noexcept { return impl_->channels; }
 const SessionOptions& Session::options() const noexcept { return impl_->opt; }
 const Endpoint& Session::endpoint() const noexcept { return impl_->endpoint; }
+bool Session::manifest() const noexcept { return (impl_->base.extended_flags & wire::flag_manifest) != 0; }
 xsec::Protect Session::protect() const noexcept { return static_cast<xsec::Protect>(impl_->opening.protect); }
 xsec::Cipher Session::cipher() const noexcept { return static_cast<xsec::Cipher>(impl_->opening.cipher); }
 xsec::Key32 Session::data_key(bool client_to_server) const {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <new>
+#include <optional>
 
 namespace xdfs::piod {
 
@@ -217,13 +218,25 @@ void DiskWriter::write_blocks() {
     return true;
   };
 
-  // Opens (decrypts or checks) blocks in place; false once one fails its check.
+  // Opens (decrypts or checks) blocks in place, then checks each one's digest; false once one
+  // fails either check.
+  std::optional<manifest::BlockHasher> hasher;
+  if (sink_.manifest) hasher.emplace();
+  const std::uint32_t digest = sink_.manifest ? manifest::digest_size : 0;
   auto open_all = [&](const Block* blocks, std::size_t count) -> bool {
-    if (!sink_.opener) return true;
     for (std::size_t k = 0; k < count; ++k) {
-      if (!sink_.opener->open(pipe_.slot_data(blocks[k].slot), blocks[k].length, blocks[k].offset)) {
+      std::uint8_t* data = pipe_.slot_data(blocks[k].slot);
+      const std::uint32_t len = blocks[k].length.value();
+      if (sink_.opener && !sink_.opener->open(data, DataLength(len + digest), blocks[k].offset)) {
         pipe_.set_error(errc::integrity_error,
                         "block at offset " + std::to_string(blocks[k].offset.value()) + " failed its integrity check");
+        return false;
+      }
+      if (!sink_.manifest) continue;
+      const manifest::Digest d = hasher->digest(data, len);
+      if (std::memcmp(d.data(), data + len, d.size()) != 0 || !sink_.manifest->add(blocks[k].offset, d)) {
+        pipe_.set_error(errc::integrity_error, "block at offset " + std::to_string(blocks[k].offset.value()) +
+                                                   " does not match its digest");
         return false;
       }
     }
@@ -246,20 +259,21 @@ void DiskWriter::write_blocks() {
       // Blocks arrive from n channels roughly in order: write each contiguous run in one call.
       // With an opener, a run is at most crypto_group bytes, each opened just before its write
       // (still in cache); every run's slots go back to the network thread as soon as it is out.
-      const std::size_t cap = sink_.opener ? crypto_group(pipe_.block_size()) : max_iov;
+      const bool checked = sink_.opener || sink_.manifest;
+      const std::size_t cap = checked ? crypto_group(pipe_.block_size()) : max_iov;
       std::size_t start = 0;
       for (std::size_t i = 1; i <= batch.size(); ++i) {
         const bool breaks = i == batch.size() || i - start == cap ||
                             after(batch[i - 1].offset, batch[i - 1].length) != batch[i].offset;
         if (!breaks) continue;
         if (!open_all(&batch[start], i - start) || !write_run(&batch[start], i - start)) return;
-        if (sink_.opener) {
+        if (checked) {
           for (std::size_t k = start; k < i; ++k) pipe_.disk_push(batch[k]);
           pipe_.net_wake().notify();
         }
         start = i;
       }
-      if (!sink_.opener) {
+      if (!checked) {
         for (const auto& blk : batch) pipe_.disk_push(blk);
         pipe_.net_wake().notify();
       }
@@ -302,6 +316,8 @@ void DiskReader::run() {
 
 void DiskReader::read_blocks() {
   const std::uint32_t bs = pipe_.block_size();
+  std::optional<manifest::BlockHasher> hasher;
+  if (source_.manifest) hasher.emplace();
   Block batch[max_iov];
   iovec iov[max_iov];
   while (next_ < source_.size) {
@@ -309,8 +325,9 @@ void DiskReader::read_blocks() {
     std::size_t n = 0;
     std::uint64_t off = next_;
     Block b;
-    // With a sealer, each read is at most crypto_group bytes, sealed while still in cache.
-    const std::size_t cap = source_.sealer ? crypto_group(bs) : max_iov;
+    // With a sealer or digests, each read is at most crypto_group bytes, hashed and sealed
+    // while still in cache.
+    const std::size_t cap = source_.sealer || source_.manifest ? crypto_group(bs) : max_iov;
     while (n < cap && off < source_.size && pipe_.disk_pop(b)) {
       b.offset = FileOffset(off);
       b.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off)));
@@ -347,8 +364,17 @@ void DiskReader::read_blocks() {
       }
     }
     next_ = off;
-    if (source_.sealer)
-      for (std::size_t i = 0; i < n; ++i) source_.sealer->seal(pipe_.slot_data(batch[i].slot), batch[i].length, batch[i].offset);
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint8_t* data = pipe_.slot_data(batch[i].slot);
+      std::uint32_t len = batch[i].length.value();
+      if (source_.manifest) {
+        const manifest::Digest d = hasher->digest(data, len);
+        manifest::BlockHasher::put(data + len, d);
+        source_.manifest->add(batch[i].offset, d);
+        len += manifest::digest_size;
+      }
+      if (source_.sealer) source_.sealer->seal(data, DataLength(len), batch[i].offset);
+    }
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
   }

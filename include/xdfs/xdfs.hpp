@@ -3,6 +3,7 @@
 #pragma once
 
 #include "xdfs/client.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/pathm/server_mode.hpp"
 #include "xdfs/remote_fs.hpp"
 #include "xdfs/server.hpp"

@@ -39,7 +39,8 @@ enum Op {
   mkdir @2;       # path, recursive (= with parents), mode
   remove @3;      # path, recursive (directories and their contents)
   rename @4;      # path -> to
-  checksum @5;    # path, offset, length (0 = to the end)
+  checksum @5;    # path, offset, length (0 = to the end); with blockSize: the whole file's
+                  # manifest digest (docs/manifest.md) for that block size instead
   put @6;         # entries: directories, symlinks, files with their bytes, chunks
   get @7;         # entries: files to read whole (path only), or one range (path, offset, size)
   setAttrs @8;    # entries: mode and mtime to set (directories, after their contents)
@@ -55,6 +56,7 @@ struct Request {
   length @6 :UInt64;
   mode @7 :UInt32;
   entries @8 :List(Entry);
+  blockSize @9 :UInt32;   # checksum: non-zero asks for the manifest digest with this block size
 }
 
 struct Reply {
@@ -63,6 +65,6 @@ struct Reply {
   message @2 :Text;       # one line when code != 0
   last @3 :Bool;          # no more replies follow for this id
   entries @4 :List(Entry);
-  algorithm @5 :Text;     # checksum: "sha256"
+  algorithm @5 :Text;     # checksum: "sha256", or "xdfs-manifest-1-sha256" for a blockSize
   digest @6 :Data;
 }

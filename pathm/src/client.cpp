@@ -16,6 +16,7 @@
 
 #include "xdfs/detail/path_fsm.hpp"
 #include "xdfs/types.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -586,6 +587,18 @@ std::string PathClient::checksum(const std::string& path, std::uint64_t offset, 
   r.length = length;
   auto rep = call(std::move(r));
   if (rep.algorithm != "sha256" || rep.digest.size() != 32) throw Error(errc::protocol_error, "checksum reply is not a SHA-256");
+  return hex(rep.digest);
+}
+
+std::string PathClient::manifest_digest(const std::string& path, std::uint32_t block_size) {
+  std::lock_guard<std::recursive_mutex> one_call(call_mu_);
+  Request r;
+  r.op = Op::checksum;
+  r.path = path;
+  r.block_size = block_size;
+  auto rep = call(std::move(r));
+  if (rep.algorithm != manifest::algorithm || rep.digest.size() != manifest::digest_size)
+    throw Error(errc::protocol_error, "manifest reply is not a " + std::string(manifest::algorithm) + " digest");
   return hex(rep.digest);
 }
 

@@ -17,6 +17,7 @@
 
 #include "xdfs/ranges.hpp"
 #include "xdfs/types.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -395,6 +396,21 @@ Status checksum(int root, const std::string& path, std::uint64_t offset, std::ui
   }
   auto d = hash->final();
   digest.assign(d.begin(), d.end());
+  return Status::ok();
+}
+
+Status manifest_digest(int root, const std::string& path, std::uint32_t block_size, std::vector<std::uint8_t>& digest,
+                       Stop stop) {
+  if (block_size < wire::min_block_size || block_size > wire::max_block_size)
+    return {errc::bad_argument, "block size " + std::to_string(block_size) + " is outside " +
+                                    std::to_string(wire::min_block_size) + ".." + std::to_string(wire::max_block_size)};
+  Fd fd;
+  Entry e;
+  if (auto s = open_file(root, path, fd, e); !s) return s;
+  const auto r = manifest::of_file(fd.get(), e.size, block_size, stop);
+  if (r.code == errc::cancelled) return stopped("manifest of " + quoted(path));
+  if (r.code != errc::ok) return {r.code, quoted(path) + ": " + r.message};
+  digest.assign(r.digest.begin(), r.digest.end());
   return Status::ok();
 }
 

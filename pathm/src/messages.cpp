@@ -44,6 +44,7 @@ void fill(s::Request::Builder b, const Request& r) {
   b.setOffset(r.offset);
   b.setLength(r.length);
   b.setMode(r.mode);
+  b.setBlockSize(r.block_size);
 }
 
 void fill(s::Reply::Builder b, const Reply& r) {
@@ -199,6 +200,7 @@ std::optional<Request> decode_request(std::span<const std::uint8_t> buf, std::st
     r.offset = m.getOffset();
     r.length = m.getLength();
     r.mode = m.getMode() & 07777;
+    r.block_size = m.getBlockSize();
     if (!read_entries(m.getEntries(), r.entries, why)) return std::nullopt;
     return r;
   });

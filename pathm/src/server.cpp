@@ -5,6 +5,7 @@
 #include <condition_variable>
 
 #include "xdfs/detail/path_server.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::pathm {
@@ -452,6 +453,12 @@ void PathServer::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& h
       break;
     case Op::rename: st = rename_path(root_, r.path, r.to); break;
     case Op::checksum:
+      if (r.block_size != 0) {
+        st = r.offset || r.length ? Status{errc::bad_argument, "a manifest digest covers the whole file"}
+                                  : manifest_digest(root_, r.path, r.block_size, rep.digest, stop);
+        rep.algorithm = manifest::algorithm;
+        break;
+      }
       st = checksum(root_, r.path, r.offset, r.length, rep.digest, stop);
       rep.algorithm = "sha256";
       break;

@@ -205,6 +205,7 @@ private:
     boost::asio::post(session_.io(), [self = shared_from_this()] {
       self->session_.end_operation(!self->failure_);
       boost::asio::post(self->session_.io(), [self] {
+        if (!self->failure_) self->digest_ = self->sender_ ? self->sender_->digest() : self->receiver_ ? self->receiver_->digest() : std::nullopt;
         self->sender_.reset();
         self->receiver_.reset();
         if (self->failure_) {
@@ -220,7 +221,8 @@ private:
           return self->deliver(std::current_exception(), {});  // the caller's own exception, as it threw it
         }
         self->deliver(nullptr, TransferResult{self->size_, self->seconds_,
-                                              static_cast<unsigned>(self->session_.channels().size()), self->setup_});
+                                              static_cast<unsigned>(self->session_.channels().size()), self->setup_,
+                                              self->digest_ ? manifest::hex(*self->digest_) : std::string()});
       });
     });
   }
@@ -237,6 +239,7 @@ private:
     p.block_size = session_.options().block_size;
     p.slots = slots_;
     p.idle_timeout = session_.options().idle_timeout;
+    p.manifest = session_.manifest();
     if (!memory_) p.pools = &session_.pool_cache();  // a memory source sends a slot's bytes as they are
     auto& io = session_.io();
     auto& channels = session_.channels();
@@ -334,6 +337,7 @@ private:
   bool winding_ = false;    // wind_up() ran
   bool delivered_ = false;  // the completion ran
   Failure failure_;  // how it ended (ok: it did not fail)
+  std::optional<manifest::Digest> digest_;  // the whole-file digest both ends agreed on
   double seconds_ = 0;
 };
 

@@ -152,6 +152,7 @@ private:
     p.block_size = nego_.block_size;
     p.slots = static_cast<std::uint32_t>(std::max<std::size_t>(env_.config.ring_bytes / nego_.block_size, 4));
     p.idle_timeout = env_.config.idle_timeout;
+    p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
     if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;

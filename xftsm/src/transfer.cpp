@@ -50,6 +50,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       watchdog_(io),
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()) {
+  if (p.manifest) manifest_.emplace(p.file_size, p.block_size);
   arm_watchdog();
 }
 
@@ -170,18 +171,70 @@ void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
 }
 
 void Engine::eofr_everywhere(std::uint64_t offset) {
+  std::vector<std::uint8_t> payload;
+  if (manifest_) {
+    const auto d = own_digest();
+    if (!d) return;
+    payload.assign(d->begin(), d->end());
+  }
   for (auto& ch : channels_) {
     FrameHeader h;
     h.event = wire::ChannelEvent::eofr;
     h.offset = offset;
+    h.length = static_cast<std::uint32_t>(payload.size());
     ++eofr_unsent_;
-    ch->send(h, std::vector<std::uint8_t>{}, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+    ch->send(h, payload, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
       --eofr_unsent_;
       if (machine_.finished()) return;
       if (ec) return channel_error(*c, ec);
       maybe_finish();
     });
   }
+}
+
+std::optional<manifest::Digest> Engine::own_digest() {
+  auto d = manifest_ ? manifest_->result() : std::nullopt;
+  if (manifest_ && !d) fail(errc::internal, "the whole-file digest is missing blocks", false, true);
+  return d;
+}
+
+void Engine::read_digest(xdsi::Channel& ch, const FrameHeader& h, std::function<void()> then) {
+  if (!manifest_ || h.length != manifest::digest_size) {
+    if (!manifest_ && h.length == 0) return then();
+    return fail(errc::protocol_error,
+                fmt::format("EOFR on channel {} carries {} bytes, not {}", ch.index(), h.length,
+                            manifest_ ? "a digest" : "nothing"),
+                false, true);
+  }
+  auto buf = std::make_shared<manifest::Digest>();
+  ch.async_read_payload(*buf, [this, &ch, buf, then = std::move(then)](const xdsi::ErrorCode& ec) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    if (peer_digest_ && *peer_digest_ != *buf)
+      return fail(errc::protocol_error, "the EOFRs of the channels carry different digests", false, true);
+    peer_digest_ = *buf;
+    then();
+  });
+}
+
+bool Engine::digests_agree() {
+  if (!manifest_ || agreed_) return true;
+  const auto mine = own_digest();
+  if (!mine) return false;
+  if (!peer_digest_) {
+    fail(errc::internal, "no whole-file digest came from the peer", false, true);
+    return false;
+  }
+  if (*peer_digest_ != *mine) {
+    const bool sending = machine_.role() == Role::client_upload || machine_.role() == Role::server_download;
+    fail(errc::integrity_error,
+         fmt::format("the whole-file digest differs: {} computed here, {} by the {}", manifest::hex(*mine),
+                     manifest::hex(*peer_digest_), sending ? "receiver" : "sender"),
+         false, true);
+    return false;
+  }
+  agreed_ = mine;
+  return true;
 }
 
 void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::string what) {
@@ -199,6 +252,7 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
                const TransferParams& p, piod::Source source)
     : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0),
       confirmed_(channels.size(), false) {
+  source_.manifest = manifest_ ? &*manifest_ : nullptr;
   ready_.reserve(pipe_.slots());
 }
 
@@ -265,8 +319,9 @@ void Sender::pump() {
     queued_ += b.length.value();
     FrameHeader h;
     h.event = params_.data_event;
-    // The disk thread has sealed the block: its tag follows the data in the slot.
-    const FrameLength frame = framed(b.length, source_.sealer ? source_.sealer->tag_size() : TagLength(0));
+    // The disk thread has hashed and sealed the block: its digest and tag follow the data in
+    // the slot.
+    const FrameLength frame = framed(b.length, piod::trailer(source_.manifest, source_.sealer));
     h.length = frame.value();
     h.offset = b.offset.value();
     auto& ch = *channels_[pick];
@@ -322,16 +377,19 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
       // this transfer (it is not read again until the next operation).
       // Only a receiver that has everything confirms: the table allows it in draining alone.
       if (!machine_.find(TransferEvent::committed)) return (void)fire(TransferEvent::committed);
-      if (h.length != 0 || h.offset != source_.size)
+      if (h.offset != source_.size)
         return fail(errc::size_mismatch,
                     "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(source_.size),
                     false, true);
       if (confirmed_[ch.index()]) return fail(errc::protocol_error, unexpected(ch, h) + " twice", false, true);
       confirmed_[ch.index()] = true;
-      done_bytes_ = source_.size;
-      touch();
-      ++confirmations_;
-      return maybe_finish();
+      // With a manifest, the confirmation carries the digest of what the receiver verified.
+      return read_digest(ch, h, [this] {
+        done_bytes_ = source_.size;
+        touch();
+        ++confirmations_;
+        maybe_finish();
+      });
     default:
       return fail(errc::protocol_error, unexpected(ch, h), false, true);
   }
@@ -342,6 +400,7 @@ void Sender::maybe_finish() {
   if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0) return;
   for (auto q : inflight_)
     if (q != 0) return;
+  if (!digests_agree()) return;
   on(TransferEvent::committed);
 }
 
@@ -351,6 +410,7 @@ void Sender::maybe_finish() {
 Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
                    const TransferParams& p, piod::Sink sink)
     : Engine(io, machine, channels, host, p), sink_(sink), eofr_(channels.size(), false) {
+  sink_.manifest = manifest_ ? &*manifest_ : nullptr;
   free_slots_.reserve(pipe_.slots());
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
@@ -401,14 +461,15 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   }
   const auto idx = ch.index();
   if (h.event == wire::ChannelEvent::eofr) {
-    if (h.length != 0 || eofr_[idx])
-      return fail(errc::protocol_error, "duplicate or malformed EOFR on channel " + std::to_string(idx), false, true);
-    // The sender's last word on this channel: it is not read again in this transfer.
+    if (eofr_[idx]) return fail(errc::protocol_error, "duplicate EOFR on channel " + std::to_string(idx), false, true);
+    // The sender's last word on this channel: it is not read again in this transfer. With a
+    // manifest it carries the whole-file digest, compared once every block is verified.
     eofr_[idx] = true;
-    ++eofr_count_;
-    touch();
-    maybe_complete();
-    return;
+    return read_digest(ch, h, [this] {
+      ++eofr_count_;
+      touch();
+      maybe_complete();
+    });
   }
   if (h.event != params_.data_event) return fail(errc::protocol_error, unexpected(ch, h), false, true);
   // The header is not authenticated until its frame's tag, after the payload, has been checked:
@@ -503,6 +564,8 @@ void Receiver::maybe_complete() {
 void Receiver::commit() {
   // All slots are back, so the disk thread is idle: stop it before the file is made final.
   writer_.reset();
+  // Every block matched its digest; the list of them must be the one the sender hashed.
+  if (!digests_agree()) return;
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
   // EOFR back on every channel, with the bytes committed: this side is done with the transfer
   // there, and the channel is ready for the session's next operation.

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "xdfs/error.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 
@@ -116,7 +117,7 @@ public:
   virtual bool open(std::uint8_t* data, DataLength len, FileOffset offset) = 0;
 };
 
-/// Slack after every slot for a block's tag.
+/// Slack after every slot for a block's digest and tag.
 inline constexpr std::uint32_t slot_tag_room = wire::max_block_tag;
 
 /// The system calls a disk thread makes. The default makes the real ones; a test puts a faulty
@@ -139,6 +140,11 @@ struct Sink {
   bool discard = false;    ///< memory sink: count the bytes, write nothing
   BlockSealer* opener = nullptr;  ///< if set, every block is checked (and decrypted) before it is written
   DiskIo* io = nullptr;    ///< the system calls to make (null: the real ones)
+  /// If set, every block carries its digest after its data (inside the opener's protection):
+  /// a block that does not match it fails the transfer; the ones that do go into this
+  /// whole-file digest (written by the disk thread; the network thread reads it once every
+  /// block is back).
+  manifest::FileDigest* manifest = nullptr;
 };
 
 /// Where sent bytes come from.
@@ -148,7 +154,15 @@ struct Source {
   bool zero = false;       ///< memory source: zero-filled blocks, no reads
   BlockSealer* sealer = nullptr;  ///< if set, every block is sealed after it is read
   DiskIo* io = nullptr;    ///< the system calls to make (null: the real ones)
+  /// If set, every block's digest is written after its data (before it is sealed) and goes
+  /// into this whole-file digest, complete once the last block is handed over.
+  manifest::FileDigest* manifest = nullptr;
 };
+
+/// Bytes after a block's data in its slot and its frame: its digest, then its tag.
+inline TagLength trailer(const manifest::FileDigest* manifest, const BlockSealer* sealer) noexcept {
+  return TagLength((manifest ? manifest::digest_size : 0) + (sealer ? sealer->tag_size().value() : 0));
+}
 
 /// Unmaps a block pool.
 struct PoolDeleter {

@@ -65,6 +65,10 @@ struct SessionOptions {
   const std::atomic<bool>* cancel = nullptr;
   /// Memory-to-memory benchmark sessions (no file at the server; it must allow them).
   bool memory = false;
+  /// The content manifest (docs/manifest.md): every block travels with its SHA-256 and is
+  /// checked before it counts, and both ends compare the whole-file digest. false (xduc
+  /// --no-verify) saves the hashing for raw speed; memory sessions never hash.
+  bool verify = true;
 };
 
 class Session {
@@ -117,6 +121,8 @@ public:
   const SessionOptions& options() const noexcept;
   const Endpoint& endpoint() const noexcept;
   xsec::Protect protect() const noexcept;
+  /// Blocks travel with their digests in this session (verify, and not a memory session).
+  bool manifest() const noexcept;
   xsec::Cipher cipher() const noexcept;
   /// The key that protects the blocks of the current operation in one direction.
   xsec::Key32 data_key(bool client_to_server) const;

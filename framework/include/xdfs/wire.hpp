@@ -47,7 +47,8 @@ enum class ChannelEvent : std::uint8_t {
   xftsmd = 4,     ///< file block, server to client
   xpathm = 5,     ///< path operation (reserved for path mode)
   eofr = 6,       ///< this side's part of the operation ends on this channel, which stays for the next
-                  ///< (sender: no more blocks; receiver: the file is committed, offset = its bytes)
+                  ///< (sender: no more blocks; receiver: the file is committed, offset = its bytes;
+                  ///< with flag_manifest, the payload is the whole-file digest)
   eoft = 7,       ///< client: the session ends; the channels close
   noop = 8,       ///< keep-alive
   conm = 9,       ///< continue in the current channel state
@@ -65,8 +66,12 @@ enum ExtendedFlag : std::uint64_t {
   /// Download: the server sends file_size zero bytes. For benchmarks; servers allow it only
   /// when configured to.
   flag_memory = 1u << 0,
+  /// The content manifest (docs/manifest.md): every data frame carries its block's SHA-256
+  /// after the data, inside the frame's protection; the sender's EOFRs carry the whole-file
+  /// digest, and the receiver's EOFRs the one it computed from the blocks it verified.
+  flag_manifest = 1u << 1,
 };
-inline constexpr std::uint64_t known_flags = flag_memory;
+inline constexpr std::uint64_t known_flags = flag_memory | flag_manifest;
 bool is_known(std::uint8_t raw) noexcept;
 
 struct FrameHeader {

@@ -50,6 +50,9 @@ struct TransferResult {
   double seconds = 0;          ///< from the first connect (or the negotiation) to the receiver's confirmation
   unsigned channels = 0;
   double setup_seconds = 0;    ///< of those, until all n channels were secured and accepted the transfer
+  /// The whole-file digest both ends computed and found equal (docs/manifest.md), in hex, for
+  /// the session's block size; empty when the session does not verify (SessionOptions::verify).
+  std::string digest;
 };
 
 /// Sends the regular file `local` to `remote_path` (relative to the server's root) in a

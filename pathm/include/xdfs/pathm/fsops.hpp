@@ -56,6 +56,11 @@ Status rename_path(int root, const std::string& from, const std::string& to);
 Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
                 std::vector<std::uint8_t>& digest, Stop stop = nullptr);
 
+/// The whole-file manifest digest (docs/manifest.md) of a regular file for a block size
+/// (wire::min_block_size..wire::max_block_size).
+Status manifest_digest(int root, const std::string& path, std::uint32_t block_size, std::vector<std::uint8_t>& digest,
+                       Stop stop = nullptr);
+
 /// Opens a regular file beneath root for reading and returns its entry (size, mode, mtime).
 Status open_file(int root, const std::string& path, files::Fd& fd, Entry& e);
 /// Reads exactly dst.size() bytes at offset; a file that got shorter is a size_mismatch.

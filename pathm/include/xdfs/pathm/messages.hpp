@@ -54,6 +54,8 @@ struct Request {
   std::uint64_t length = 0;
   std::uint32_t mode = 0;
   std::vector<Entry> entries;
+  /// checksum: non-zero asks for the whole file's manifest digest with this block size.
+  std::uint32_t block_size = 0;
 };
 
 struct Reply {

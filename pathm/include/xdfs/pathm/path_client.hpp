@@ -117,6 +117,9 @@ public:
   void rename(const std::string& from, const std::string& to);
   /// SHA-256 (hex) of a remote file or range.
   std::string checksum(const std::string& path, std::uint64_t offset = 0, std::uint64_t length = 0);
+  /// The whole file's manifest digest for a block size, in hex: what a transfer of it with that
+  /// block size reports (TransferResult::digest).
+  std::string manifest_digest(const std::string& path, std::uint32_t block_size);
   /// Sends a put request as is (tests use it to check what the server refuses).
   void put(std::vector<Entry> entries);
 

@@ -11,6 +11,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "xdfs/files.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/piod.hpp"
 #include "xdfs/ranges.hpp"
 #include "xdfs/wire.hpp"
@@ -58,6 +60,9 @@ struct TransferParams {
   /// Where the pool comes from and goes back to (a session's, between its transfers); null:
   /// a fresh one.
   piod::PoolCache* pools = nullptr;
+  /// The content manifest (wire::flag_manifest): blocks travel with their digests, the
+  /// receiver checks each, and both sides compare the whole-file digest at the end.
+  bool manifest = false;
 };
 
 /// Slots an engine's pool gets for these parameters: no more than the file has blocks (a small
@@ -77,6 +82,9 @@ public:
   bool finished() const noexcept { return machine_.finished(); }
   /// Bytes the receiver has written (sender: as acknowledged).
   std::uint64_t bytes_done() const noexcept { return done_bytes_; }
+  /// After a transfer with a manifest ended well: the whole-file digest, which both sides
+  /// computed and found equal. None otherwise.
+  std::optional<manifest::Digest> digest() const noexcept { return agreed_; }
 
 protected:
   /// Feeds an event to the CFSM; a refused event fails the session and returns nullopt.
@@ -85,9 +93,13 @@ protected:
   void fail(errc code, const std::string& message, bool from_peer, bool tell_peer, TransferEvent ev = TransferEvent::local_error) {
     fail(Failure(code, message, from_peer), tell_peer, ev);
   }
-  /// EOFR carrying `offset` on every channel (eofr_unsent_ counts those not written yet); each
-  /// that leaves lets the engine see whether it is done.
+  /// EOFR carrying `offset` on every channel (eofr_unsent_ counts those not written yet), and
+  /// with a manifest this side's whole-file digest; each that leaves lets the engine see
+  /// whether it is done.
   void eofr_everywhere(std::uint64_t offset);
+  /// Reads the whole-file digest an EOFR carries (with a manifest; its header said `length`
+  /// bytes), then `then` runs. A digest that differs from one seen before fails the transfer.
+  void read_digest(xdsi::Channel& ch, const wire::FrameHeader& h, std::function<void()> then);
   /// committed, once everything the engine waits for has happened.
   virtual void maybe_finish() = 0;
   std::size_t eofr_unsent_ = 0;          // EOFRs queued and not written yet
@@ -119,6 +131,16 @@ protected:
   asio::steady_timer linger_;
   std::chrono::steady_clock::time_point last_activity_;
   std::uint64_t done_bytes_ = 0;
+  /// With a manifest: this side's whole-file digest, built by the disk thread (which outlives
+  /// no engine: the derived class stops it first).
+  std::optional<manifest::FileDigest> manifest_;
+  std::optional<manifest::Digest> peer_digest_;  // what the peer's EOFRs said
+  std::optional<manifest::Digest> agreed_;
+  /// This side's whole-file digest once every block has been through the disk thread; a failed
+  /// transfer (internal error) if it is not complete then.
+  std::optional<manifest::Digest> own_digest();
+  /// The peer's digest equals ours (or there is no manifest); else the transfer fails.
+  bool digests_agree();
 
 private:
   void arm_watchdog();
@@ -173,8 +195,9 @@ public:
   void start();
 
 private:
-  /// The tag each block carries after its data (none in clear mode).
-  TagLength tag() const noexcept { return sink_.opener ? sink_.opener->tag_size() : TagLength(0); }
+  /// What each block carries after its data: its digest (with a manifest), then its tag (none
+  /// in clear mode).
+  TagLength tag() const noexcept { return piod::trailer(sink_.manifest, sink_.opener); }
   void on_disk() override;
   void stop_disk() noexcept override;
   /// What an event of a block carries to its action's handler.

@@ -1,0 +1,100 @@
+// The content manifest: a SHA-256 digest per block and a whole-file digest built from them.
+//
+// The sender hashes each block on its disk thread as it reads it; the digest travels with the
+// block (after its data, inside the frame's protection) and the receiver's disk thread checks
+// it before the block counts as received, in every protection mode. The whole-file digest is
+// what `xduc --json` reports and `xduc sum` computes for a file that is already somewhere;
+// docs/manifest.md gives the exact definition, which other tools (and a relay) can compute.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "xdfs/error.hpp"
+#include "xdfs/types.hpp"
+#include "xdfs/wire.hpp"
+
+namespace Botan {
+class HashFunction;
+}
+
+namespace xdfs::manifest {
+
+/// Bytes of one digest (SHA-256).
+inline constexpr std::uint32_t digest_size = 32;
+/// The name of the whole-file digest's definition, reported beside its value.
+inline constexpr const char* algorithm = "xdfs-manifest-1-sha256";
+
+/// A block travels with its digest and, in the protected modes, a tag after both.
+static_assert(digest_size + 16 <= wire::max_block_tag, "a block's digest and its tag must fit its frame and slot");
+
+using Digest = std::array<std::uint8_t, digest_size>;
+
+std::string hex(const Digest& d);
+
+/// Hashes blocks: one per thread.
+class BlockHasher {
+public:
+  BlockHasher();
+  ~BlockHasher();
+  BlockHasher(const BlockHasher&) = delete;
+  BlockHasher& operator=(const BlockHasher&) = delete;
+  Digest digest(const std::uint8_t* data, std::size_t n);
+  /// Hashes data[0, n) and writes the digest at data + n.
+  void stamp(std::uint8_t* data, std::size_t n) { put(data + n, digest(data, n)); }
+  /// Does data[0, n) hash to the digest stored at data + n?
+  bool check(const std::uint8_t* data, std::size_t n);
+  static void put(std::uint8_t* at, const Digest& d) noexcept;
+
+private:
+  std::unique_ptr<Botan::HashFunction> hash_;
+};
+
+/// The whole-file digest of a file of `file_size` bytes cut into blocks of `block_size`:
+///   SHA-256("xDFS-manifest-1\n" || u64le file_size || u32le block_size || d_0 || ... || d_{k-1})
+/// where d_i is the SHA-256 of block i. Blocks may be added in any order; each digest waits
+/// until those before it are in (a receiver sees blocks roughly in order, so few wait).
+/// Used by one thread at a time.
+class FileDigest {
+public:
+  FileDigest(std::uint64_t file_size, std::uint32_t block_size);
+  ~FileDigest();
+  FileDigest(const FileDigest&) = delete;
+  FileDigest& operator=(const FileDigest&) = delete;
+
+  /// The digest of the block at `offset`. False if that is not the start of one of the file's
+  /// blocks, or its digest was added already.
+  bool add(FileOffset offset, const Digest& d);
+  /// Every block's digest is in.
+  bool complete() const noexcept { return next_ == blocks_; }
+  /// The whole-file digest; none until complete(). The same value on every later call.
+  std::optional<Digest> result();
+  std::uint64_t file_size() const noexcept { return file_size_; }
+  std::uint32_t block_size() const noexcept { return block_size_; }
+
+private:
+  std::uint64_t file_size_;
+  std::uint32_t block_size_;
+  std::uint64_t blocks_;
+  std::uint64_t next_ = 0;  // index of the next block whose digest the running hash takes
+  std::map<std::uint64_t, Digest> waiting_;
+  std::unique_ptr<Botan::HashFunction> hash_;
+  std::optional<Digest> result_;
+};
+
+/// The whole-file digest of the first `size` bytes of `fd`, read with pread. `stop`, when set,
+/// is polled between blocks. Errors: the read's errno, or size_mismatch when the file is shorter.
+struct Computed {
+  errc code = errc::ok;
+  std::string message;
+  Digest digest{};
+};
+Computed of_file(int fd, std::uint64_t size, std::uint32_t block_size, const std::atomic<bool>* stop = nullptr);
+
+}  // namespace xdfs::manifest

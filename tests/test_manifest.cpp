@@ -1,0 +1,264 @@
+// The content manifest (framework/include/xdfs/manifest.hpp, docs/manifest.md): the digest's
+// definition, the digests transfers report, and peers whose digests do not add up.
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <botan/hash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support.hpp"
+#include "xdfs/xdfs.hpp"
+
+using xdfs::errc;
+using xdfs::wire::ChannelEvent;
+using xdfs::wire::FrameHeader;
+namespace mf = xdfs::manifest;
+
+namespace {
+
+std::string url(std::uint16_t port, const std::string& path) {
+  return "xdfs://127.0.0.1:" + std::to_string(port) + "/" + path;
+}
+
+// The definition in docs/manifest.md, computed here from Botan's SHA-256 and nothing of the
+// library's: the header, then each block's digest in order.
+std::string reference(const std::vector<std::uint8_t>& file, std::uint32_t bs) {
+  auto whole = Botan::HashFunction::create_or_throw("SHA-256");
+  auto block = Botan::HashFunction::create_or_throw("SHA-256");
+  std::uint8_t head[28];
+  std::memcpy(head, "xDFS-manifest-1\n", 16);
+  const std::uint64_t size = file.size();
+  for (int i = 0; i < 8; ++i) head[16 + i] = static_cast<std::uint8_t>(size >> (8 * i));
+  for (int i = 0; i < 4; ++i) head[24 + i] = static_cast<std::uint8_t>(bs >> (8 * i));
+  whole->update(head, sizeof head);
+  for (std::size_t at = 0; at < file.size(); at += bs) {
+    block->update(file.data() + at, std::min<std::size_t>(bs, file.size() - at));
+    whole->update(block->final());
+  }
+  const auto d = whole->final();
+  mf::Digest out{};
+  std::copy(d.begin(), d.end(), out.begin());
+  return mf::hex(out);
+}
+
+mf::Digest block_digest(const std::vector<std::uint8_t>& file, std::size_t at, std::size_t n) {
+  return mf::BlockHasher().digest(file.data() + at, n);
+}
+
+std::string digest_of_file(const std::string& path, std::uint32_t bs) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  const auto size = static_cast<std::uint64_t>(::lseek(fd, 0, SEEK_END));
+  const auto r = mf::of_file(fd, size, bs);
+  ::close(fd);
+  REQUIRE(r.code == errc::ok);
+  return mf::hex(r.digest);
+}
+
+}  // namespace
+
+TEST_SUITE("manifest") {
+
+TEST_CASE("the whole-file digest is the documented formula, in whatever order the blocks' digests come") {
+  const std::uint32_t bs = 4096;
+  xt::TempDir dir;
+  for (std::size_t size : {std::size_t(0), std::size_t(1), std::size_t(bs - 1), std::size_t(bs), std::size_t(bs + 1),
+                           std::size_t(5 * bs + 17)}) {
+    CAPTURE(size);
+    const auto bytes = xt::random_bytes(size, size + 3);
+    const std::string want = reference(bytes, bs);
+    const std::size_t blocks = (size + bs - 1) / bs;
+
+    mf::FileDigest in_order(size, bs);
+    for (std::size_t i = 0; i < blocks; ++i) {
+      CHECK_FALSE(in_order.result().has_value());
+      const std::size_t at = i * bs;
+      CHECK(in_order.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))));
+    }
+    REQUIRE(in_order.result().has_value());
+    CHECK(mf::hex(*in_order.result()) == want);
+
+    mf::FileDigest backwards(size, bs);
+    for (std::size_t i = blocks; i-- > 0;) {
+      const std::size_t at = i * bs;
+      CHECK(backwards.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))));
+      CHECK(backwards.complete() == (i == 0));
+    }
+    REQUIRE(backwards.result().has_value());
+    CHECK(mf::hex(*backwards.result()) == want);
+
+    const std::string path = dir / "f";
+    xt::write_file(path, std::string(bytes.begin(), bytes.end()));
+    CHECK(digest_of_file(path, bs) == want);
+  }
+  // The block size is part of the value: the same bytes cut differently hash differently.
+  const auto bytes = xt::random_bytes(3 * 8192, 9);
+  CHECK(reference(bytes, 4096) != reference(bytes, 8192));
+}
+
+TEST_CASE("a digest that is not one of the file's blocks is refused: misaligned, beyond the end, twice") {
+  const std::uint32_t bs = 4096;
+  mf::FileDigest d(3 * bs + 10, bs);
+  const mf::Digest any{};
+  CHECK_FALSE(d.add(xdfs::FileOffset(1), any));
+  CHECK_FALSE(d.add(xdfs::FileOffset(4 * bs), any));
+  CHECK_FALSE(d.add(xdfs::FileOffset(~std::uint64_t(0) - 4095), any));
+  CHECK(d.add(xdfs::FileOffset(2 * bs), any));
+  CHECK_FALSE(d.add(xdfs::FileOffset(2 * bs), any));  // waiting, and again
+  CHECK(d.add(xdfs::FileOffset(0), any));
+  CHECK_FALSE(d.add(xdfs::FileOffset(0), any));       // taken, and again
+  CHECK(d.add(xdfs::FileOffset(bs), any));
+  CHECK_FALSE(d.complete());
+  CHECK(d.add(xdfs::FileOffset(3 * bs), any));
+  CHECK(d.complete());
+  const auto first = d.result();
+  CHECK(first == d.result());
+}
+
+TEST_CASE("transfers report the digest both ends agreed on, in every protection mode, both ways; without "
+          "verification none") {
+  xt::TempDir root, local;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  const std::uint32_t bs = 64 * 1024;
+  xt::write_random_file(local / "src", 9 * bs + 100, 21);
+  const std::string want = digest_of_file(local / "src", bs);
+  for (auto mode : {xdfs::xsec::Protect::clear, xdfs::xsec::Protect::integrity, xdfs::xsec::Protect::private_}) {
+    CAPTURE(std::string(xdfs::xsec::to_string(mode)));
+    xdfs::TransferOptions o;
+    o.protect = mode;
+    o.block_size = bs;
+    o.ring_bytes = 4 * bs;
+    o.channels = 3;
+    o.known_hosts_file = local / "kh";
+    const xdfs::Endpoint ep{"127.0.0.1", srv.port()};
+    auto up = xdfs::upload(local / "src", ep, "dst", o);
+    CHECK(up.digest == want);
+    auto down = xdfs::download(ep, "dst", local / "back", o);
+    CHECK(down.digest == want);
+    CHECK(xt::files_equal(local / "src", local / "back"));
+    {
+      xdfs::RemoteFs fs(ep, o);
+      CHECK(fs->manifest_digest("dst", bs) == want);
+      CHECK(fs->manifest_digest("dst", 2 * bs) == digest_of_file(local / "src", 2 * bs));
+      CHECK(xt::error_of([&] { fs->manifest_digest("dst", 1000); }) == errc::bad_argument);
+      fs.close();
+    }
+    o.verify = false;
+    auto raw = xdfs::download(ep, "dst", local / "raw", o);
+    CHECK(raw.digest.empty());
+    CHECK(xt::files_equal(local / "src", local / "raw"));
+    ::unlink((local / "back").c_str());
+    ::unlink((local / "raw").c_str());
+    ::unlink((root / "dst").c_str());
+  }
+}
+
+TEST_CASE("xduc --json reports the digest and xduc sum computes the same for the remote file and the local one") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path());
+  xt::write_random_file(local / "f", (3 << 20) + 77, 4);
+  auto up = xt::xduc({"-q", "--json", "-p", "2", "--protect", "clear", local / "f", url(d.port(), "f")});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  const std::string want = digest_of_file(local / "f", 1 << 20);
+  CHECK(up.out.find("\"digest\":\"" + want + "\"") != std::string::npos);
+  CHECK(up.out.find("\"digest_algorithm\":\"xdfs-manifest-1-sha256\"") != std::string::npos);
+  auto remote = xt::xduc({"sum", url(d.port(), "f")});
+  CHECK(remote.out == want + "  f\n");
+  auto mine = xt::xduc({"sum", local / "f"});
+  CHECK(mine.out == want + "  " + (local / "f") + "\n");
+  auto other = xt::xduc({"sum", "--block-size", "4M", local / "f"});
+  CHECK(other.out.substr(0, 64) == digest_of_file(local / "f", 4 << 20));
+  ::mkdir((root / "two").c_str(), 0755);
+  auto many = xt::xduc({"-q", "--json", local / "f", local / "f", url(d.port(), "two/")});
+  INFO(many.out, many.err);
+  CHECK(many.out.find("\"digests\":[{\"source\":\"" + (local / "f") + "\",\"digest\":\"" + want + "\"}") !=
+        std::string::npos);
+  auto plain = xt::xduc({"-q", "--json", "--no-verify", local / "f", url(d.port(), "g")});
+  REQUIRE_MESSAGE(plain.status == 0, plain.err);
+  CHECK(plain.out.find("digest") == std::string::npos);
+  CHECK(xt::files_equal(local / "f", root / "g"));
+  auto missing = xt::xduc({"sum", local / "nothing"});
+  CHECK(missing.status == 1);
+  CHECK(missing.err.find("nothing") != std::string::npos);
+}
+
+TEST_CASE("a server whose digests do not add up: the download fails naming what differs and keeps nothing") {
+  xt::TempDir local;
+  xt::RawServer srv;
+  const std::uint32_t bs = 64 * 1024;
+  const auto bytes = xt::random_bytes(2 * bs, 77);
+  const std::vector<std::uint8_t> first(bytes.begin(), bytes.begin() + bs), second(bytes.begin() + bs, bytes.end());
+  // The server's script: both blocks (the first with `bad_block`'s digest if set), then EOFR
+  // carrying `eofr` (its length as given).
+  auto serve = [&](std::optional<mf::Digest> bad_block, std::vector<std::uint8_t> eofr) {
+    return std::thread([&srv, &first, &second, bad_block, eofr] {
+      auto c = srv.accept();
+      if (!c) return;
+      REQUIRE(c->manifest);
+      c->send_reply({2 * bs, 0, bs});
+      if (bad_block) {
+        c->manifest = false;  // the frame as given: data, then the digest named here
+        auto body = first;
+        body.insert(body.end(), bad_block->begin(), bad_block->end());
+        c->send_block(ChannelEvent::xftsmd, 0, body);
+        c->manifest = true;
+      } else {
+        c->send_block(ChannelEvent::xftsmd, 0, first);
+      }
+      c->send_block(ChannelEvent::xftsmd, bs, second);
+      FrameHeader h;
+      h.event = ChannelEvent::eofr;
+      h.offset = 2 * bs;
+      h.length = static_cast<std::uint32_t>(eofr.size());
+      c->send_frame(h, eofr);
+      c->wait_closed();
+    });
+  };
+  auto download = [&](std::string* what) {
+    xdfs::TransferOptions o;
+    o.block_size = bs;
+    o.known_hosts_file = local / "kh";
+    o.idle_timeout = std::chrono::milliseconds(5000);
+    return xt::error_of([&] { xdfs::download({"127.0.0.1", srv.port()}, "f", local / "out", o); }, nullptr, what);
+  };
+  mf::FileDigest whole(2 * bs, bs);
+  whole.add(xdfs::FileOffset(0), mf::BlockHasher().digest(first.data(), first.size()));
+  whole.add(xdfs::FileOffset(bs), mf::BlockHasher().digest(second.data(), second.size()));
+  const auto right = *whole.result();
+  std::string what;
+  SUBCASE("a block that does not match its digest") {
+    mf::Digest wrong = mf::BlockHasher().digest(second.data(), second.size());
+    auto t = serve(wrong, std::vector<std::uint8_t>(right.begin(), right.end()));
+    CHECK(download(&what) == errc::integrity_error);
+    t.join();
+    CHECK(what.find("offset 0 does not match its digest") != std::string::npos);
+  }
+  SUBCASE("every block matches, but the whole-file digest is another") {
+    auto other = right;
+    other[5] ^= 1;
+    auto t = serve(std::nullopt, std::vector<std::uint8_t>(other.begin(), other.end()));
+    CHECK(download(&what) == errc::integrity_error);
+    t.join();
+    CHECK(what.find("the whole-file digest differs: " + mf::hex(right) + " computed here, " + mf::hex(other) +
+                    " by the sender") != std::string::npos);
+  }
+  SUBCASE("an EOFR without the digest") {
+    auto t = serve(std::nullopt, {});
+    CHECK(download(&what) == errc::protocol_error);
+    t.join();
+    CHECK(what.find("carries 0 bytes, not a digest") != std::string::npos);
+  }
+  CHECK_FALSE(xt::exists(local / "out"));
+  xt::check_no_partials(local.path());
+}
+
+}  // TEST_SUITE("manifest")
