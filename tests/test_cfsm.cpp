@@ -313,7 +313,8 @@ private:
         ++peer.sent;
         return true;
       }
-      if (peer.sent == cfg_.blocks && !peer.eofr_sent) {
+      // EOFR once every block is acknowledged: until then the receiver may ask for one again.
+      if (peer.sent == cfg_.blocks && peer.acked == cfg_.blocks && !peer.eofr_sent) {
         peer.expect(TransferEvent::all_sent, TransferAction::send_eofr);
         CHECK(peer.m.state() == State::draining);
         for (std::uint32_t i = 0; i < cfg_.channels; ++i) peer.out.push_back({Msg::Eofr, i});

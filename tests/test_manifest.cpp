@@ -20,6 +20,7 @@ using xdfs::errc;
 using xdfs::wire::ChannelEvent;
 using xdfs::wire::FrameHeader;
 namespace mf = xdfs::manifest;
+using Added = mf::FileDigest::Added;
 
 namespace {
 
@@ -80,7 +81,7 @@ TEST_CASE("the whole-file digest is the documented formula, in whatever order th
     for (std::size_t i = 0; i < blocks; ++i) {
       CHECK_FALSE(in_order.result().has_value());
       const std::size_t at = i * bs;
-      CHECK(in_order.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))));
+      CHECK(in_order.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))) == Added::ok);
     }
     REQUIRE(in_order.result().has_value());
     CHECK(mf::hex(*in_order.result()) == want);
@@ -88,7 +89,7 @@ TEST_CASE("the whole-file digest is the documented formula, in whatever order th
     mf::FileDigest backwards(size, bs);
     for (std::size_t i = blocks; i-- > 0;) {
       const std::size_t at = i * bs;
-      CHECK(backwards.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))));
+      CHECK(backwards.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))) == Added::ok);
       CHECK(backwards.complete() == (i == 0));
     }
     REQUIRE(backwards.result().has_value());
@@ -107,19 +108,31 @@ TEST_CASE("a digest that is not one of the file's blocks is refused: misaligned,
   const std::uint32_t bs = 4096;
   mf::FileDigest d(3 * bs + 10, bs);
   const mf::Digest any{};
-  CHECK_FALSE(d.add(xdfs::FileOffset(1), any));
-  CHECK_FALSE(d.add(xdfs::FileOffset(4 * bs), any));
-  CHECK_FALSE(d.add(xdfs::FileOffset(~std::uint64_t(0) - 4095), any));
-  CHECK(d.add(xdfs::FileOffset(2 * bs), any));
-  CHECK_FALSE(d.add(xdfs::FileOffset(2 * bs), any));  // waiting, and again
-  CHECK(d.add(xdfs::FileOffset(0), any));
-  CHECK_FALSE(d.add(xdfs::FileOffset(0), any));       // taken, and again
-  CHECK(d.add(xdfs::FileOffset(bs), any));
+  CHECK(d.add(xdfs::FileOffset(1), any) == Added::not_a_block);
+  CHECK(d.add(xdfs::FileOffset(4 * bs), any) == Added::not_a_block);
+  CHECK(d.add(xdfs::FileOffset(~std::uint64_t(0) - 4095), any) == Added::not_a_block);
+  CHECK(d.add(xdfs::FileOffset(2 * bs), any) == Added::ok);
+  CHECK(d.add(xdfs::FileOffset(2 * bs), any) == Added::not_a_block);  // waiting, and again
+  CHECK(d.add(xdfs::FileOffset(0), any) == Added::ok);
+  CHECK(d.add(xdfs::FileOffset(0), any) == Added::not_a_block);       // taken, and again
+  CHECK(d.add(xdfs::FileOffset(bs), any) == Added::ok);
   CHECK_FALSE(d.complete());
-  CHECK(d.add(xdfs::FileOffset(3 * bs), any));
+  CHECK(d.add(xdfs::FileOffset(3 * bs), any) == Added::ok);
   CHECK(d.complete());
   const auto first = d.result();
   CHECK(first == d.result());
+}
+
+TEST_CASE("a block withheld cannot make the digests after it pile up: at most max_waiting wait") {
+  const std::uint32_t bs = 4096;
+  mf::FileDigest d(std::uint64_t(1) << 40, bs, 8);
+  const mf::Digest any{};
+  for (std::uint64_t i = 1; i <= 8; ++i) CHECK(d.add(xdfs::FileOffset(i * bs), any) == Added::ok);
+  CHECK(d.add(xdfs::FileOffset(9 * bs), any) == Added::too_far_ahead);
+  CHECK(d.next_offset() == 0);
+  CHECK(d.add(xdfs::FileOffset(0), any) == Added::ok);  // the withheld one: the waiting ones go in
+  CHECK(d.next_offset() == 9 * bs);
+  CHECK(d.add(xdfs::FileOffset(9 * bs), any) == Added::ok);
 }
 
 TEST_CASE("transfers report the digest both ends agreed on, in every protection mode, both ways; without "
@@ -231,8 +244,8 @@ TEST_CASE("a server whose digests do not add up: the download fails naming what 
     return xt::error_of([&] { xdfs::download({"127.0.0.1", srv.port()}, "f", local / "out", o); }, nullptr, what);
   };
   mf::FileDigest whole(2 * bs, bs);
-  whole.add(xdfs::FileOffset(0), mf::BlockHasher().digest(first.data(), first.size()));
-  whole.add(xdfs::FileOffset(bs), mf::BlockHasher().digest(second.data(), second.size()));
+  (void)whole.add(xdfs::FileOffset(0), mf::BlockHasher().digest(first.data(), first.size()));
+  (void)whole.add(xdfs::FileOffset(bs), mf::BlockHasher().digest(second.data(), second.size()));
   const auto right = *whole.result();
   std::string what;
   SUBCASE("a block that does not match its digest") {
@@ -259,6 +272,71 @@ TEST_CASE("a server whose digests do not add up: the download fails naming what 
   }
   CHECK_FALSE(xt::exists(local / "out"));
   xt::check_no_partials(local.path());
+}
+
+TEST_CASE("a downloading peer's NACKs: a block asked again comes again; asked a fourth time, never sent, or in a "
+          "session without the manifest, the transfer fails and the server serves on") {
+  xt::TempDir root, local;
+  const std::uint32_t bs = 64 * 1024;
+  xt::write_random_file(root / "f", 4 * bs, 31);
+  const std::string bytes = xt::read_file(root / "f");
+  xt::XdfsdProcess d(root.path(), {"--idle-timeout", "5"});
+  auto nack = [](xt::RawChannel& c, std::uint64_t offset) {
+    FrameHeader h;
+    h.event = ChannelEvent::nack;
+    h.offset = offset;
+    c.send_frame(h);
+  };
+  // Reads frames until a data frame for `offset` (true) or an exception (its message in why).
+  auto until_block = [&](xt::RawChannel& c, std::uint64_t offset, std::string* why) -> bool {
+    for (auto f = c.read_frame(); f; f = c.read_frame()) {
+      if (f->first.event == ChannelEvent::exception) {
+        if (auto ex = xdfs::wire::decode_exception(f->second)) *why = ex->message;
+        return false;
+      }
+      if (f->first.event != ChannelEvent::xftsmd || f->first.offset != offset) continue;
+      // The block as first sent: its data, then the SHA-256 of that data.
+      REQUIRE(f->second.size() == bs + mf::digest_size);
+      CHECK(std::memcmp(f->second.data(), bytes.data() + offset, bs) == 0);
+      const auto dg = mf::BlockHasher().digest(f->second.data(), bs);
+      CHECK(std::equal(dg.begin(), dg.end(), f->second.begin() + bs));
+      return true;
+    }
+    return false;
+  };
+  auto open = [&](bool manifest) {
+    auto h = xt::make_hello(xdfs::Mode::download, "f", 1);
+    if (manifest) h.nego.extended_flags = xdfs::wire::flag_manifest;
+    auto c = std::make_unique<xt::RawChannel>(d.port());
+    REQUIRE(c->establish(h));
+    return c;
+  };
+  std::string why;
+  SUBCASE("asked again up to three times, the block comes each time; a fourth time fails the transfer") {
+    auto c = open(true);
+    REQUIRE(until_block(*c, bs, &why));
+    for (int k = 0; k < 3; ++k) {
+      nack(*c, bs);
+      CHECK(until_block(*c, bs, &why));
+    }
+    nack(*c, bs);
+    CHECK_FALSE(until_block(*c, bs, &why));
+    CHECK(why.find("asked for the block at offset 65536 more than 3 times") != std::string::npos);
+  }
+  SUBCASE("an offset that is not a block it sent") {
+    auto c = open(true);
+    REQUIRE(until_block(*c, 0, &why));
+    nack(*c, 1);
+    CHECK_FALSE(until_block(*c, 4 * bs, &why));
+    CHECK(why.find("NACK of offset 1 on channel 0: not a block that was sent") != std::string::npos);
+  }
+  SUBCASE("a session without the manifest sends nothing again") {
+    auto c = open(false);
+    nack(*c, 0);
+    CHECK_FALSE(until_block(*c, 4 * bs, &why));
+    CHECK(why.find("this transfer sends no block again") != std::string::npos);
+  }
+  xt::check_serving(d.port(), root.path(), local.path());
 }
 
 }  // TEST_SUITE("manifest")

@@ -20,11 +20,11 @@ namespace {
 using namespace xdfs;
 namespace w = xdfs::wire;
 
-constexpr std::array<w::ChannelEvent, 13> all_events{
+constexpr std::array<w::ChannelEvent, 14> all_events{
     w::ChannelEvent::nego, w::ChannelEvent::nego_reply, w::ChannelEvent::xftsmu,    w::ChannelEvent::xftsmd,
     w::ChannelEvent::xpathm, w::ChannelEvent::eofr,     w::ChannelEvent::eoft,      w::ChannelEvent::noop,
     w::ChannelEvent::conm, w::ChannelEvent::zxdfs,      w::ChannelEvent::ack,       w::ChannelEvent::exception,
-    w::ChannelEvent::handshake,
+    w::ChannelEvent::handshake, w::ChannelEvent::nack,
 };
 
 std::optional<w::FrameHeader> decode_bytes(const w::HeaderBytes& b, std::string* why = nullptr) {
@@ -168,7 +168,7 @@ TEST_CASE("frame header byte layout is little-endian and fixed") {
 }
 
 TEST_CASE("frame header decode refuses unknown events") {
-  for (int raw : {0, 14, 15, 100, 255}) {
+  for (int raw : {0, 15, 16, 100, 255}) {
     CAPTURE(raw);
     CHECK_FALSE(w::is_known(static_cast<std::uint8_t>(raw)));
     w::FrameHeader h;

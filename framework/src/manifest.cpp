@@ -43,6 +43,9 @@ Digest BlockHasher::digest(const std::uint8_t* data, std::size_t n) {
   return take(*hash_);
 }
 
+void BlockHasher::update(const std::uint8_t* data, std::size_t n) { hash_->update(data, n); }
+Digest BlockHasher::finish() { return take(*hash_); }
+
 bool BlockHasher::check(const std::uint8_t* data, std::size_t n) {
   const Digest d = digest(data, n);
   return std::memcmp(d.data(), data + n, d.size()) == 0;
@@ -50,10 +53,11 @@ bool BlockHasher::check(const std::uint8_t* data, std::size_t n) {
 
 void BlockHasher::put(std::uint8_t* at, const Digest& d) noexcept { std::memcpy(at, d.data(), d.size()); }
 
-FileDigest::FileDigest(std::uint64_t file_size, std::uint32_t block_size)
+FileDigest::FileDigest(std::uint64_t file_size, std::uint32_t block_size, std::size_t max_waiting)
     : file_size_(file_size),
       block_size_(block_size ? block_size : 1),
       blocks_(file_size / block_size_ + (file_size % block_size_ != 0)),
+      max_waiting_(max_waiting),
       hash_(sha256()) {
   std::uint8_t head[16 + 8 + 4];
   std::memcpy(head, domain, 16);
@@ -64,12 +68,17 @@ FileDigest::FileDigest(std::uint64_t file_size, std::uint32_t block_size)
 
 FileDigest::~FileDigest() = default;
 
-bool FileDigest::add(FileOffset offset, const Digest& d) {
+FileDigest::Added FileDigest::add(FileOffset offset, const Digest& d) {
   const std::uint64_t at = offset.value();
-  if (at % block_size_ != 0) return false;
+  if (at % block_size_ != 0) return Added::not_a_block;
   const std::uint64_t index = at / block_size_;
-  if (index >= blocks_ || index < next_) return false;
-  if (index != next_) return waiting_.emplace(index, d).second;
+  if (index >= blocks_ || index < next_) return Added::not_a_block;
+  if (index != next_) {
+    if (waiting_.count(index)) return Added::not_a_block;
+    if (waiting_.size() >= max_waiting_) return Added::too_far_ahead;
+    waiting_.emplace(index, d);
+    return Added::ok;
+  }
   hash_->update(d.data(), d.size());
   ++next_;
   // The ones that waited for this one.
@@ -77,7 +86,7 @@ bool FileDigest::add(FileOffset offset, const Digest& d) {
     hash_->update(it->second.data(), it->second.size());
     ++next_;
   }
-  return true;
+  return Added::ok;
 }
 
 std::optional<Digest> FileDigest::result() {
@@ -89,32 +98,35 @@ Computed of_file(int fd, std::uint64_t size, std::uint32_t block_size, const std
   Computed out;
   FileDigest file(size, block_size);
   BlockHasher blocks;
-  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(file.block_size(), std::max<std::uint64_t>(size, 1))));
+  // Read in parts of at most 1 MiB whatever the block size (a peer names it).
+  constexpr std::size_t part = 1 << 20;
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(part, std::max<std::uint64_t>(size, 1))));
   for (std::uint64_t at = 0; at < size;) {
-    if (stop && stop->load(std::memory_order_relaxed)) {
-      out.code = errc::cancelled;
-      out.message = "stopped";
-      return out;
-    }
-    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(file.block_size(), size - at));
-    std::size_t have = 0;
-    while (have < want) {
-      const ssize_t r = ::pread(fd, buf.data() + have, want - have, static_cast<off_t>(at + have));
+    const std::uint64_t block_end = std::min<std::uint64_t>(size, at + file.block_size());
+    const std::uint64_t block_start = at;
+    while (at < block_end) {
+      if (stop && stop->load(std::memory_order_relaxed)) {
+        out.code = errc::cancelled;
+        out.message = "stopped";
+        return out;
+      }
+      const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), block_end - at));
+      const ssize_t r = ::pread(fd, buf.data(), want, static_cast<off_t>(at));
       if (r < 0 && errno == EINTR) continue;
       if (r < 0) {
         out.code = errc_from_errno(errno);
-        out.message = "read at offset " + std::to_string(at + have) + ": " + std::strerror(errno);
+        out.message = "read at offset " + std::to_string(at) + ": " + std::strerror(errno);
         return out;
       }
       if (r == 0) {
         out.code = errc::size_mismatch;
-        out.message = "file shrank to " + std::to_string(at + have) + " bytes while being hashed";
+        out.message = "file shrank to " + std::to_string(at) + " bytes while being hashed";
         return out;
       }
-      have += static_cast<std::size_t>(r);
+      blocks.update(buf.data(), static_cast<std::size_t>(r));
+      at += static_cast<std::uint64_t>(r);
     }
-    file.add(FileOffset(at), blocks.digest(buf.data(), want));
-    at += want;
+    (void)file.add(FileOffset(block_start), blocks.finish());
   }
   out.digest = *file.result();
   return out;

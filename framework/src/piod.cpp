@@ -196,14 +196,19 @@ void DiskWriter::write_blocks() {
     pipe_.set_error(errc_from_errno(err), "write at offset " + std::to_string(offset) + ": " + std::strerror(err));
   };
 
-  // Writes blocks[first..last) that are known to be contiguous, in runs of at most max_iov.
+  // Writes blocks[first..last) that are known to be contiguous, in runs of at most max_iov;
+  // a block to fetch again (retry) is not written and splits the run.
   auto write_run = [&](const Block* blocks, std::size_t count) -> bool {
     for (std::size_t i = 0; i < count;) {
+      if (blocks[i].retry) {
+        ++i;
+        continue;
+      }
       if (pipe_.stopping()) return false;
-      const std::size_t n = std::min(max_iov, count - i);
-      for (std::size_t k = 0; k < n; ++k) {
-        iov[k].iov_base = pipe_.slot_data(blocks[i + k].slot);
-        iov[k].iov_len = blocks[i + k].length.value();
+      std::size_t n = 0;
+      for (; n < max_iov && i + n < count && !blocks[i + n].retry; ++n) {
+        iov[n].iov_base = pipe_.slot_data(blocks[i + n].slot);
+        iov[n].iov_len = blocks[i + n].length.value();
       }
       if (!sink_.discard) {
         const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset.value()) : -1;
@@ -219,11 +224,11 @@ void DiskWriter::write_blocks() {
   };
 
   // Opens (decrypts or checks) blocks in place, then checks each one's digest; false once one
-  // fails either check.
+  // fails either check (with refetch, a digest that does not match marks the block instead).
   std::optional<manifest::BlockHasher> hasher;
   if (sink_.manifest) hasher.emplace();
   const std::uint32_t digest = sink_.manifest ? manifest::digest_size : 0;
-  auto open_all = [&](const Block* blocks, std::size_t count) -> bool {
+  auto open_all = [&](Block* blocks, std::size_t count) -> bool {
     for (std::size_t k = 0; k < count; ++k) {
       std::uint8_t* data = pipe_.slot_data(blocks[k].slot);
       const std::uint32_t len = blocks[k].length.value();
@@ -234,9 +239,24 @@ void DiskWriter::write_blocks() {
       }
       if (!sink_.manifest) continue;
       const manifest::Digest d = hasher->digest(data, len);
-      if (std::memcmp(d.data(), data + len, d.size()) != 0 || !sink_.manifest->add(blocks[k].offset, d)) {
+      const bool matches = std::memcmp(d.data(), data + len, d.size()) == 0;
+      if (!matches && sink_.refetch) {
+        blocks[k].retry = true;
+        continue;
+      }
+      if (!matches) {
         pipe_.set_error(errc::integrity_error, "block at offset " + std::to_string(blocks[k].offset.value()) +
                                                    " does not match its digest");
+        return false;
+      }
+      const auto added = sink_.manifest->add(blocks[k].offset, d);
+      if (added != manifest::FileDigest::Added::ok) {
+        pipe_.set_error(errc::protocol_error,
+                        added == manifest::FileDigest::Added::too_far_ahead
+                            ? "block at offset " + std::to_string(blocks[k].offset.value()) +
+                                  " arrived too far ahead of the block at offset " +
+                                  std::to_string(sink_.manifest->next_offset()) + ", which never came"
+                            : "block at offset " + std::to_string(blocks[k].offset.value()) + " is not one of the file's");
         return false;
       }
     }
@@ -280,7 +300,16 @@ void DiskWriter::write_blocks() {
       continue;
     }
     if (!open_all(batch.data(), batch.size())) return;
-    for (const auto& blk : batch) pending.emplace(blk.offset.value(), blk);
+    bool rejected = false;
+    for (const auto& blk : batch) {
+      if (!blk.retry) {
+        pending.emplace(blk.offset.value(), blk);
+        continue;
+      }
+      pipe_.disk_push(blk);  // back unwritten, to be fetched again
+      rejected = true;
+    }
+    if (rejected) pipe_.net_wake().notify();
     std::vector<Block> run;
     while (!pending.empty() && pending.begin()->first == next_in_order) {
       run.push_back(pending.begin()->second);
@@ -318,17 +347,58 @@ void DiskReader::read_blocks() {
   const std::uint32_t bs = pipe_.block_size();
   std::optional<manifest::BlockHasher> hasher;
   if (source_.manifest) hasher.emplace();
+  DiskIo& io = source_.io ? *source_.io : DiskIo::system();
   Block batch[max_iov];
   iovec iov[max_iov];
-  while (next_ < source_.size) {
+
+  // Reads iov[0, count) at pos whole; a short read means the file shrank under us.
+  auto read_all = [&](iovec* cur, int left, std::uint64_t pos) -> bool {
+    while (left > 0) {
+      ssize_t r = io.preadv(source_.fd, cur, left, static_cast<off_t>(pos));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        pipe_.set_error(errc_from_errno(errno), "read at offset " + std::to_string(pos) + ": " + std::strerror(errno));
+        return false;
+      }
+      if (r == 0) {
+        pipe_.set_error(errc::size_mismatch, "source file shrank to " + std::to_string(pos) + " bytes while being sent");
+        return false;
+      }
+      pos += static_cast<std::uint64_t>(r);
+      advance(cur, left, static_cast<std::size_t>(r));
+    }
+    return true;
+  };
+
+  // A block the receiver asks for again: read it where it is and hand it over as it was first
+  // sent, with its digest (never sealed: Source::resends goes without a sealer).
+  auto read_again = [&](Block b) -> bool {
+    if (!source_.zero) {
+      iovec one{pipe_.slot_data(b.slot), b.length.value()};
+      if (!read_all(&one, 1, b.offset.value())) return false;
+    }
+    if (hasher) hasher->stamp(pipe_.slot_data(b.slot), b.length.value());
+    pipe_.disk_push(b);
+    pipe_.net_wake().notify();
+    return true;
+  };
+
+  while (true) {
     const std::uint32_t seen = pipe_.disk_seq();
     std::size_t n = 0;
     std::uint64_t off = next_;
     Block b;
+    bool popped = false;
     // With a sealer or digests, each read is at most crypto_group bytes, hashed and sealed
     // while still in cache.
     const std::size_t cap = source_.sealer || source_.manifest ? crypto_group(bs) : max_iov;
-    while (n < cap && off < source_.size && pipe_.disk_pop(b)) {
+    while (n < cap && pipe_.disk_pop(b)) {
+      popped = true;
+      if (b.retry) {
+        if (pipe_.stopping() || !read_again(b)) return;
+        continue;
+      }
+      if (off >= source_.size) continue;  // a slot after the last block: nothing to read into it
       b.offset = FileOffset(off);
       b.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off)));
       off += b.length.value();
@@ -337,32 +407,15 @@ void DiskReader::read_blocks() {
       iov[n].iov_len = b.length.value();
       ++n;
     }
+    if (pipe_.stopping()) return;
     if (n == 0) {
-      if (pipe_.stopping()) return;
+      if (popped) continue;
+      // Every block is out: done, unless the network thread may still ask for one again.
+      if (next_ >= source_.size && !source_.resends) return;
       pipe_.disk_wait(seen);
       continue;
     }
-    if (pipe_.stopping()) return;
-    if (!source_.zero) {
-      // Read the whole run; a short read means the file shrank under us.
-      std::uint64_t pos = next_;
-      iovec* cur = iov;
-      int left = static_cast<int>(n);
-      while (left > 0) {
-        ssize_t r = (source_.io ? *source_.io : DiskIo::system()).preadv(source_.fd, cur, left, static_cast<off_t>(pos));
-        if (r < 0) {
-          if (errno == EINTR) continue;
-          pipe_.set_error(errc_from_errno(errno), "read at offset " + std::to_string(pos) + ": " + std::strerror(errno));
-          return;
-        }
-        if (r == 0) {
-          pipe_.set_error(errc::size_mismatch, "source file shrank to " + std::to_string(pos) + " bytes while being sent");
-          return;
-        }
-        pos += static_cast<std::uint64_t>(r);
-        advance(cur, left, static_cast<std::size_t>(r));
-      }
-    }
+    if (!source_.zero && !read_all(iov, static_cast<int>(n), next_)) return;
     next_ = off;
     for (std::size_t i = 0; i < n; ++i) {
       std::uint8_t* data = pipe_.slot_data(batch[i].slot);
@@ -370,7 +423,7 @@ void DiskReader::read_blocks() {
       if (source_.manifest) {
         const manifest::Digest d = hasher->digest(data, len);
         manifest::BlockHasher::put(data + len, d);
-        source_.manifest->add(batch[i].offset, d);
+        (void)source_.manifest->add(batch[i].offset, d);  // read in order: always taken at once
         len += manifest::digest_size;
       }
       if (source_.sealer) source_.sealer->seal(data, DataLength(len), batch[i].offset);

@@ -31,6 +31,20 @@ bool RangeSet::insert(std::uint64_t begin, std::uint64_t end) {
   return true;
 }
 
+bool RangeSet::erase(std::uint64_t begin, std::uint64_t end) {
+  if (begin >= end) return false;
+  auto it = runs_.upper_bound(begin);  // first run starting after begin
+  if (it == runs_.begin()) return false;
+  --it;  // the run that would hold begin
+  if (it->second < end) return false;
+  const std::uint64_t b = it->first, e = it->second;
+  runs_.erase(it);
+  if (b < begin) runs_.emplace(b, begin);
+  if (end < e) runs_.emplace(end, e);
+  covered_ -= end - begin;
+  return true;
+}
+
 bool RangeSet::complete(std::uint64_t size) const noexcept {
   if (size == 0) return runs_.empty();
   return runs_.size() == 1 && runs_.begin()->first == 0 && runs_.begin()->second == size;

@@ -86,12 +86,13 @@ const char* to_string(ChannelEvent e) noexcept {
     case ChannelEvent::ack: return "ACK";
     case ChannelEvent::exception: return "EXCEPTION";
     case ChannelEvent::handshake: return "HANDSHAKE";
+    case ChannelEvent::nack: return "NACK";
   }
   return "?";
 }
 
 bool is_known(std::uint8_t raw) noexcept {
-  return raw >= static_cast<std::uint8_t>(ChannelEvent::nego) && raw <= static_cast<std::uint8_t>(ChannelEvent::handshake);
+  return raw >= static_cast<std::uint8_t>(ChannelEvent::nego) && raw <= static_cast<std::uint8_t>(ChannelEvent::nack);
 }
 
 HeaderBytes encode(const FrameHeader& h) noexcept {

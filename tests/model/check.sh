@@ -21,7 +21,7 @@ status=0
 # has its answer (so nothing is left to answer, and no reply leaves, in ending), and the EOFRs
 # leave in one step. A hostile client that ends with requests outstanding does reach them; the
 # server then waits for its workers and replies (tests/test_hostile.cpp covers it).
-by_construction="client-download:22 client-download:23 client-download:24 server-upload:18 server-upload:19 server-upload:20 session-server:6 session-server:7 
+by_construction="client-download:23 client-download:24 client-download:25 server-upload:19 server-upload:20 server-upload:21 session-server:6 session-server:7 
  server-path:9 server-path:11 server-path:12 server-path:13 server-path:14 server-path:16 server-path:17 server-path:18 server-path:19"
 
 verify() {  # NAME ARGS... -> runs the search; leaves NAME.out
@@ -66,7 +66,7 @@ for row in $(grep -o 'ROW [a-z-]*:[0-9]*' n2b2k2f1.pml | cut -d' ' -f2 | sort -u
 done
 
 # The check can fail: without these rows the protocol cannot finish, and spin must say so.
-for row in server-upload:16 server-download:16 server-download:17 client-path:3 client-path:9 server-path:4 server-path:10 \
+for row in server-upload:17 server-download:10 server-download:17 client-path:3 client-path:9 server-path:4 server-path:10 \
            server-path:15 session-server:9 session-server:11 \
            session-client:1 session-client:2 session-client:6 session-client:9; do
   name="drop-${row/:/-}"

@@ -174,6 +174,9 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
       case xf::TransferAction::send_ack: act = "written = written + pend; pend = 0; SEND(" + s.out_(0) + ", ACK, written, " + s.peer_gone() + "); "; break;
       case xf::TransferAction::open_window: act = "acked = v; "; break;
       case xf::TransferAction::send_eofr: act = send_all(s, p, "EOFR"); break;
+      // A block sent again: it was counted when first sent (and is outside the window).
+      case xf::TransferAction::resend_block: act = send_any(s, p, "DATA"); break;
+      case xf::TransferAction::send_nack: act = "SEND(" + s.out_(0) + ", NACK, 0, " + s.peer_gone() + "); "; break;
       case xf::TransferAction::commit: act = send_all(s, p, "EOFR"); break;
       case xf::TransferAction::abort: act = abort_body(s, p); break;
       default: break;  // none, finish
@@ -192,7 +195,8 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
         a.guard = "v <= sent";
         break;
       case xf::TransferEvent::all_sent:
-        a.guard = "sent == B && !eofr_sent";
+        // EOFR once every block is acknowledged: until then the receiver may ask for one again.
+        a.guard = "sent == B && acked == B && !eofr_sent";
         a.eager = true;
         act = "eofr_sent = true; " + act;
         break;
@@ -202,6 +206,14 @@ void write_operation(const Side& s, const Params& p, xf::Role role, const std::s
         break;
       case xf::TransferEvent::block_written:
         a.guard = "pend > 0";
+        break;
+      case xf::TransferEvent::block_rejected:
+        // A received block fails its digest (once per operation here): not written, asked again.
+        a.guard = "pend > 0 && !rejected";
+        act = "pend--; got--; rejected = true; " + act;
+        break;
+      case xf::TransferEvent::nack_received:
+        a.msg = "NACK";
         break;
       case xf::TransferEvent::all_received:
         // EOFR on every channel (counted as they come) and every block written.
@@ -341,6 +353,7 @@ void write_path_operation(const Side& s, const Params& p, const std::string& pre
 // The operation's entry: counters reset, then its machine's first state after the start.
 std::string op_entry(const std::string& prefix, const char* state = "transferring") {
   return "sent = 0; acked = 0; got = 0; pend = 0; written = 0; eofrs = 0; eofr_sent = false; closing = false; "
+         "rejected = false; "
          "asked = 0; answered = 0; k = 0; do :: k < N -> eofr_in[k] = false; k++ :: else -> break od; goto " +
          prefix + "_" + state;
 }
@@ -352,7 +365,7 @@ void write_client(const Params& p) {
   const auto rows = sf::table(sf::Side::client);
   emit("proctype client() {");
   emit("  mtype t; byte v, ch, k, mode, ops, answers, refusals;");
-  emit("  byte sent, acked, got, pend, written, eofrs, asked, answered; bool eofr_sent, closing;");
+  emit("  byte sent, acked, got, pend, written, eofrs, asked, answered; bool eofr_sent, closing, rejected;");
   emit("  bool eofr_in[N]; bool heard[N];");
   std::map<sf::State, std::vector<Alt>> by_state;
   int index = 0;
@@ -441,7 +454,7 @@ void write_server(const Params& p) {
   const auto rows = sf::table(sf::Side::server);
   emit("proctype server() {");
   emit("  mtype t; byte v, ch, k, mode, joined, nexts, ends;");
-  emit("  byte sent, acked, got, pend, written, eofrs, asked, answered; bool eofr_sent, closing;");
+  emit("  byte sent, acked, got, pend, written, eofrs, asked, answered; bool eofr_sent, closing, rejected;");
   emit("  bool eofr_in[N]; bool heard[N];");
   std::map<sf::State, std::vector<Alt>> by_state;
   int index = 0;
@@ -614,7 +627,7 @@ int main(int argc, char** argv) {
   emit("#define UPLOAD 0");
   emit("#define DOWNLOAD 1");
   emit("#define PATH 2");
-  emit("mtype = { NEGO, REPLY, REFUSED, DATA, ACK, EOFR, EOFT, EXC, REQ, RSP };");
+  emit("mtype = { NEGO, REPLY, REFUSED, DATA, ACK, NACK, EOFR, EOFT, EXC, REQ, RSP };");
   emit("chan c2s[N] = [6] of { mtype, byte };  /* client to server, one FIFO per channel */");
   emit("chan s2c[N] = [6] of { mtype, byte };");
   emit("bool client_gone, server_gone;   /* a side closed its channels */");

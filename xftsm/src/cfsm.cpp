@@ -23,10 +23,10 @@ using A = TransferAction;
   {S::transferring, E::block_ready, S::transferring, A::send_block},      \
   {S::transferring, E::block_sent, S::transferring, A::send_block},       \
   {S::transferring, E::ack_received, S::transferring, A::open_window},    \
+  {S::transferring, E::nack_received, S::transferring, A::resend_block},  \
   {S::transferring, E::all_sent, S::draining, A::send_eofr},              \
   XDFS_FAILURES(S::transferring),                                         \
   {S::draining, E::block_sent, S::draining, A::none},                     \
-  {S::draining, E::ack_received, S::draining, A::none},                   \
   {S::draining, E::committed, S::done, A::finish},                        \
   XDFS_FAILURES(S::draining)
 
@@ -34,6 +34,7 @@ using A = TransferAction;
   {S::transferring, E::block_received, S::transferring, A::queue_write},  \
   {S::transferring, E::block_written, S::transferring, A::send_ack},      \
   {S::transferring, E::ack_sent, S::transferring, A::none},               \
+  {S::transferring, E::block_rejected, S::transferring, A::send_nack},    \
   {S::transferring, E::all_received, S::draining, A::commit},             \
   XDFS_FAILURES(S::transferring),                                         \
   {S::draining, E::ack_sent, S::draining, A::none},                       \
@@ -124,6 +125,8 @@ const char* to_string(TransferEvent e) noexcept {
     case TransferEvent::all_sent: return "all_sent";
     case TransferEvent::all_received: return "all_received";
     case TransferEvent::committed: return "committed";
+    case TransferEvent::block_rejected: return "block_rejected";
+    case TransferEvent::nack_received: return "nack_received";
     case TransferEvent::peer_exception: return "peer_exception";
     case TransferEvent::local_error: return "local_error";
     case TransferEvent::channel_lost: return "channel_lost";
@@ -147,6 +150,8 @@ const char* to_string(TransferAction a) noexcept {
     case TransferAction::open_window: return "open_window";
     case TransferAction::send_eofr: return "send_eofr";
     case TransferAction::commit: return "commit";
+    case TransferAction::send_nack: return "send_nack";
+    case TransferAction::resend_block: return "resend_block";
     case TransferAction::finish: return "finish";
     case TransferAction::abort: return "abort";
   }

@@ -50,7 +50,9 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       watchdog_(io),
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()) {
-  if (p.manifest) manifest_.emplace(p.file_size, p.block_size);
+  // Blocks arrive within the window (pool_slots of them), a block asked for again by a few
+  // windows at most: far more waiting than that means a block the peer withholds.
+  if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(4096, 16 * std::size_t(pool_slots(p))));
   arm_watchdog();
 }
 
@@ -183,7 +185,7 @@ void Engine::eofr_everywhere(std::uint64_t offset) {
     h.offset = offset;
     h.length = static_cast<std::uint32_t>(payload.size());
     ++eofr_unsent_;
-    ch->send(h, payload, [this, c = ch.get()](const xdsi::ErrorCode& ec) {
+    ch->send(h, std::vector<std::uint8_t>(payload), [this, c = ch.get()](const xdsi::ErrorCode& ec) {
       --eofr_unsent_;
       if (machine_.finished()) return;
       if (ec) return channel_error(*c, ec);
@@ -202,8 +204,8 @@ void Engine::read_digest(xdsi::Channel& ch, const FrameHeader& h, std::function<
   if (!manifest_ || h.length != manifest::digest_size) {
     if (!manifest_ && h.length == 0) return then();
     return fail(errc::protocol_error,
-                fmt::format("EOFR on channel {} carries {} bytes, not {}", ch.index(), h.length,
-                            manifest_ ? "a digest" : "nothing"),
+                fmt::format("EOFR on channel {} carries {} bytes, {}", ch.index(), h.length,
+                            manifest_ ? "not a digest" : "where nothing belongs"),
                 false, true);
   }
   auto buf = std::make_shared<manifest::Digest>();
@@ -253,6 +255,11 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
     : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0),
       confirmed_(channels.size(), false) {
   source_.manifest = manifest_ ? &*manifest_ : nullptr;
+  // In clear mode nothing else checks a block on its way: one that fails its digest at the
+  // receiver is sent again. A sealed block never is (its nonce serves once).
+  resends_ = manifest_ && !source_.sealer && !source_.zero;
+  source_.resends = resends_;
+  spare_ = pipe_.slots() - 1;
   ready_.reserve(pipe_.slots());
 }
 
@@ -264,7 +271,7 @@ void Sender::stop_disk() noexcept {
 }
 
 void Sender::start() {
-  for (std::uint32_t s = 0; s < pipe_.slots(); ++s) pipe_.to_disk(piod::Block{s});
+  for (std::uint32_t s = 0; s < pipe_.slots() - (resends_ ? 1 : 0); ++s) pipe_.to_disk(piod::Block{s});
   reader_.emplace(pipe_, source_);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);
@@ -275,7 +282,7 @@ void Sender::on_disk() {
   piod::Block b;
   bool any = false;
   while (pipe_.from_disk(b)) {
-    ready_.push_back(b);
+    (b.retry ? again_ : ready_).push_back(b);
     any = true;
   }
   if (any) on(TransferEvent::block_ready);
@@ -288,6 +295,7 @@ void Sender::on(TransferEvent e) {
     case TransferAction::send_block:
     case TransferAction::open_window: return pump();
     case TransferAction::send_eofr: return send_eofrs();
+    case TransferAction::resend_block: return resend();
     case TransferAction::finish: return finish_ok();
     case TransferAction::none: return;
     default:
@@ -295,15 +303,14 @@ void Sender::on(TransferEvent e) {
   }
 }
 
+// The least loaded channel, round robin among equals from where we stopped; n if every one has
+// two blocks queued. Two blocks per channel keep its socket buffer fed while the completion of
+// the first one is handled.
 void Sender::pump() {
   // Only while transferring: after all_sent (draining) nothing more is queued.
   if (machine_.state() != State::transferring) return;
   const std::size_t n = channels_.size();
-  while (ready_head_ < ready_.size()) {
-    const piod::Block b = ready_[ready_head_];
-    if (queued_ - acked_ + b.length.value() > params_.window && queued_ != acked_) break;  // window full
-    // The least loaded channel, round robin among equals from where we stopped. Two blocks per
-    // channel keep its socket buffer fed while the completion of the first one is handled.
+  auto pick_channel = [&]() -> std::size_t {
     std::size_t pick = n;
     for (std::size_t k = 0; k < n; ++k) {
       std::size_t i = (next_channel_ + k) % n;
@@ -312,35 +319,68 @@ void Sender::pump() {
         if (inflight_[i] == 0) break;
       }
     }
+    if (pick != n) next_channel_ = (pick + 1) % n;
+    return pick;
+  };
+  // Blocks sent again first: the receiver's window already counts them.
+  while (!again_.empty()) {
+    const std::size_t pick = pick_channel();
+    if (pick == n) return;
+    const piod::Block b = again_.back();
+    again_.pop_back();
+    send_on(pick, b);
+  }
+  while (ready_head_ < ready_.size()) {
+    const piod::Block b = ready_[ready_head_];
+    if (queued_ - acked_ + b.length.value() > params_.window && queued_ != acked_) break;  // window full
+    const std::size_t pick = pick_channel();
     if (pick == n) break;
-    next_channel_ = (pick + 1) % n;
     ++ready_head_;
-    ++inflight_[pick];
     queued_ += b.length.value();
-    FrameHeader h;
-    h.event = params_.data_event;
-    // The disk thread has hashed and sealed the block: its digest and tag follow the data in
-    // the slot.
-    const FrameLength frame = framed(b.length, piod::trailer(source_.manifest, source_.sealer));
-    h.length = frame.value();
-    h.offset = b.offset.value();
-    auto& ch = *channels_[pick];
-    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()),
-            [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
-              if (machine_.finished()) return;
-              if (ec) return channel_error(ch, ec);
-              --inflight_[pick];
-              touch();
-              pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
-              on(TransferEvent::block_sent);
-              maybe_finish();
-            });
+    send_on(pick, b);
   }
   if (ready_head_ == ready_.size()) {
     ready_.clear();
     ready_head_ = 0;
   }
-  if (queued_ == source_.size) on(TransferEvent::all_sent);
+  // EOFR once the receiver has every block: until then it may ask for one again.
+  if (queued_ == source_.size && acked_ == source_.size) on(TransferEvent::all_sent);
+}
+
+void Sender::send_on(std::size_t pick, const piod::Block& b) {
+  ++inflight_[pick];
+  FrameHeader h;
+  h.event = params_.data_event;
+  // The disk thread has hashed and sealed the block: its digest and tag follow the data in
+  // the slot.
+  const FrameLength frame = framed(b.length, piod::trailer(source_.manifest, source_.sealer));
+  h.length = frame.value();
+  h.offset = b.offset.value();
+  auto& ch = *channels_[pick];
+  ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()),
+          [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
+            if (machine_.finished()) return;
+            if (ec) return channel_error(ch, ec);
+            --inflight_[pick];
+            touch();
+            if (b.retry) {
+              spare_busy_ = false;  // the spare slot reads the next block asked for, if any
+              resend();
+            } else {
+              pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
+            }
+            on(TransferEvent::block_sent);
+            maybe_finish();
+          });
+}
+
+void Sender::resend() {
+  if (spare_busy_ || asked_.empty()) return;
+  piod::Block b = asked_.front();
+  asked_.erase(asked_.begin());
+  b.slot = spare_;
+  spare_busy_ = true;
+  pipe_.to_disk(b);
 }
 
 void Sender::send_eofrs() { eofr_everywhere(source_.size); }
@@ -372,6 +412,27 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
       on(TransferEvent::ack_received);
       if (!machine_.finished()) read_loop(ch);
       return;
+    case wire::ChannelEvent::nack: {
+      // The receiver found a block we sent did not match its digest: it must be one we sent
+      // and it has not acknowledged, asked for at most max_refetches times.
+      const FileOffset at(h.offset);
+      const auto len = block_at(at, source_.size, DataLength(params_.block_size));
+      if (!resends_ || h.length != 0 || !len || after(at, *len)->value() > queued_)
+        return fail(errc::protocol_error,
+                    fmt::format("NACK of offset {} on channel {}: {}", h.offset, ch.index(),
+                                resends_ ? "not a block that was sent" : "this transfer sends no block again"),
+                    false, true);
+      if (++nacks_[h.offset] > max_refetches)
+        return fail(errc::protocol_error,
+                    fmt::format("the receiver asked for the block at offset {} more than {} times", h.offset,
+                                max_refetches),
+                    false, true);
+      asked_.push_back(piod::Block{0, *len, at, true});
+      touch();
+      on(TransferEvent::nack_received);
+      if (!machine_.finished()) read_loop(ch);
+      return;
+    }
     case wire::ChannelEvent::eofr:
       // The receiver committed the file: its last word on this channel, which is done with
       // this transfer (it is not read again until the next operation).
@@ -411,6 +472,8 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
                    const TransferParams& p, piod::Sink sink)
     : Engine(io, machine, channels, host, p), sink_(sink), eofr_(channels.size(), false) {
   sink_.manifest = manifest_ ? &*manifest_ : nullptr;
+  refetch_ = manifest_ && !sink_.opener && !sink_.discard;
+  sink_.refetch = refetch_;
   free_slots_.reserve(pipe_.slots());
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
@@ -446,6 +509,7 @@ void Receiver::on(TransferEvent e, const Arrival& arrival) {
   switch (*a) {
     case TransferAction::queue_write: return queue_write(arrival);
     case TransferAction::send_ack: return send_ack();
+    case TransferAction::send_nack: return send_nack(arrival);
     case TransferAction::commit: return commit();
     case TransferAction::finish: return finish_ok();
     case TransferAction::none: return;
@@ -513,22 +577,59 @@ void Receiver::queue_write(const Arrival& a) {
 
 void Receiver::on_disk() {
   piod::Block b;
-  bool any = false;
+  bool any = false, back = false;
+  std::vector<piod::Block> again;
   while (pipe_.from_disk(b)) {
     free_slots_.push_back(b.slot);
+    back = true;
+    if (b.retry) {  // not written: its digest did not match
+      again.push_back(b);
+      continue;
+    }
     done_bytes_ += b.length.value();
     any = true;
   }
-  if (!any) return;
+  if (!back) return;
   touch();
+  for (const auto& r : again) {
+    // It has not arrived after all: it may come again, at most max_refetches times.
+    const auto end = after(r.offset, r.length);
+    if (!end || !seen_.erase(r.offset.value(), end->value()))
+      return fail(errc::internal, fmt::format("a rejected block at offset {} was never received", r.offset.value()), false, true);
+    received_ -= r.length.value();
+    if (++refetched_[r.offset.value()] > max_refetches) {
+      Failure f(errc::integrity_error,
+                fmt::format("the block at offset {} did not match its digest {} times", r.offset.value(), max_refetches + 1));
+      f.offset = r.offset;
+      return fail(std::move(f), true);
+    }
+    Arrival a;
+    a.h.offset = r.offset.value();
+    on(TransferEvent::block_rejected, a);
+    if (machine_.finished()) return;
+  }
   // Freed slots take the channels that waited for one.
   while (!parked_.empty() && !free_slots_.empty()) {
     Parked p = parked_.back();
     parked_.pop_back();
     read_block(*p.ch, p.h);
   }
-  on(TransferEvent::block_written);
+  if (any) on(TransferEvent::block_written);
   maybe_complete();
+}
+
+void Receiver::send_nack(const Arrival& a) {
+  FrameHeader h;
+  h.event = wire::ChannelEvent::nack;
+  h.offset = a.h.offset;
+  auto& ch = *channels_.front();
+  ++nacks_unsent_;
+  ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& ec) {
+    --nacks_unsent_;
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    maybe_finish();
+  });
 }
 
 void Receiver::send_ack() {
@@ -574,7 +675,8 @@ void Receiver::commit() {
 
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
 void Receiver::maybe_finish() {
-  if (machine_.state() != State::draining || eofr_unsent_ != 0 || acks_unsent_ != 0 || writer_) return;
+  if (machine_.state() != State::draining || eofr_unsent_ != 0 || acks_unsent_ != 0 || nacks_unsent_ != 0 || writer_)
+    return;
   on(TransferEvent::committed);
 }
 

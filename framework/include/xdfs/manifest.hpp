@@ -32,7 +32,7 @@ inline constexpr std::uint32_t digest_size = 32;
 inline constexpr const char* algorithm = "xdfs-manifest-1-sha256";
 
 /// A block travels with its digest and, in the protected modes, a tag after both.
-static_assert(digest_size + 16 <= wire::max_block_tag, "a block's digest and its tag must fit its frame and slot");
+static_assert(digest_size <= wire::max_block_tag, "a block's digest must fit its frame and slot (xsec.hpp checks it with the tag)");
 
 using Digest = std::array<std::uint8_t, digest_size>;
 
@@ -46,6 +46,9 @@ public:
   BlockHasher(const BlockHasher&) = delete;
   BlockHasher& operator=(const BlockHasher&) = delete;
   Digest digest(const std::uint8_t* data, std::size_t n);
+  /// The same in parts: update with each part of a block, then finish.
+  void update(const std::uint8_t* data, std::size_t n);
+  Digest finish();
   /// Hashes data[0, n) and writes the digest at data + n.
   void stamp(std::uint8_t* data, std::size_t n) { put(data + n, digest(data, n)); }
   /// Does data[0, n) hash to the digest stored at data + n?
@@ -59,18 +62,23 @@ private:
 /// The whole-file digest of a file of `file_size` bytes cut into blocks of `block_size`:
 ///   SHA-256("xDFS-manifest-1\n" || u64le file_size || u32le block_size || d_0 || ... || d_{k-1})
 /// where d_i is the SHA-256 of block i. Blocks may be added in any order; each digest waits
-/// until those before it are in (a receiver sees blocks roughly in order, so few wait).
+/// until those before it are in (a receiver sees blocks roughly in order, so few wait: at most
+/// `max_waiting`, so that a peer that never sends one block cannot make the others pile up).
 /// Used by one thread at a time.
 class FileDigest {
 public:
-  FileDigest(std::uint64_t file_size, std::uint32_t block_size);
+  FileDigest(std::uint64_t file_size, std::uint32_t block_size, std::size_t max_waiting = SIZE_MAX);
   ~FileDigest();
   FileDigest(const FileDigest&) = delete;
   FileDigest& operator=(const FileDigest&) = delete;
 
-  /// The digest of the block at `offset`. False if that is not the start of one of the file's
-  /// blocks, or its digest was added already.
-  bool add(FileOffset offset, const Digest& d);
+  enum class Added { ok, not_a_block, too_far_ahead };
+  /// The digest of the block at `offset`. not_a_block if that is not the start of one of the
+  /// file's blocks, or its digest was added already; too_far_ahead if max_waiting digests
+  /// already wait for an earlier block.
+  Added add(FileOffset offset, const Digest& d);
+  /// The first block whose digest has not come (the one the others wait for).
+  std::uint64_t next_offset() const noexcept { return next_ * block_size_; }
   /// Every block's digest is in.
   bool complete() const noexcept { return next_ == blocks_; }
   /// The whole-file digest; none until complete(). The same value on every later call.
@@ -83,6 +91,7 @@ private:
   std::uint32_t block_size_;
   std::uint64_t blocks_;
   std::uint64_t next_ = 0;  // index of the next block whose digest the running hash takes
+  std::size_t max_waiting_;
   std::map<std::uint64_t, Digest> waiting_;
   std::unique_ptr<Botan::HashFunction> hash_;
   std::optional<Digest> result_;

@@ -86,6 +86,9 @@ struct Block {
   std::uint32_t slot = 0;
   DataLength length{};  ///< file data in the slot; a sealed block's tag follows it
   FileOffset offset{};
+  /// Receive: the disk thread did not write it, its digest did not match (Sink::refetch).
+  /// Send: a block to read again (network to disk) and, read, to send again (disk to network).
+  bool retry = false;
 };
 
 /// RAII eventfd: the disk thread's way to wake the network thread's event loop.
@@ -145,6 +148,10 @@ struct Sink {
   /// whole-file digest (written by the disk thread; the network thread reads it once every
   /// block is back).
   manifest::FileDigest* manifest = nullptr;
+  /// With a manifest and no opener (clear mode): a block that does not match its digest is
+  /// not written and goes back with `retry` set, for the receiver to ask for it again, instead
+  /// of failing the transfer.
+  bool refetch = false;
 };
 
 /// Where sent bytes come from.
@@ -157,6 +164,10 @@ struct Source {
   /// If set, every block's digest is written after its data (before it is sealed) and goes
   /// into this whole-file digest, complete once the last block is handed over.
   manifest::FileDigest* manifest = nullptr;
+  /// The reader stays after the last block, reading blocks again as the network thread asks
+  /// (a Block with `retry` set names it). Never with a sealer: a block is sealed once per
+  /// transfer, so no nonce serves twice.
+  bool resends = false;
 };
 
 /// Bytes after a block's data in its slot and its frame: its digest, then its tag.

@@ -13,6 +13,8 @@ public:
   /// Adds [begin, end); false (and nothing added) if it overlaps a range already there or is
   /// empty or reversed.
   bool insert(std::uint64_t begin, std::uint64_t end);
+  /// Takes [begin, end) out again; false (and nothing changed) unless all of it is there.
+  bool erase(std::uint64_t begin, std::uint64_t end);
   /// Whether any byte of [begin, end) is there.
   bool overlaps(std::uint64_t begin, std::uint64_t end) const;
   /// Bytes covered.

@@ -56,6 +56,7 @@ enum class ChannelEvent : std::uint8_t {
   ack = 11,       ///< cumulative count of bytes the receiver has written (in `offset`)
   exception = 12, ///< error for the peer (Cap'n Proto ExceptionHeader)
   handshake = 13, ///< xSec handshake message (Noise XX or join proof)
+  nack = 14,      ///< receiver, clear mode with the manifest: the block at `offset` failed its digest; send it again
 };
 
 const char* to_string(ChannelEvent e) noexcept;

@@ -192,6 +192,8 @@ void random_fill(std::span<std::uint8_t> out);
 
 inline constexpr std::size_t tag_size = 16;
 static_assert(tag_size <= wire::max_block_tag, "a sealed block must fit its frame and its slot");
+static_assert(manifest::digest_size + tag_size <= wire::max_block_tag,
+              "a sealed block with its digest must fit its frame and its slot");
 
 /// Protects the frames of one channel. Each direction has its own key and counter.
 class FrameProtector final : public xdsi::FrameGuard {

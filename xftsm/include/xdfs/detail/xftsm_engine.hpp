@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -64,6 +65,9 @@ struct TransferParams {
   /// receiver checks each, and both sides compare the whole-file digest at the end.
   bool manifest = false;
 };
+
+/// Times a receiver asks for one block again (clear mode, manifest) before the transfer fails.
+inline constexpr unsigned max_refetches = 3;
 
 /// Slots an engine's pool gets for these parameters: no more than the file has blocks (a small
 /// file, a small pool), never fewer than two, so that reading and sending overlap.
@@ -165,6 +169,10 @@ private:
   void pump();
   /// send_eofr: EOFR on every channel.
   void send_eofrs();
+  /// Puts block b on channel `pick` (a resend: again, outside the window).
+  void send_on(std::size_t pick, const piod::Block& b);
+  /// resend_block: the spare slot reads the next block asked for again, when it is free.
+  void resend();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
 
@@ -172,6 +180,14 @@ private:
   std::optional<piod::DiskReader> reader_;
   std::vector<piod::Block> ready_;       // filled blocks in offset order, consumed from ready_head_
   std::size_t ready_head_ = 0;
+  // Resends (clear mode, manifest): one spare slot, outside the read-ahead, reads the blocks the
+  // receiver asks for again, one at a time; they go out before new blocks and outside the window.
+  bool resends_ = false;
+  std::uint32_t spare_ = 0;
+  bool spare_busy_ = false;
+  std::vector<piod::Block> asked_;       // blocks asked for again, waiting for the spare slot
+  std::vector<piod::Block> again_;       // read again, waiting for a channel
+  std::map<std::uint64_t, unsigned> nacks_;  // per offset: times asked again
   std::vector<std::uint8_t> inflight_;   // per channel: blocks queued on it (at most 2)
   std::size_t next_channel_ = 0;
   std::uint64_t queued_ = 0;             // bytes handed to channels
@@ -237,6 +253,11 @@ private:
   std::uint64_t acked_sent_ = 0;
   std::uint64_t ack_every_ = 0;
   std::size_t acks_unsent_ = 0;
+  /// send_nack: asks for the block at the arrival's offset again.
+  void send_nack(const Arrival& a);
+  bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
+  std::map<std::uint64_t, unsigned> refetched_;  // per offset: times asked again
+  unsigned nacks_unsent_ = 0;
   /// committed, once the confirmations (and any ACK) have left.
   void maybe_finish() override;
 };

@@ -42,9 +42,11 @@ enum class TransferEvent : std::uint8_t {
   block_written,    ///< receiver: the disk thread wrote blocks
   ack_received,     ///< sender: the receiver acknowledged written bytes
   ack_sent,         ///< receiver: an acknowledgement left
-  all_sent,         ///< sender: every block is out and EOFR went on every channel
+  all_sent,         ///< sender: every block is out and acknowledged: EOFR goes on every channel
   all_received,     ///< receiver: EOFR on every channel and every byte accounted for
   committed,        ///< receiver: the file is final and its EOFRs left; sender: the receiver's EOFR came on every channel
+  block_rejected,   ///< receiver (clear mode, manifest): a block did not match its digest and was not written
+  nack_received,    ///< sender: the receiver asks for a block again (NACK)
   peer_exception,   ///< an exception header arrived
   local_error,      ///< this side failed (disk, bad frame, state violation)
   channel_lost,     ///< a channel closed or reset before the end
@@ -66,6 +68,8 @@ enum class TransferAction : std::uint8_t {
   open_window,       ///< sender: acknowledged bytes free window room
   send_eofr,         ///< sender: end of blocks on every channel
   commit,            ///< receiver: flush, check the size, rename into place, EOFR on every channel
+  send_nack,         ///< receiver: ask for the rejected block again (NACK), at most three times per block
+  resend_block,      ///< sender: read the block again and send it, ahead of new ones and outside the window
   finish,            ///< close the channels, report success
   abort,             ///< discard any partial file, tell the peer, close the channels
 };
