@@ -52,9 +52,11 @@ TOOLS = {
     "small": ["xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
     "link": ["xdfs", "xdfs-private", "gridftp", "iperf3"],
 }
-# xdfs runs with --protect clear: control frames MACed, data as is, like GridFTP's anonymous
-# clear data channel (the fair comparison). xdfs-private is xduc's default, every frame
-# AES-256-GCM (or ChaCha20-Poly1305), what a user gets without options.
+# xdfs runs with --protect clear --no-verify: control frames MACed, data as is, no block digests,
+# like GridFTP's anonymous clear data channel without -verify-checksum (the fair comparison).
+# xdfs-private is xduc's default, every frame AES-256-GCM (or ChaCha20-Poly1305) and every block
+# verified against its digest, what a user gets without options. perf/xsec.py measures what
+# verification costs (clear against clear/no-verify).
 
 # Default matrix of a full run (about 40 minutes on the 2-core development machine; see README).
 FULL = dict(
@@ -505,6 +507,7 @@ def free_port(host="127.0.0.1") -> int:
 class Ctx:
     def __init__(self, args) -> None:
         self.args = args
+        self.no_verify: list[str] = []
         self.work = args.work
         self.bin = args.xdfs_bin
         self.xdfsd = os.path.join(self.bin, "xdfsd")
@@ -537,6 +540,9 @@ def xsec_setup(ctx: Ctx) -> None:
     """xSec: a client key for the benchmark, authorized rw on a server state of its own."""
     ctx.xduc_auth, ctx.xdfsd_auth, ctx.xsec = [], [], False
     helptext = subprocess.run([ctx.xduc, "--help"], capture_output=True, text=True).stdout
+    # An xDFS with the content manifest verifies every block by default; GridFTP's transfers here
+    # do not, so the like-for-like "xdfs" runs without it (xdfs-private keeps the default).
+    ctx.no_verify = ["--no-verify"] if "--no-verify" in helptext else []
     if "--identity" not in helptext:
         return  # an xDFS from before xSec
     kd = os.path.join(ctx.work, "keys")
@@ -560,7 +566,7 @@ def xduc_args(ctx: Ctx, tool: str) -> list[str]:
             raise Unsupported("this xDFS has no xSec protection modes")
         prot = ["--protect", "private"]
     else:
-        prot = ["--protect", "clear"] if ctx.xsec else []
+        prot = (["--protect", "clear"] if ctx.xsec else []) + ctx.no_verify
     return ctx.xduc_auth + prot + ctx.xduc_extra
 
 

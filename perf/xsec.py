@@ -4,7 +4,9 @@
 1. Protection modes: a SIZE download over loopback (a file in a RAM-backed directory on the
    server, /dev/null at the client), clear, integrity and private taking turns in the same run
    against one server, REPS each. Prints throughput (median, range), each mode's share of clear,
-   and the CPU seconds (user + system) of each side per run.
+   and the CPU seconds (user + system) of each side per run. A mode written MODE/no-verify runs
+   without the content manifest (xduc --no-verify): clear/no-verify against clear is what
+   verification costs.
 2. Session set-up: a 1-byte memory-mode session with 1 channel and with 256, taking turns,
    timed by xduc's own clock: set-up (resolve, connect, Noise XX on the first channel, the joins
    of the others, every channel's negotiation reply) and the whole session (plus one byte and
@@ -118,7 +120,9 @@ def modes_run(srv: Server, name: str, size: int, reps: int, streams: int, modes:
     for rep in range(reps):
         order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # who goes first rotates
         for m in order:
-            s, ccpu, scpu = srv.xduc_json(["-p", str(streams), "--protect", m, f"{srv.url}/{name}", "/dev/null"])
+            protect, _, variant = m.partition("/")
+            extra = ["--no-verify"] if variant == "no-verify" else []
+            s, ccpu, scpu = srv.xduc_json(["-p", str(streams), "--protect", protect, *extra, f"{srv.url}/{name}", "/dev/null"])
             if s.get("bytes") != size:
                 fail(f"{m}: {s.get('bytes')} bytes arrived, {size} expected")
             runs[m].append({"gbps": size / s["seconds"] / 1e9, "seconds": s["seconds"],
@@ -146,7 +150,7 @@ def main() -> None:
     ap.add_argument("--size", default="2G", help="download size (default 2G)")
     ap.add_argument("--reps", type=int, default=5, help="runs of each mode (default 5)")
     ap.add_argument("--streams", type=int, default=4, help="channels of the downloads (default 4)")
-    ap.add_argument("--modes", default="clear,integrity,private")
+    ap.add_argument("--modes", default="clear,clear/no-verify,integrity,private")
     ap.add_argument("--setup-channels", default="1,256")
     ap.add_argument("--setup-reps", type=int, default=7)
     ap.add_argument("--dir", default="", help="where the server's file lives (default /dev/shm if it has room)")

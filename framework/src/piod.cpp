@@ -373,6 +373,10 @@ void DiskReader::read_blocks() {
   // A block the receiver asks for again: read it where it is and hand it over as it was first
   // sent, with its digest (never sealed: Source::resends goes without a sealer).
   auto read_again = [&](Block b) -> bool {
+    if (source_.sealer) {  // never: its nonce would serve twice (Source::resends goes without one)
+      pipe_.set_error(errc::internal, "a sealed block cannot be sent again");
+      return false;
+    }
     if (!source_.zero) {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;

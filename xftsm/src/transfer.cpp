@@ -52,7 +52,9 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       last_activity_(std::chrono::steady_clock::now()) {
   // Blocks arrive within the window (pool_slots of them), a block asked for again by a few
   // windows at most: far more waiting than that means a block the peer withholds.
-  if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(4096, 16 * std::size_t(pool_slots(p))));
+  // The sender's window counts bytes written, not a prefix, so a channel that stalls lets the
+  // others run ahead: 64 windows (at least 64Ki blocks) is far beyond any stall that ends.
+  if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p))));
   arm_watchdog();
 }
 
@@ -364,6 +366,7 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
             --inflight_[pick];
             touch();
             if (b.retry) {
+              resending_.erase(b.offset.value());
               spare_busy_ = false;  // the spare slot reads the next block asked for, if any
               resend();
             } else {
@@ -377,7 +380,7 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
 void Sender::resend() {
   if (spare_busy_ || asked_.empty()) return;
   piod::Block b = asked_.front();
-  asked_.erase(asked_.begin());
+  asked_.pop_front();
   b.slot = spare_;
   spare_busy_ = true;
   pipe_.to_disk(b);
@@ -422,13 +425,22 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
                     fmt::format("NACK of offset {} on channel {}: {}", h.offset, ch.index(),
                                 resends_ ? "not a block that was sent" : "this transfer sends no block again"),
                     false, true);
+      // Asked again before it was sent again, or more blocks outstanding than the window holds:
+      // not what a receiver that checks what arrives does.
+      const std::uint64_t window_blocks = params_.window / params_.block_size + 1;  // the receiver's
+      if (resending_.count(h.offset) || resending_.size() >= window_blocks)
+        return fail(errc::protocol_error,
+                    fmt::format("NACK of offset {} on channel {}: {}", h.offset, ch.index(),
+                                resending_.count(h.offset) ? "asked again before it was sent again"
+                                                           : "more blocks asked again than the window holds"),
+                    false, true);
       if (++nacks_[h.offset] > max_refetches)
         return fail(errc::protocol_error,
                     fmt::format("the receiver asked for the block at offset {} more than {} times", h.offset,
                                 max_refetches),
                     false, true);
+      resending_.insert(h.offset);
       asked_.push_back(piod::Block{0, *len, at, true});
-      touch();
       on(TransferEvent::nack_received);
       if (!machine_.finished()) read_loop(ch);
       return;
@@ -587,6 +599,7 @@ void Receiver::on_disk() {
       continue;
     }
     done_bytes_ += b.length.value();
+    if (!refetched_.empty()) refetched_.erase(b.offset.value());  // asked again and now written
     any = true;
   }
   if (!back) return;
@@ -597,6 +610,11 @@ void Receiver::on_disk() {
     if (!end || !seen_.erase(r.offset.value(), end->value()))
       return fail(errc::internal, fmt::format("a rejected block at offset {} was never received", r.offset.value()), false, true);
     received_ -= r.length.value();
+    if (refetched_.size() >= pipe_.slots() && !refetched_.count(r.offset.value()))
+      return fail(errc::protocol_error,
+                  fmt::format("more blocks failed their digests than the window holds (the last at offset {})",
+                              r.offset.value()),
+                  false, true);
     if (++refetched_[r.offset.value()] > max_refetches) {
       Failure f(errc::integrity_error,
                 fmt::format("the block at offset {} did not match its digest {} times", r.offset.value(), max_refetches + 1));

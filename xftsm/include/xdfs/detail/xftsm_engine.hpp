@@ -12,7 +12,9 @@
 
 #include <chrono>
 #include <functional>
+#include <deque>
 #include <map>
+#include <set>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -185,9 +187,10 @@ private:
   bool resends_ = false;
   std::uint32_t spare_ = 0;
   bool spare_busy_ = false;
-  std::vector<piod::Block> asked_;       // blocks asked for again, waiting for the spare slot
+  std::deque<piod::Block> asked_;        // blocks asked for again, waiting for the spare slot
   std::vector<piod::Block> again_;       // read again, waiting for a channel
   std::map<std::uint64_t, unsigned> nacks_;  // per offset: times asked again
+  std::set<std::uint64_t> resending_;    // offsets asked for and not sent again yet (at most slots)
   std::vector<std::uint8_t> inflight_;   // per channel: blocks queued on it (at most 2)
   std::size_t next_channel_ = 0;
   std::uint64_t queued_ = 0;             // bytes handed to channels
@@ -256,7 +259,9 @@ private:
   /// send_nack: asks for the block at the arrival's offset again.
   void send_nack(const Arrival& a);
   bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
-  std::map<std::uint64_t, unsigned> refetched_;  // per offset: times asked again
+  /// Per offset: times asked again, until the block is written (at most a window of them: a
+  /// correct sender has no more blocks than that unacknowledged).
+  std::map<std::uint64_t, unsigned> refetched_;
   unsigned nacks_unsent_ = 0;
   /// committed, once the confirmations (and any ACK) have left.
   void maybe_finish() override;
