@@ -44,6 +44,10 @@ const char* usage =
     "  --join-timeout SEC       deadline for all n channels to arrive (default 10)\n"
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
+    "  --max-rate RATE          bytes per second one session's file transfers may move over all\n"
+    "                           its channels, e.g. 100M (binary units; default: no limit)\n"
+    "  --max-total-rate RATE    bytes per second all sessions' file transfers together may move\n"
+    "                           (each at least --max-block-size per 15 s)\n"
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
     "  --disable-mode MODE      refuse operations of MODE: upload, download or path (repeatable)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
@@ -113,6 +117,10 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v || *v < (16u << 20)) bad("--memory-limit takes a size of at least 16M, e.g. 1G");
       cfg.memory_limit = static_cast<std::size_t>(*v);
+    } else if (a == "--max-rate" || a == "--max-total-rate") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < 1024 || *v > (1ull << 50)) bad(a + " takes a rate in bytes per second from 1K to 1P, e.g. 100M");
+      (a == "--max-rate" ? cfg.max_rate : cfg.max_total_rate) = *v;
     } else if (a == "--max-file-size") {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v || *v == 0 || *v > xdfs::wire::max_file_size) bad("--max-file-size takes a size from 1 to 4096P, e.g. 100G");
@@ -157,6 +165,11 @@ int main(int argc, char** argv) {
     }
   }
   if (cfg.root.empty()) bad("--root DIR is required (see --help)");
+  // A client's largest block at the limit must take well under the idle timeouts.
+  for (auto [name, rate] : {std::pair{"--max-rate", cfg.max_rate}, std::pair{"--max-total-rate", cfg.max_total_rate}})
+    if (rate && cfg.max_block_size > rate * 15)
+      bad(std::string(name) + " of " + std::to_string(rate) + " bytes per second takes more than 15 s per block of " +
+          std::to_string(cfg.max_block_size) + " (--max-block-size): raise it or lower --max-block-size");
   try {
     auto modes = xdfs::standard_modes();
     std::erase_if(modes, [&](const xdfs::runtime::ModeEntry& e) {

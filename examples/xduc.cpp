@@ -58,6 +58,8 @@ const char* usage =
     "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
     "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
     "  --fsync                flush a downloaded file to disk before renaming it into place\n"
+    "  --limit-rate RATE      bytes per second for file transfers over all channels together,\n"
+    "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
     "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
     "                         faster; in clear mode nothing then checks the data\n"
     "  --protect MODE         clear | integrity | private (default private): clear MACs control\n"
@@ -388,6 +390,10 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v || *v < 4096 || *v > (1ull << 30)) bad("--tcp-window takes a size from 4K to 1G");
       opt.tcp_window = static_cast<std::uint32_t>(*v);
+    } else if (a == "--limit-rate") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v < 1024 || *v > (1ull << 50)) bad("--limit-rate takes a rate in bytes per second from 1K to 1P, e.g. 100M");
+      opt.limit_rate = *v;
     } else if (a == "--no-verify") {
       opt.verify = false;
     } else if (a == "--sha256") {
@@ -458,6 +464,10 @@ int main(int argc, char** argv) {
     }
   }
   if (tree.checksum && !tree.sync) bad("--checksum goes with --sync");
+  // A block at the limit must take well under the idle timeout (60 s on both sides).
+  if (opt.limit_rate && opt.block_size > opt.limit_rate * 15)
+    bad(fmt::format("--limit-rate of {} bytes per second takes more than 15 s per block of {}: raise it or "
+                    "lower --block-size", opt.limit_rate, opt.block_size));
   tree.fsync = opt.fsync;
 
   struct sigaction sa {};

@@ -62,7 +62,7 @@ def children_cpu() -> float:
 class Server:
     """One xdfsd on a free loopback port, with a client key of its own authorized rw."""
 
-    def __init__(self, bindir: str, root: str, work: str) -> None:
+    def __init__(self, bindir: str, root: str, work: str, extra: tuple[str, ...] = ()) -> None:
         self.xduc = os.path.join(bindir, "xduc")
         xdfsd = os.path.join(bindir, "xdfsd")
         for exe in (self.xduc, xdfsd):
@@ -83,7 +83,7 @@ class Server:
         self.proc = subprocess.Popen(
             [xdfsd, "--root", root, "--listen", "127.0.0.1:0", "--port-file", port_file,
              "--state-dir", os.path.join(work, "state"), "--authorized-keys", auth,
-             "--allow-memory-mode", "--max-channels", "256"],
+             "--allow-memory-mode", "--max-channels", "256", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while not (os.path.exists(port_file) and open(port_file).read().strip()):

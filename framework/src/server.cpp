@@ -192,6 +192,7 @@ struct Server::Impl {
   asio::steady_timer backoff{io};
   files::Fd reserve;  // a descriptor kept free for shedding a connection when they run out
   std::unique_ptr<MemoryBudget> budget;
+  std::unique_ptr<RateLimiter> total_rate;
   // This run's mark on its temporary files, recorded (and locked while it runs) in
   // STATE-DIR/instances, so that the next start can tell a crashed run's files from a live one's.
   std::string instance;
@@ -325,6 +326,7 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   if (c.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
   if (!c.memory_limit) c.memory_limit = default_memory_limit();
   impl_->budget = std::make_unique<MemoryBudget>(c.memory_limit - process_base(c.memory_limit));
+  impl_->total_rate = std::make_unique<RateLimiter>(c.max_total_rate);
   impl_->record_instance();
   impl_->reserve = files::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   std::string host;
@@ -864,7 +866,7 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
       sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
       nego, client,
-      r.session_secret, *budget,
+      r.session_secret, *budget, *total_rate,
       [this, sp](SessionReport rep) {
         // Session thread: log the end line and let the loop run dry (lingering closes last).
         if (sp->reported) return;

@@ -156,7 +156,7 @@ private:
     op_start_ = Clock::now();
     op_env_.emplace(OperationEnv{env_.io, env_.config, env_.root_fd, env_.id, env_.peer, env_.tag, env_.opening, n,
                                  env_.client, env_.session_secret, env_.budget, channels_, env_.log,
-                                 made_});
+                                 made_, &session_rate_, &env_.total_rate});
     const ModeEntry* mode = nullptr;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) mode = &m;
@@ -424,6 +424,7 @@ private:
   Clock::time_point op_start_;
   std::optional<OperationEnv> op_env_;
   std::shared_ptr<files::Made> made_ = std::make_shared<files::Made>();  // OperationEnv::made
+  RateLimiter session_rate_{env_.config.max_rate};                         // OperationEnv::session_rate
   wire::Negotiation op_nego_;
   std::unique_ptr<Operation> op_;
   std::unique_ptr<Operation> previous_;  // the one that just ended, until the loop is back

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "xdfs/budget.hpp"
+#include "xdfs/rate.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/server.hpp"
@@ -191,6 +192,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   xdfs::files::Fd root_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
 
   xdfs::MemoryBudget budget(64u << 20);
+  xdfs::RateLimiter total_rate;  // unlimited: the fuzzer's sessions must not wait on a clock
   int reports = 0;
   std::vector<int> mine;
   {
@@ -203,7 +205,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   config.idle_timeout = std::chrono::milliseconds(60000);
   config.join_timeout = std::chrono::milliseconds(60000);
   xdfs::runtime::SessionEnv env{io, config, root_fd.get(), xdfs::SessionId::random(), "fuzz", "sfuzz0000-00000000",
-                                w::Opening{}, w::Negotiation{}, xdfs::runtime::Client{}, xs::Key32{}, budget,
+                                w::Opening{}, w::Negotiation{}, xdfs::runtime::Client{}, xs::Key32{}, budget, total_rate,
                                 [&](xdfs::SessionReport) { ++reports; }, [](const std::string&) {}};
   env.opening.protect = static_cast<std::uint8_t>(protect);
   env.nego.channel_count = n;

@@ -27,7 +27,7 @@ flags=(-std=c++20 -O"${XDFS_FUZZ_OPT:-1}" -g -fsanitize=fuzzer,"${XDFS_FUZZ_SANI
        -Wno-\#pragma-messages
        -I"$src/include" -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include"
        -I"$build/framework/schema" -I"$build/pathm/schema" -I"$build/pathm" -I/usr/include/botan-2)
-parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp"
+parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp" "$src/framework/src/rate.cpp"
          "$src/framework/src/text.cpp" "$src/framework/src/budget.cpp" "$src/framework/src/ranges.cpp"
          "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
          "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")

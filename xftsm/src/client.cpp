@@ -240,6 +240,10 @@ private:
     p.slots = slots_;
     p.idle_timeout = session_.options().idle_timeout;
     p.manifest = session_.manifest();
+    if (opt_.limit_rate) {
+      limit_ = std::make_unique<RateLimiter>(opt_.limit_rate);
+      p.limits.push_back(limit_.get());
+    }
     if (!memory_) p.pools = &session_.pool_cache();  // a memory source sends a slot's bytes as they are
     auto& io = session_.io();
     auto& channels = session_.channels();
@@ -326,6 +330,7 @@ private:
   piod::Sink sink_;
   std::uint64_t size_ = 0;
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
+  std::unique_ptr<RateLimiter> limit_;               // TransferOptions::limit_rate: outlives the engines
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
   Clock::time_point start_;

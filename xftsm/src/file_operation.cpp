@@ -153,6 +153,7 @@ private:
     p.slots = static_cast<std::uint32_t>(std::max<std::size_t>(env_.config.ring_bytes / nego_.block_size, 4));
     p.idle_timeout = env_.config.idle_timeout;
     p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
+    p.limits = {env_.session_rate, env_.total_rate};
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
     if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.file_size;

@@ -55,6 +55,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   // The sender's window counts bytes written, not a prefix, so a channel that stalls lets the
   // others run ahead: 64 windows (at least 64Ki blocks) is far beyond any stall that ends.
   if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p))));
+  std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });
   arm_watchdog();
 }
 
@@ -196,6 +197,13 @@ void Engine::eofr_everywhere(std::uint64_t offset) {
   }
 }
 
+std::chrono::steady_clock::duration Engine::pace(std::uint64_t n) noexcept {
+  auto wait = std::chrono::steady_clock::duration::zero();
+  const auto now = std::chrono::steady_clock::now();
+  for (auto* r : params_.limits) wait = std::max(wait, r->take(n, now));
+  return wait;
+}
+
 std::optional<manifest::Digest> Engine::own_digest() {
   auto d = manifest_ ? manifest_->result() : std::nullopt;
   if (manifest_ && !d) fail(errc::internal, "the whole-file digest is missing blocks", false, true);
@@ -255,7 +263,7 @@ void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::strin
 Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
                const TransferParams& p, piod::Source source)
     : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0),
-      confirmed_(channels.size(), false) {
+      confirmed_(channels.size(), false), pace_timer_(io) {
   source_.manifest = manifest_ ? &*manifest_ : nullptr;
   // In clear mode nothing else checks a block on its way: one that fails its digest at the
   // receiver is sent again. A sealed block never is (its nonce serves once).
@@ -268,6 +276,7 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
 Sender::~Sender() { stop_disk(); }
 
 void Sender::stop_disk() noexcept {
+  pace_timer_.cancel();  // a block waiting for its rate does not outlive the transfer
   pipe_.stop();
   reader_.reset();  // joins: the reader checks for the stop before every read
 }
@@ -324,10 +333,11 @@ void Sender::pump() {
     if (pick != n) next_channel_ = (pick + 1) % n;
     return pick;
   };
+  if (pacing_) return;  // a block waits for its rate; the timer pumps again
   // Blocks sent again first: the receiver's window already counts them.
   while (!again_.empty()) {
     const std::size_t pick = pick_channel();
-    if (pick == n) return;
+    if (pick == n || !may_send(again_.back().length.value())) return;
     const piod::Block b = again_.back();
     again_.pop_back();
     send_on(pick, b);
@@ -336,7 +346,7 @@ void Sender::pump() {
     const piod::Block b = ready_[ready_head_];
     if (queued_ - acked_ + b.length.value() > params_.window && queued_ != acked_) break;  // window full
     const std::size_t pick = pick_channel();
-    if (pick == n) break;
+    if (pick == n || !may_send(b.length.value())) break;
     ++ready_head_;
     queued_ += b.length.value();
     send_on(pick, b);
@@ -375,6 +385,25 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
             on(TransferEvent::block_sent);
             maybe_finish();
           });
+}
+
+bool Sender::may_send(std::uint64_t n) {
+  if (params_.limits.empty()) return true;
+  if (paced_) {  // the reservation this block waited for has come
+    paced_ = false;
+    return true;
+  }
+  const auto wait = pace(n);
+  if (wait <= std::chrono::steady_clock::duration::zero()) return true;
+  paced_ = pacing_ = true;
+  pace_timer_.expires_after(wait);
+  pace_timer_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec || machine_.finished()) return;
+    pacing_ = false;
+    touch();  // waiting for the rate is not a stall
+    pump();
+  });
+  return false;
 }
 
 void Sender::resend() {
@@ -486,6 +515,8 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   sink_.manifest = manifest_ ? &*manifest_ : nullptr;
   refetch_ = manifest_ && !sink_.opener && !sink_.discard;
   sink_.refetch = refetch_;
+  if (!params_.limits.empty())
+    for (std::size_t i = 0; i < channels.size(); ++i) pace_.push_back(std::make_unique<asio::steady_timer>(io));
   free_slots_.reserve(pipe_.slots());
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
@@ -495,6 +526,7 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
 Receiver::~Receiver() { stop_disk(); }
 
 void Receiver::stop_disk() noexcept {
+  for (auto& t : pace_) t->cancel();  // a read waiting for its rate does not outlive the transfer
   pipe_.stop();
   writer_.reset();  // joins: the writer checks for the stop before every write
 }
@@ -554,6 +586,10 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
   const auto data = unframed(FrameLength(h.length), tag());
   if (eofr_[idx] || !data || data->value() > params_.block_size)
     return bad_block(ch, h, eofr_[idx] ? "after EOFR" : "no block has that length");
+  admit(ch, h);
+}
+
+void Receiver::admit(xdsi::Channel& ch, const FrameHeader& h) {
   if (free_slots_.empty()) {
     parked_.push_back({&ch, h});  // resumes when the disk thread frees a slot
     return;
@@ -584,6 +620,21 @@ void Receiver::queue_write(const Arrival& a) {
   // The disk thread checks the block's own tag before writing it.
   received_ += a.data.value();
   pipe_.to_disk(piod::Block{a.slot, a.data, FileOffset(a.h.offset)});
+  if (!params_.limits.empty()) {
+    // The block has arrived: it is paid for now (only bytes that came are charged), and the
+    // channel reads its next one once the rate allows; TCP holds the rest back meanwhile.
+    const auto wait = pace(a.data.value());
+    if (wait > std::chrono::steady_clock::duration::zero()) {
+      auto& t = *pace_[a.ch->index()];
+      t.expires_after(wait);
+      t.async_wait([this, ch = a.ch](const xdsi::ErrorCode& ec) {
+        if (ec || machine_.state() != State::transferring) return;
+        touch();  // waiting for the rate is not a stall
+        read_loop(*ch);
+      });
+      return;
+    }
+  }
   read_loop(*a.ch);
 }
 

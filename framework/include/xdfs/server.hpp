@@ -22,6 +22,7 @@
 
 #include "xdfs/budget.hpp"
 #include "xdfs/error.hpp"
+#include "xdfs/rate.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
@@ -65,6 +66,10 @@ struct ServerConfig {
   std::chrono::milliseconds join_timeout{10000};       ///< all n channels must arrive in this
   std::chrono::milliseconds idle_timeout{60000};       ///< a session with no progress this long ends
   bool fsync = false;                     ///< fdatasync received files before renaming them into place
+  /// Bytes per second one session's file transfers may move, over all its channels (0: no limit).
+  std::uint64_t max_rate = 0;
+  /// Bytes per second all sessions' file transfers together may move (0: no limit).
+  std::uint64_t max_total_rate = 0;
   bool allow_memory_mode = false;         ///< accept memory-to-memory sessions (benchmarks)
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
   /// Where log lines go (one line each, no newline, escaped: nothing from a peer can break a
@@ -111,6 +116,7 @@ struct SessionEnv {
   Client client;
   xsec::Key32 session_secret{};  ///< the block keys of the session derive from it
   MemoryBudget& budget;          ///< server-wide: reserve before allocating for a peer
+  RateLimiter& total_rate;       ///< server-wide: ServerConfig::max_total_rate
   /// The mode calls this once when the session ends (on the session thread).
   std::function<void(SessionReport)> done;
   /// One log line (escaped by the runtime).
@@ -156,6 +162,10 @@ struct OperationEnv {
   /// What the session's operations made under the root (directories, received files): the
   /// entries whose modes its client may set later, in any operation of the session.
   std::shared_ptr<files::Made> made;
+  /// What file transfers take their bytes from: the session's limit (ServerConfig::max_rate)
+  /// and the server's (max_total_rate); either may be unlimited.
+  RateLimiter* session_rate = nullptr;
+  RateLimiter* total_rate = nullptr;
 };
 
 /// How an operation ended.

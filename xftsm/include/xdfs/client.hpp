@@ -40,6 +40,9 @@ struct TransferOptions : SessionOptions {
   /// memory_size zero bytes that the server discards; download receives memory_size bytes the
   /// server makes up, and discards them. The local path is ignored.
   std::uint64_t memory_size = 0;
+  /// Bytes per second over all channels together (0: no limit): the sender waits before each
+  /// block, the receiver before it reads each one.
+  std::uint64_t limit_rate = 0;
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};

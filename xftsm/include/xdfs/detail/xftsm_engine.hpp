@@ -23,6 +23,7 @@
 
 #include "xdfs/files.hpp"
 #include "xdfs/manifest.hpp"
+#include "xdfs/rate.hpp"
 #include "xdfs/piod.hpp"
 #include "xdfs/ranges.hpp"
 #include "xdfs/wire.hpp"
@@ -66,6 +67,9 @@ struct TransferParams {
   /// The content manifest (wire::flag_manifest): blocks travel with their digests, the
   /// receiver checks each, and both sides compare the whole-file digest at the end.
   bool manifest = false;
+  /// Rate limits every block is taken from (not owned; unlimited ones are skipped): a sender
+  /// waits before it sends a block, a receiver before it reads one.
+  std::vector<RateLimiter*> limits;
 };
 
 /// Times a receiver asks for one block again (clear mode, manifest) before the transfer fails.
@@ -119,6 +123,8 @@ protected:
   /// FIFO sink that nobody reads, that can be long).
   virtual void stop_disk() noexcept = 0;
   void touch() noexcept { last_activity_ = std::chrono::steady_clock::now(); }
+  /// Takes n bytes from every rate limit: how long to wait before they go.
+  std::chrono::steady_clock::duration pace(std::uint64_t n) noexcept;
   /// "unexpected EVENT on channel i in state S", for a frame the transfer does not take.
   std::string unexpected(const xdsi::Channel& ch, const wire::FrameHeader& h) const;
   /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
@@ -191,6 +197,13 @@ private:
   std::vector<piod::Block> again_;       // read again, waiting for a channel
   std::map<std::uint64_t, unsigned> nacks_;  // per offset: times asked again
   std::set<std::uint64_t> resending_;    // offsets asked for and not sent again yet (at most slots)
+  // Rate limits: the next block waits on this timer (pacing_), then goes on the reservation it
+  // waited for (paced_).
+  asio::steady_timer pace_timer_;
+  bool pacing_ = false;
+  bool paced_ = false;
+  /// Whether a block of n bytes may go now; else the timer will pump again.
+  bool may_send(std::uint64_t n);
   std::vector<std::uint8_t> inflight_;   // per channel: blocks queued on it (at most 2)
   std::size_t next_channel_ = 0;
   std::uint64_t queued_ = 0;             // bytes handed to channels
@@ -231,6 +244,9 @@ private:
   void on(TransferEvent e) { on(e, Arrival()); }
   void read_loop(xdsi::Channel& ch);
   void on_header(xdsi::Channel& ch, const wire::FrameHeader& h);
+  /// A data frame whose length checked out: into a free slot, or parked until one is free.
+  void admit(xdsi::Channel& ch, const wire::FrameHeader& h);
+  std::vector<std::unique_ptr<asio::steady_timer>> pace_;  // per channel: its next read waits for the rate
   void read_block(xdsi::Channel& ch, const wire::FrameHeader& h);
   /// queue_write: the authenticated block goes to the disk thread; its channel reads on.
   void queue_write(const Arrival& a);
