@@ -35,6 +35,18 @@ std::optional<std::uint64_t> parse_size(const std::string& text) {
   return *num * mult;
 }
 
+std::optional<std::uint64_t> parse_rate(const std::string& text) {
+  auto v = parse_size(text);
+  if (!v || *v < 1024 || *v > (1ull << 50)) return std::nullopt;
+  return v;
+}
+
+std::string too_slow(const std::string& option, std::uint64_t rate, std::uint64_t block, const std::string& block_option) {
+  if (!rate || block <= rate * 15) return {};
+  return option + " of " + std::to_string(rate) + " bytes per second takes more than 15 s per block of " +
+         std::to_string(block) + ": raise it or lower " + block_option;
+}
+
 bool is_url(const std::string& text) { return text.rfind("xdfs://", 0) == 0; }
 
 std::optional<Url> parse_url(const std::string& text, std::string& why) {

@@ -10,6 +10,13 @@ namespace xdfs::cli {
 /// "65536", "64K", "64KiB", "1M", "2G", "1T", "1P" (powers of 1024) -> bytes; nullopt if malformed.
 std::optional<std::uint64_t> parse_size(const std::string& text);
 
+/// A rate in bytes per second, as parse_size takes it, from 1K to 1P; nullopt otherwise.
+std::optional<std::uint64_t> parse_rate(const std::string& text);
+/// The rate limits' lower bound: one block of `block` bytes at `rate` must take at most 15 s,
+/// well inside the idle timeouts. "" if it does; else the one-line reason, naming `option` and
+/// telling to lower `block_option`.
+std::string too_slow(const std::string& option, std::uint64_t rate, std::uint64_t block, const std::string& block_option);
+
 /// Unsigned decimal within [lo, hi].
 std::optional<std::uint64_t> parse_uint(const std::string& text, std::uint64_t lo, std::uint64_t hi);
 

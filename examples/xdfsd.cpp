@@ -118,8 +118,8 @@ int main(int argc, char** argv) {
       if (!v || *v < (16u << 20)) bad("--memory-limit takes a size of at least 16M, e.g. 1G");
       cfg.memory_limit = static_cast<std::size_t>(*v);
     } else if (a == "--max-rate" || a == "--max-total-rate") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v < 1024 || *v > (1ull << 50)) bad(a + " takes a rate in bytes per second from 1K to 1P, e.g. 100M");
+      auto v = xdfs::cli::parse_rate(value(i));
+      if (!v) bad(a + " takes a rate in bytes per second from 1K to 1P, e.g. 100M");
       (a == "--max-rate" ? cfg.max_rate : cfg.max_total_rate) = *v;
     } else if (a == "--max-file-size") {
       auto v = xdfs::cli::parse_size(value(i));
@@ -167,9 +167,7 @@ int main(int argc, char** argv) {
   if (cfg.root.empty()) bad("--root DIR is required (see --help)");
   // A client's largest block at the limit must take well under the idle timeouts.
   for (auto [name, rate] : {std::pair{"--max-rate", cfg.max_rate}, std::pair{"--max-total-rate", cfg.max_total_rate}})
-    if (rate && cfg.max_block_size > rate * 15)
-      bad(std::string(name) + " of " + std::to_string(rate) + " bytes per second takes more than 15 s per block of " +
-          std::to_string(cfg.max_block_size) + " (--max-block-size): raise it or lower --max-block-size");
+    if (auto why = xdfs::cli::too_slow(name, rate, cfg.max_block_size, "--max-block-size"); !why.empty()) bad(why);
   try {
     auto modes = xdfs::standard_modes();
     std::erase_if(modes, [&](const xdfs::runtime::ModeEntry& e) {

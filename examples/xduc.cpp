@@ -391,8 +391,8 @@ int main(int argc, char** argv) {
       if (!v || *v < 4096 || *v > (1ull << 30)) bad("--tcp-window takes a size from 4K to 1G");
       opt.tcp_window = static_cast<std::uint32_t>(*v);
     } else if (a == "--limit-rate") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v < 1024 || *v > (1ull << 50)) bad("--limit-rate takes a rate in bytes per second from 1K to 1P, e.g. 100M");
+      auto v = xdfs::cli::parse_rate(value(i));
+      if (!v) bad("--limit-rate takes a rate in bytes per second from 1K to 1P, e.g. 100M");
       opt.limit_rate = *v;
     } else if (a == "--no-verify") {
       opt.verify = false;
@@ -464,10 +464,8 @@ int main(int argc, char** argv) {
     }
   }
   if (tree.checksum && !tree.sync) bad("--checksum goes with --sync");
-  // A block at the limit must take well under the idle timeout (60 s on both sides).
-  if (opt.limit_rate && opt.block_size > opt.limit_rate * 15)
-    bad(fmt::format("--limit-rate of {} bytes per second takes more than 15 s per block of {}: raise it or "
-                    "lower --block-size", opt.limit_rate, opt.block_size));
+  if (auto why = xdfs::cli::too_slow("--limit-rate", opt.limit_rate, opt.block_size, "--block-size"); !why.empty())
+    bad(why);
   tree.fsync = opt.fsync;
 
   struct sigaction sa {};

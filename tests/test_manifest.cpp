@@ -202,6 +202,16 @@ TEST_CASE("xduc --json reports the digest and xduc sum computes the same for the
   auto missing = xt::xduc({"sum", local / "nothing"});
   CHECK(missing.status == 1);
   CHECK(missing.err.find("nothing") != std::string::npos);
+  // --sha256 only where it means something: remote files of sum.
+  auto not_sum = xt::xduc({"ls", "--sha256", url(d.port(), "")});
+  CHECK(not_sum.status == 2);
+  CHECK(not_sum.err.find("--sha256 goes with sum") != std::string::npos);
+  auto local_sha = xt::xduc({"sum", "--sha256", local / "f"});
+  CHECK(local_sha.status == 2);
+  CHECK(local_sha.err.find("--sha256 is for remote files") != std::string::npos);
+  auto mixed = xt::xduc({"sum", local / "f", url(d.port(), "f")});
+  CHECK(mixed.status == 2);
+  CHECK(mixed.err.find("not both") != std::string::npos);
 }
 
 TEST_CASE("a server whose digests do not add up: the download fails naming what differs and keeps nothing") {

@@ -46,11 +46,6 @@ Digest BlockHasher::digest(const std::uint8_t* data, std::size_t n) {
 void BlockHasher::update(const std::uint8_t* data, std::size_t n) { hash_->update(data, n); }
 Digest BlockHasher::finish() { return take(*hash_); }
 
-bool BlockHasher::check(const std::uint8_t* data, std::size_t n) {
-  const Digest d = digest(data, n);
-  return std::memcmp(d.data(), data + n, d.size()) == 0;
-}
-
 void BlockHasher::put(std::uint8_t* at, const Digest& d) noexcept { std::memcpy(at, d.data(), d.size()); }
 
 FileDigest::FileDigest(std::uint64_t file_size, std::uint32_t block_size, std::size_t max_waiting)

@@ -50,10 +50,9 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       watchdog_(io),
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()) {
-  // Blocks arrive within the window (pool_slots of them), a block asked for again by a few
-  // windows at most: far more waiting than that means a block the peer withholds.
-  // The sender's window counts bytes written, not a prefix, so a channel that stalls lets the
-  // others run ahead: 64 windows (at least 64Ki blocks) is far beyond any stall that ends.
+  // Digests wait for a missing block. The sender's window counts bytes written, not a prefix,
+  // so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki blocks) is far
+  // beyond any stall that ends; more means a block the peer withholds.
   if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p))));
   std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });
   arm_watchdog();
@@ -262,8 +261,8 @@ void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::strin
 
 Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
                const TransferParams& p, piod::Source source)
-    : Engine(io, machine, channels, host, p), source_(source), inflight_(channels.size(), 0),
-      confirmed_(channels.size(), false), pace_timer_(io) {
+    : Engine(io, machine, channels, host, p), source_(source), pace_timer_(io), inflight_(channels.size(), 0),
+      confirmed_(channels.size(), false) {
   source_.manifest = manifest_ ? &*manifest_ : nullptr;
   // In clear mode nothing else checks a block on its way: one that fails its digest at the
   // receiver is sent again. A sealed block never is (its nonce serves once).
@@ -314,13 +313,13 @@ void Sender::on(TransferEvent e) {
   }
 }
 
-// The least loaded channel, round robin among equals from where we stopped; n if every one has
-// two blocks queued. Two blocks per channel keep its socket buffer fed while the completion of
-// the first one is handled.
 void Sender::pump() {
   // Only while transferring: after all_sent (draining) nothing more is queued.
   if (machine_.state() != State::transferring) return;
   const std::size_t n = channels_.size();
+  // The least loaded channel, round robin among equals from where we stopped; n if every one
+  // has two blocks queued. Two blocks per channel keep its socket buffer fed while the
+  // completion of the first one is handled.
   auto pick_channel = [&]() -> std::size_t {
     std::size_t pick = n;
     for (std::size_t k = 0; k < n; ++k) {
@@ -687,34 +686,26 @@ void Receiver::on_disk() {
   maybe_complete();
 }
 
-void Receiver::send_nack(const Arrival& a) {
-  FrameHeader h;
-  h.event = wire::ChannelEvent::nack;
-  h.offset = a.h.offset;
-  auto& ch = *channels_.front();
-  ++nacks_unsent_;
-  ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& ec) {
-    --nacks_unsent_;
-    if (machine_.finished()) return;
-    if (ec) return channel_error(ch, ec);
-    maybe_finish();
-  });
-}
+void Receiver::send_nack(const Arrival& a) { tell_sender(wire::ChannelEvent::nack, a.h.offset); }
 
 void Receiver::send_ack() {
   if (done_bytes_ - acked_sent_ < ack_every_ && done_bytes_ != params_.file_size) return;
   if (done_bytes_ == acked_sent_) return;
   acked_sent_ = done_bytes_;
+  tell_sender(wire::ChannelEvent::ack, acked_sent_);
+}
+
+void Receiver::tell_sender(wire::ChannelEvent event, std::uint64_t offset) {
   FrameHeader h;
-  h.event = wire::ChannelEvent::ack;
-  h.offset = acked_sent_;
+  h.event = event;
+  h.offset = offset;
   auto& ch = *channels_.front();
-  ++acks_unsent_;
-  ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& ec) {
-    --acks_unsent_;
+  ++told_unsent_;
+  ch.send(h, std::vector<std::uint8_t>{}, [this, &ch, event](const xdsi::ErrorCode& ec) {
+    --told_unsent_;
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
-    on(TransferEvent::ack_sent);
+    if (event == wire::ChannelEvent::ack) on(TransferEvent::ack_sent);
     maybe_finish();
   });
 }
@@ -744,8 +735,7 @@ void Receiver::commit() {
 
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
 void Receiver::maybe_finish() {
-  if (machine_.state() != State::draining || eofr_unsent_ != 0 || acks_unsent_ != 0 || nacks_unsent_ != 0 || writer_)
-    return;
+  if (machine_.state() != State::draining || eofr_unsent_ != 0 || told_unsent_ != 0 || writer_) return;
   on(TransferEvent::committed);
 }
 

@@ -51,8 +51,6 @@ public:
   Digest finish();
   /// Hashes data[0, n) and writes the digest at data + n.
   void stamp(std::uint8_t* data, std::size_t n) { put(data + n, digest(data, n)); }
-  /// Does data[0, n) hash to the digest stored at data + n?
-  bool check(const std::uint8_t* data, std::size_t n);
   static void put(std::uint8_t* at, const Digest& d) noexcept;
 
 private:
@@ -97,8 +95,8 @@ private:
   std::optional<Digest> result_;
 };
 
-/// The whole-file digest of the first `size` bytes of `fd`, read with pread. `stop`, when set,
-/// is polled between blocks. Errors: the read's errno, or size_mismatch when the file is shorter.
+/// The whole-file digest of the first `size` bytes of `fd`, read with pread in parts of at most
+/// 1 MiB whatever the block size. `stop`, when set, is polled between parts. Errors: the read's errno, or size_mismatch when the file is shorter.
 struct Computed {
   errc code = errc::ok;
   std::string message;

@@ -271,15 +271,16 @@ private:
   std::uint64_t received_ = 0;
   std::uint64_t acked_sent_ = 0;
   std::uint64_t ack_every_ = 0;
-  std::size_t acks_unsent_ = 0;
+  std::size_t told_unsent_ = 0;          // ACKs and NACKs queued and not written yet
   /// send_nack: asks for the block at the arrival's offset again.
   void send_nack(const Arrival& a);
+  /// An ACK or a NACK on channel 0 (told_unsent_ counts it until it has left).
+  void tell_sender(wire::ChannelEvent event, std::uint64_t offset);
   bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
   /// Per offset: times asked again, until the block is written (at most a window of them: a
   /// correct sender has no more blocks than that unacknowledged).
   std::map<std::uint64_t, unsigned> refetched_;
-  unsigned nacks_unsent_ = 0;
-  /// committed, once the confirmations (and any ACK) have left.
+  /// committed, once the confirmations (and any ACK or NACK) have left.
   void maybe_finish() override;
 };
 
