@@ -44,6 +44,9 @@ const char* usage =
     "  --join-timeout SEC       deadline for all n channels to arrive (default 10)\n"
     "  --idle-timeout SEC       end sessions without progress this long (default 60)\n"
     "  --fsync                  fdatasync received files before renaming them into place\n"
+    "  --partial-expiry SEC     keep an interrupted upload's partial file and resume record this\n"
+    "                           long for its client to continue it (default 86400; 0: uploads\n"
+    "                           are not resumable); older ones are swept at start and hourly\n"
     "  --max-rate RATE          bytes per second one session's file transfers may move over all\n"
     "                           its channels, e.g. 100M (binary units; default: no limit)\n"
     "  --max-total-rate RATE    bytes per second all sessions' file transfers together may move\n"
@@ -150,6 +153,10 @@ int main(int argc, char** argv) {
       cfg.idle_timeout = seconds(i);
     } else if (a == "--fsync") {
       cfg.fsync = true;
+    } else if (a == "--partial-expiry") {
+      auto v = xdfs::cli::parse_uint(value(i), 0, 365ull * 86400);
+      if (!v) bad("--partial-expiry takes whole seconds from 0 to 31536000");
+      cfg.partial_expiry = std::chrono::seconds(*v);
     } else if (a == "--path-workers") {
       auto v = xdfs::cli::parse_uint(value(i), 1, 64);
       if (!v) bad("--path-workers takes a thread count from 1 to 64");

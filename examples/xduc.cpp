@@ -62,6 +62,10 @@ const char* usage =
     "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
     "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
     "                         faster; in clear mode nothing then checks the data\n"
+    "  --no-resume            start over instead of continuing an interrupted transfer (by\n"
+    "                         default a download is written as .NAME.xdfs-partial with a\n"
+    "                         record of its verified blocks, kept when the transfer is cut, and\n"
+    "                         the same command continues it; uploads resume at the server)\n"
     "  --protect MODE         clear | integrity | private (default private): clear MACs control\n"
     "                         frames only, integrity MACs every frame, private encrypts every frame\n"
     "  --identity FILE        private key (default ~/.config/xdfs/id_x25519, made on first use)\n"
@@ -396,6 +400,8 @@ int main(int argc, char** argv) {
       opt.limit_rate = *v;
     } else if (a == "--no-verify") {
       opt.verify = false;
+    } else if (a == "--no-resume") {
+      opt.resume = false;
     } else if (a == "--sha256") {
       plain_sha256 = true;
     } else if (a == "--fsync") {
@@ -658,8 +664,9 @@ int main(int argc, char** argv) {
     if (json) {
       const double bps = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0;
       fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},"
-                 "\"setup_seconds\":{:.6f}{}}}\n",
-                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds,
+                 "\"setup_seconds\":{:.6f},\"resumed_from\":{},\"bytes_sent\":{}{}}}\n",
+                 up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds, r.resumed_from,
+                 r.bytes - r.resumed_from,
                  r.digest.empty() ? std::string()
                                   : fmt::format(",\"block_size\":{},\"digest_algorithm\":\"{}\",\"digest\":\"{}\"",
                                                 opt.block_size, xdfs::manifest::algorithm, r.digest));

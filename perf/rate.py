@@ -24,7 +24,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from xsec import SRC_ROOT, Server, fail, parse_size  # noqa: E402
+from xsec import SRC_ROOT, Server, fail, parse_size, write_random  # noqa: E402
 
 
 def main() -> None:
@@ -45,12 +45,7 @@ def main() -> None:
             tempfile.TemporaryDirectory(prefix="xdfs-rate-src-", dir=base) as src, \
             tempfile.TemporaryDirectory(prefix="xdfs-rate-work-") as work:
         f = os.path.join(src, "f")
-        with open(f, "wb") as out:
-            chunk = os.urandom(1 << 20)
-            left = size
-            while left > 0:
-                out.write(chunk[:min(left, len(chunk))])
-                left -= len(chunk)
+        write_random(f, size)
         shutil.copy(f, os.path.join(root, "f"))
         p = ["-p", str(a.streams)]
         cases = [

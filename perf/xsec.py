@@ -43,6 +43,15 @@ def parse_size(s: str) -> int:
     return int(s)
 
 
+def write_random(path: str, size: int) -> None:
+    """A file of `size` bytes: one random MiB over and over (nothing compresses or dedups it away)."""
+    with open(path, "wb") as f:
+        chunk = os.urandom(1 << 20)
+        for _ in range(size >> 20):
+            f.write(chunk)
+        f.write(chunk[: size & ((1 << 20) - 1)])
+
+
 def fail(msg: str) -> None:
     print(f"xsec.py: {msg}", file=sys.stderr)
     sys.exit(1)
@@ -169,11 +178,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="xdfs-xsec-", dir=base) as root, \
             tempfile.TemporaryDirectory(prefix="xdfs-xsec-work-") as work:
         name = "f"
-        with open(os.path.join(root, name), "wb") as f:
-            chunk = os.urandom(1 << 20)
-            for _ in range(size >> 20):
-                f.write(chunk)
-            f.write(chunk[: size & ((1 << 20) - 1)])
+        write_random(os.path.join(root, name), size)
         srv = Server(a.xdfs_bin, root, work)
         try:
             commit = subprocess.run(["git", "-C", SRC_ROOT, "rev-parse", "--short", "HEAD"],

@@ -242,7 +242,8 @@ bool XdfsdProcess::wait_for_log(const std::string& text, int timeout_ms) {
                         [&] { return log_.find(text) != std::string::npos; });
 }
 
-RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms) {
+RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms,
+              std::atomic<pid_t>* pid_out) {
   int out[2], err[2];
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
   std::vector<std::string> all{program};
@@ -259,6 +260,7 @@ RunResult run(const std::string& program, const std::vector<std::string>& args, 
   if (posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), environ) != 0)
     throw std::runtime_error("cannot run " + program);
   posix_spawn_file_actions_destroy(&fa);
+  if (pid_out) pid_out->store(pid);
   ::close(out[1]);
   ::close(err[1]);
   RunResult r;
@@ -288,11 +290,14 @@ RunResult run(const std::string& program, const std::vector<std::string>& args, 
   }
   int status = 0;
   ::waitpid(pid, &status, 0);
+  if (pid_out) pid_out->store(-1);
   r.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
 }
 
-RunResult xduc(const std::vector<std::string>& args, int timeout_ms) { return run(XDUC_PATH, args, timeout_ms); }
+RunResult xduc(const std::vector<std::string>& args, int timeout_ms, std::atomic<pid_t>* pid) {
+  return run(XDUC_PATH, args, timeout_ms, pid);
+}
 
 RawChannel::RawChannel(std::uint16_t port, const std::string& source_ip)
     : RawPeer(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {

@@ -100,8 +100,10 @@ struct RunResult {
 };
 /// Runs a program to completion with stdin from /dev/null; after timeout_ms it is killed
 /// (status 128+9). No test waits without a bound.
-RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms = 300000);
-RunResult xduc(const std::vector<std::string>& args, int timeout_ms = 300000);
+/// `pid`, when given, holds the child's pid while it runs (for a test that kills it).
+RunResult run(const std::string& program, const std::vector<std::string>& args, int timeout_ms = 300000,
+              std::atomic<pid_t>* pid = nullptr);
+RunResult xduc(const std::vector<std::string>& args, int timeout_ms = 300000, std::atomic<pid_t>* pid = nullptr);
 
 /// What a raw test client says: its opening (in the clear) and its negotiation (inside Noise XX).
 struct Hello {

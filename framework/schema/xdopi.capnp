@@ -38,6 +38,11 @@ struct Negotiation {
   window @7 :UInt64;             # download: bytes the client lets be unacknowledged
   transfer @8 :UInt64;           # the operation's number in its session: 0 in the handshake, then
                                  # strictly increasing; the data keys of an operation derive from it
+  resumeOffset @9 :UInt64;       # download: the client holds a verified partial copy of this many
+                                 # bytes (a multiple of the block size) and asks for the rest
+  sourceMtime @10 :Int64;        # upload: the file's mtime (ns); download with resumeOffset: the
+                                 # source's mtime when the partial copy began (fileSize its size)
+  fresh @11 :Bool;               # upload: start at byte 0 even if a partial copy was kept
 }
 
 # The server's answer on each channel once all n have joined.
@@ -45,6 +50,8 @@ struct NegotiationReply {
   fileSize @0 :UInt64;           # download: bytes the server will send
   window @1 :UInt64;             # upload: bytes the server lets be unacknowledged
   blockSize @2 :UInt32;          # block size in force for the session
+  resumeOffset @3 :UInt64;       # where the data starts: the receiver's verified prefix (0: all)
+  mtime @4 :Int64;               # download: the file's mtime (ns), for the client's resume record
 }
 
 # An error travelling to the peer (code from xdfs::errc and a one-line message).

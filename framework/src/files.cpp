@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -9,12 +10,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
 #include <vector>
 
+#include "xdfs/manifest.hpp"
 #include "xdfs/wire.hpp"
 
 namespace xdfs::files {
@@ -86,7 +90,10 @@ bool is_temp_of(const char* name, const std::string& tag_prefix) {
          n.find(mark) != std::string_view::npos;
 }
 
-std::size_t sweep_dir(int dir, const std::string& tag_prefix, const std::atomic<bool>* stop, int depth) {
+// Walks the tree below `dir` (never following a symlink) and calls `take(dir, name)` for each
+// regular file (or entry of unknown type) not a directory; counts those it says it removed.
+std::size_t sweep_dir(int dir, const std::function<bool(int, const char*)>& take, const std::atomic<bool>* stop,
+                      int depth) {
   if (depth > 256) return 0;
   const int fd = ::dup(dir);
   DIR* d = fd < 0 ? nullptr : ::fdopendir(fd);
@@ -101,11 +108,8 @@ std::size_t sweep_dir(int dir, const std::string& tag_prefix, const std::atomic<
     if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
     if (e->d_type == DT_DIR) {
       subdirs.emplace_back(e->d_name);
-    } else if ((e->d_type == DT_REG || e->d_type == DT_UNKNOWN) && is_temp_of(e->d_name, tag_prefix)) {
-      struct stat st {};
-      if (::fstatat(dir, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-          ::unlinkat(dir, e->d_name, 0) == 0)
-        ++removed;
+    } else if ((e->d_type == DT_REG || e->d_type == DT_UNKNOWN) && take(dir, e->d_name)) {
+      ++removed;
     } else if (e->d_type == DT_UNKNOWN) {
       subdirs.emplace_back(e->d_name);  // opened below with O_DIRECTORY: a non-directory fails
     }
@@ -114,16 +118,58 @@ std::size_t sweep_dir(int dir, const std::string& tag_prefix, const std::atomic<
   for (const auto& name : subdirs) {
     if (stop && stop->load(std::memory_order_relaxed)) break;
     Fd sub(::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (sub) removed += sweep_dir(sub.get(), tag_prefix, stop, depth + 1);
+    if (sub) removed += sweep_dir(sub.get(), take, stop, depth + 1);
   }
   return removed;
+}
+
+bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
 }
 
 }  // namespace
 
 std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std::atomic<bool>* stop) {
   Fd top(::openat(root, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  return top ? sweep_dir(top.get(), tag_prefix, stop, 0) : 0;
+  if (!top) return 0;
+  return sweep_dir(
+      top.get(),
+      [&](int dir, const char* name) {
+        if (!is_temp_of(name, tag_prefix)) return false;
+        struct stat st {};
+        return ::fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) && ::unlinkat(dir, name, 0) == 0;
+      },
+      stop, 0);
+}
+
+std::size_t sweep_partials(int root, std::chrono::seconds max_age, const std::atomic<bool>* stop) {
+  Fd top(::openat(root, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!top) return 0;
+  const auto now = std::chrono::system_clock::now();
+  return sweep_dir(
+      top.get(),
+      [&](int dir, const char* raw) {
+        // A partial file goes with its record; each is judged by the later of the two mtimes
+        // (the record is rewritten every second while the transfer runs).
+        const std::string_view n(raw);
+        if (n.empty() || n.front() != '.' || !ends_with(n, partial_suffix)) return false;
+        const std::string partial(raw);
+        const std::string record = partial.substr(0, partial.size() - partial_suffix.size()).append(record_suffix);
+        struct stat ps {}, rs {};
+        if (::fstatat(dir, partial.c_str(), &ps, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(ps.st_mode)) return false;
+        auto newest = ps.st_mtim;
+        if (::fstatat(dir, record.c_str(), &rs, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(rs.st_mode) &&
+            (rs.st_mtim.tv_sec > newest.tv_sec))
+          newest = rs.st_mtim;
+        const auto at = std::chrono::system_clock::time_point(std::chrono::seconds(newest.tv_sec));
+        if (now - at < max_age) return false;
+        // A transfer that holds it (its lock) is not stale, whatever the clock says.
+        Fd fd(::openat(dir, partial.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+        if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return false;
+        ::unlinkat(dir, record.c_str(), 0);
+        return ::unlinkat(dir, partial.c_str(), 0) == 0;
+      },
+      stop, 0);
 }
 
 mode_t process_umask() noexcept {
@@ -160,7 +206,13 @@ std::pair<std::string, std::string> split_parent(const std::string& path) {
 }
 
 PendingFile::PendingFile(PendingFile&& o) noexcept
-    : dir_(std::move(o.dir_)), fd_(std::move(o.fd_)), name_(std::move(o.name_)), temp_(std::move(o.temp_)) {}
+    : dir_(std::move(o.dir_)),
+      fd_(std::move(o.fd_)),
+      name_(std::move(o.name_)),
+      temp_(std::move(o.temp_)),
+      resumable_(std::exchange(o.resumable_, false)),
+      key_(std::move(o.key_)),
+      saved_(o.saved_.load()) {}
 
 PendingFile& PendingFile::operator=(PendingFile&& o) noexcept {
   if (this != &o) {
@@ -169,14 +221,20 @@ PendingFile& PendingFile::operator=(PendingFile&& o) noexcept {
     fd_ = std::move(o.fd_);
     name_ = std::move(o.name_);
     temp_ = std::move(o.temp_);
+    resumable_ = std::exchange(o.resumable_, false);
+    key_ = std::move(o.key_);
+    saved_.store(o.saved_.load());
   }
   return *this;
 }
 
-Status PendingFile::create(Fd dir, const std::string& name, const std::string& tag, PendingFile& out) {
+namespace {
+
+// A received file's final name in `dir`: free, or a regular file it may replace.
+Status check_final_name(int dir, const std::string& name) {
   if (name.empty() || name == "." || name == "..") return {errc::is_directory, "'" + name + "' names a directory"};
   struct stat st {};
-  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+  if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
     if (S_ISDIR(st.st_mode)) return {errc::is_directory, "'" + name + "' is a directory"};
     // Renaming over a symlink would be harmless, but a name that points elsewhere is refused
     // as the escape it usually is.
@@ -185,6 +243,13 @@ Status PendingFile::create(Fd dir, const std::string& name, const std::string& t
   } else if (errno != ENOENT) {
     return Status::from_errno(errno, "'" + name + "'");
   }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status PendingFile::create(Fd dir, const std::string& name, const std::string& tag, PendingFile& out) {
+  if (auto st = check_final_name(dir.get(), name); !st) return st;
   std::string temp = files::temp_name(name, tag);
   int fd = ::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) return Status::from_errno(errno, "create '" + temp + "'");
@@ -196,6 +261,169 @@ Status PendingFile::create(Fd dir, const std::string& name, const std::string& t
   return Status::ok();
 }
 
+std::string partial_name(const std::string& name) {
+  std::string p(1, '.');
+  p.append(name, 0, 200).append(partial_suffix);
+  return p;
+}
+
+std::string record_name(const std::string& name) {
+  std::string p(1, '.');
+  p.append(name, 0, 200).append(record_suffix);
+  return p;
+}
+
+namespace {
+
+constexpr char record_magic[16] = {'x', 'D', 'F', 'S', '-', 'r', 'e', 's', 'u', 'm', 'e', '-', '1', '\n', 0, 0};
+constexpr std::size_t record_fixed = 16 + 8 + 8 + 4 + 4 + 8;  // magic, size, mtime, block, source length, prefix
+
+void put_le(std::vector<std::uint8_t>& out, std::uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+}
+
+std::uint64_t get_le(const std::uint8_t* p, int bytes) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= std::uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+std::vector<std::uint8_t> encode_record(const ResumeRecord& r) {
+  std::vector<std::uint8_t> out(record_magic, record_magic + 16);
+  put_le(out, r.key.size, 8);
+  put_le(out, static_cast<std::uint64_t>(r.key.mtime_ns), 8);
+  put_le(out, r.key.block_size, 4);
+  put_le(out, r.key.source.size(), 4);
+  put_le(out, r.prefix, 8);
+  out.insert(out.end(), r.key.source.begin(), r.key.source.end());
+  manifest::BlockHasher h;
+  const auto d = h.digest(out.data(), out.size());
+  out.insert(out.end(), d.begin(), d.end());
+  return out;
+}
+
+std::optional<ResumeRecord> decode_record(std::span<const std::uint8_t> b, std::string* why) {
+  auto no = [&](const char* what) -> std::optional<ResumeRecord> {
+    if (why) *why = what;
+    return std::nullopt;
+  };
+  if (b.size() < record_fixed + manifest::digest_size) return no("it is truncated");
+  if (std::memcmp(b.data(), record_magic, 16) != 0) return no("it is not a resume record");
+  const std::uint64_t source_len = get_le(b.data() + 36, 4);
+  if (source_len > max_record_source || b.size() != record_fixed + source_len + manifest::digest_size)
+    return no(b.size() < record_fixed + source_len + manifest::digest_size ? "it is truncated" : "its length is wrong");
+  manifest::BlockHasher h;
+  const auto d = h.digest(b.data(), b.size() - manifest::digest_size);
+  if (std::memcmp(d.data(), b.data() + b.size() - manifest::digest_size, d.size()) != 0)
+    return no("its checksum does not match (corrupt)");
+  ResumeRecord r;
+  r.key.size = get_le(b.data() + 16, 8);
+  r.key.mtime_ns = static_cast<std::int64_t>(get_le(b.data() + 24, 8));
+  r.key.block_size = static_cast<std::uint32_t>(get_le(b.data() + 32, 4));
+  r.prefix = get_le(b.data() + 40, 8);
+  r.key.source.assign(reinterpret_cast<const char*>(b.data()) + record_fixed, source_len);
+  if (r.key.block_size == 0 || r.prefix > r.key.size || (r.prefix % r.key.block_size != 0 && r.prefix != r.key.size))
+    return no("its offset is not whole blocks of the file");
+  return r;
+}
+
+Status PendingFile::open_resumable(Fd dir, const std::string& name, PendingFile& out,
+                                   std::optional<ResumeRecord>& found, std::string& notice, bool& busy) {
+  found.reset();
+  busy = false;
+  if (auto st = check_final_name(dir.get(), name); !st) return st;
+  const std::string partial = partial_name(name);
+  int fd = ::openat(dir.get(), partial.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0666);
+  if (fd < 0) return Status::from_errno(errno, "open '" + partial + "'");
+  Fd file(fd);
+  // One transfer at a time writes a partial file: another one now gets a fresh temporary file.
+  if (::flock(file.get(), LOCK_EX | LOCK_NB) != 0) {
+    busy = true;
+    return Status::ok();
+  }
+  struct stat ps {};
+  if (::fstat(file.get(), &ps) != 0) return Status::from_errno(errno, "stat '" + partial + "'");
+  if (!S_ISREG(ps.st_mode)) return {errc::not_regular_file, "'" + partial + "' is not a regular file"};
+  out.discard();
+  out.dir_ = std::move(dir);
+  out.fd_ = std::move(file);
+  out.name_ = name;
+  out.temp_ = partial;
+  out.resumable_ = true;
+  out.saved_.store(0);
+  // The record, if any: read whole (it is small), trusted only once it checks out.
+  const std::string rec = record_name(name);
+  Fd rfd(::openat(out.dir_.get(), rec.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!rfd) {
+    if (ps.st_size > 0) notice = "'" + partial + "' has no resume record: starting over";
+    out.restart();
+    return Status::ok();
+  }
+  std::vector<std::uint8_t> buf(record_fixed + max_record_source + manifest::digest_size + 1);
+  const ssize_t n = ::pread(rfd.get(), buf.data(), buf.size(), 0);
+  std::string why;
+  auto r = n < 0 ? std::nullopt : decode_record(std::span<const std::uint8_t>(buf.data(), static_cast<std::size_t>(n)), &why);
+  if (!r) {
+    notice = "the resume record '" + rec + "' is discarded: " + (n < 0 ? std::string(std::strerror(errno)) : why);
+  } else if (static_cast<std::uint64_t>(ps.st_size) < r->prefix) {
+    notice = "the resume record '" + rec + "' is discarded: it counts " + std::to_string(r->prefix) +
+             " bytes, its partial file has " + std::to_string(ps.st_size);
+    r.reset();
+  }
+  if (!r) {
+    out.restart();
+    return Status::ok();
+  }
+  found = r;
+  out.key_ = r->key;
+  out.saved_.store(r->prefix);
+  return Status::ok();
+}
+
+void PendingFile::restart() noexcept {
+  if (!resumable_ || !dir_) return;
+  ::unlinkat(dir_.get(), record_name(name_).c_str(), 0);
+  [[maybe_unused]] int r = ::ftruncate(fd_.get(), 0);
+  saved_.store(0);
+}
+
+void PendingFile::set_key(ResumeKey key) { key_ = std::move(key); }
+
+void PendingFile::save(std::uint64_t prefix) noexcept {
+  if (!resumable_ || !fd_) return;
+  // The data first, then the record that counts it: a crash between the two loses the last
+  // second's progress, never trusts bytes that were not on disk.
+  if (::fdatasync(fd_.get()) != 0) return;
+  try {
+    const auto bytes = encode_record(ResumeRecord{key_, prefix});
+    const std::string rec = record_name(name_);
+    const std::string tmp = rec + ".tmp";
+    Fd t(::openat(dir_.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!t) return;
+    if (::write(t.get(), bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size()) || ::fdatasync(t.get()) != 0) {
+      ::unlinkat(dir_.get(), tmp.c_str(), 0);
+      return;
+    }
+    if (::renameat(dir_.get(), tmp.c_str(), dir_.get(), rec.c_str()) == 0) saved_.store(prefix);
+  } catch (...) {
+    // no memory for the record: the previous one stands
+  }
+}
+
+bool PendingFile::keep() noexcept {
+  if (!resumable_ || saved_.load() == 0) {
+    discard();
+    return false;
+  }
+  temp_.clear();
+  fd_.reset();
+  dir_.reset();
+  resumable_ = false;
+  return true;
+}
+
 Status PendingFile::commit(std::uint64_t expected_size, bool sync) {
   struct stat st {};
   if (::fstat(fd_.get(), &st) != 0) return Status::from_errno(errno, "stat '" + temp_ + "'");
@@ -205,13 +433,17 @@ Status PendingFile::commit(std::uint64_t expected_size, bool sync) {
   if (sync && ::fdatasync(fd_.get()) != 0) return Status::from_errno(errno, "fdatasync '" + temp_ + "'");
   if (::renameat(dir_.get(), temp_.c_str(), dir_.get(), name_.c_str()) != 0)
     return Status::from_errno(errno, "rename '" + temp_ + "' to '" + name_ + "'");
+  if (resumable_) ::unlinkat(dir_.get(), record_name(name_).c_str(), 0);
+  resumable_ = false;
   fd_.reset();
   temp_.clear();
   return Status::ok();
 }
 
 void PendingFile::discard() noexcept {
+  if (resumable_ && dir_) ::unlinkat(dir_.get(), record_name(name_).c_str(), 0);
   if (!temp_.empty() && dir_) ::unlinkat(dir_.get(), temp_.c_str(), 0);
+  resumable_ = false;
   temp_.clear();
   fd_.reset();
 }

@@ -89,15 +89,19 @@ std::optional<Digest> FileDigest::result() {
   return result_;
 }
 
-Computed of_file(int fd, std::uint64_t size, std::uint32_t block_size, const std::atomic<bool>* stop) {
-  Computed out;
-  FileDigest file(size, block_size);
+Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop) {
+  Status out;
+  if (upto > file.file_size() || (upto % file.block_size() != 0 && upto != file.file_size()) || file.next_offset() != 0) {
+    out.code = errc::internal;
+    out.message = "a prefix of " + std::to_string(upto) + " bytes is not whole blocks of the file";
+    return out;
+  }
   BlockHasher blocks;
   // Read in parts of at most 1 MiB whatever the block size (a peer names it).
   constexpr std::size_t part = 1 << 20;
-  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(part, std::max<std::uint64_t>(size, 1))));
-  for (std::uint64_t at = 0; at < size;) {
-    const std::uint64_t block_end = std::min<std::uint64_t>(size, at + file.block_size());
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(part, std::max<std::uint64_t>(upto, 1))));
+  for (std::uint64_t at = 0; at < upto;) {
+    const std::uint64_t block_end = std::min<std::uint64_t>(upto, at + file.block_size());
     const std::uint64_t block_start = at;
     while (at < block_end) {
       if (stop && stop->load(std::memory_order_relaxed)) {
@@ -123,7 +127,16 @@ Computed of_file(int fd, std::uint64_t size, std::uint32_t block_size, const std
     }
     (void)file.add(FileOffset(block_start), blocks.finish());
   }
-  out.digest = *file.result();
+  return out;
+}
+
+Computed of_file(int fd, std::uint64_t size, std::uint32_t block_size, const std::atomic<bool>* stop) {
+  Computed out;
+  FileDigest file(size, block_size);
+  const auto st = add_file(fd, file, size, stop);
+  out.code = st.code;
+  out.message = st.message;
+  if (st.code == errc::ok) out.digest = *file.result();
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -263,6 +264,32 @@ void DiskWriter::write_blocks() {
     return true;
   };
 
+  // A resumed transfer: the part already in the file goes into the manifest first, read back
+  // from the file (verified by the whole-file digest at the end, never trusted).
+  if (sink_.manifest && sink_.prefix > 0) {
+    const auto st = manifest::add_file(sink_.fd, *sink_.manifest, sink_.prefix, &pipe_.stop_flag());
+    if (st.code == errc::cancelled) return;
+    if (st.code != errc::ok) {
+      pipe_.set_error(st.code, "the partial file: " + st.message);
+      return;
+    }
+  }
+  // The verified prefix (every block below it checked and written), told to the checkpoint
+  // while it grows and once more whichever way this ends.
+  std::uint64_t written = sink_.prefix, saved = sink_.prefix;
+  auto last_save = std::chrono::steady_clock::now();
+  struct FinalSave {
+    Checkpoint* c;
+    const std::uint64_t& at;
+    const std::uint64_t& saved;
+    std::uint64_t end;
+    ~FinalSave() {
+      // A whole file is committed next: no record is needed for it.
+      if (c && at != saved && at != end) c->save(at);
+    }
+  } final_save{sink_.seekable && sink_.manifest ? sink_.checkpoint : nullptr, written, saved,
+               sink_.manifest ? sink_.manifest->file_size() : 0};
+
   while (true) {
     // Once stopped, nothing more is written: the transfer has failed (or ended), and its file
     // descriptor is about to be closed and may then name another session's file.
@@ -296,6 +323,16 @@ void DiskWriter::write_blocks() {
       if (!checked) {
         for (const auto& blk : batch) pipe_.disk_push(blk);
         pipe_.net_wake().notify();
+      }
+      if (final_save.c && sink_.manifest->next_offset() != written) {
+        written = sink_.manifest->next_offset();
+        const auto now = std::chrono::steady_clock::now();
+        if (written != final_save.end &&
+            (written - saved >= final_save.c->bytes || now - last_save >= final_save.c->interval)) {
+          final_save.c->save(written);
+          saved = written;
+          last_save = now;
+        }
       }
       continue;
     }
@@ -350,6 +387,16 @@ void DiskReader::read_blocks() {
   DiskIo& io = source_.io ? *source_.io : DiskIo::system();
   Block batch[max_iov];
   iovec iov[max_iov];
+
+  // A resumed transfer: the blocks before the start go into the manifest, read but not sent.
+  if (source_.manifest && next_ > 0 && !source_.zero) {
+    const auto st = manifest::add_file(source_.fd, *source_.manifest, next_, &pipe_.stop_flag());
+    if (st.code == errc::cancelled) return;
+    if (st.code != errc::ok) {
+      pipe_.set_error(st.code, "hashing the part the receiver has: " + st.message);
+      return;
+    }
+  }
 
   // Reads iov[0, count) at pos whole; a short read means the file shrank under us.
   auto read_all = [&](iovec* cur, int left, std::uint64_t pos) -> bool {

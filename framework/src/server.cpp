@@ -23,6 +23,8 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <condition_variable>
+#include <mutex>
 #include <list>
 #include <map>
 #include <thread>
@@ -200,6 +202,12 @@ struct Server::Impl {
   files::Fd instance_lock;
   std::thread sweeper;
   std::atomic<bool> sweep_stop{false};
+  // Resumable uploads' partial files older than config.partial_expiry go: at start, then hourly.
+  std::thread partial_sweeper;
+  std::mutex partial_mu;
+  std::condition_variable partial_cv;
+  bool partial_stop = false;
+  void sweep_partials();
 
   // Listener thread only.
   std::list<ConnPtr> pending;                      // arrival order
@@ -384,6 +392,7 @@ void Server::run(bool handle_signals) {
     d.log("no authorized keys at " + d.config.authorized_keys + ": every client will be refused until one is added");
   d.check_descriptors();
   d.sweep_dead_instances();
+  d.sweep_partials();
   d.accept();
   // A handler that throws fails what it was doing (a connection's deadline still ends it), never
   // the listener.
@@ -401,6 +410,12 @@ void Server::run(bool handle_signals) {
   d.sessions.clear();
   d.sweep_stop = true;
   if (d.sweeper.joinable()) d.sweeper.join();
+  {
+    std::lock_guard lk(d.partial_mu);
+    d.partial_stop = true;
+  }
+  d.partial_cv.notify_all();
+  if (d.partial_sweeper.joinable()) d.partial_sweeper.join();
   // Every session removed its partial files: nothing of this run is left to sweep.
   if (!d.instance_file.empty()) ::unlink(d.instance_file.c_str());
   d.log("stopped");
@@ -486,6 +501,26 @@ void Server::Impl::sweep_dead_instances() {
     });
   } catch (const std::system_error& e) {
     log(std::string("cannot sweep partial files of earlier runs: ") + e.what());
+  }
+}
+
+void Server::Impl::sweep_partials() {
+  if (config.partial_expiry.count() <= 0) return;
+  try {
+    partial_sweeper = std::thread([this] {
+      std::unique_lock lk(partial_mu);
+      while (!partial_stop) {
+        lk.unlock();
+        const std::size_t n = files::sweep_partials(root.get(), config.partial_expiry, &sweep_stop);
+        if (n)
+          log(fmt::format("removed {} partial upload{} not resumed for {} s", n, n == 1 ? "" : "s",
+                          config.partial_expiry.count()));
+        lk.lock();
+        partial_cv.wait_for(lk, std::chrono::hours(1), [this] { return partial_stop; });
+      }
+    });
+  } catch (const std::system_error& e) {
+    log(std::string("cannot sweep expired partial uploads: ") + e.what());
   }
 }
 

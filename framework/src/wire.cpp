@@ -180,6 +180,9 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setFileSize(n.file_size);
   r.setWindow(n.window);
   r.setTransfer(n.transfer);
+  r.setResumeOffset(n.resume_offset);
+  r.setSourceMtime(n.source_mtime_ns);
+  r.setFresh(n.fresh);
   return to_bytes(msg);
 }
 
@@ -189,6 +192,8 @@ std::vector<std::uint8_t> encode(const NegotiationReply& n) {
   r.setFileSize(n.file_size);
   r.setWindow(n.window);
   r.setBlockSize(n.block_size);
+  r.setResumeOffset(n.resume_offset);
+  r.setMtime(n.mtime_ns);
   return to_bytes(msg);
 }
 
@@ -265,6 +270,14 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.file_size = r.getFileSize();
     n.window = r.getWindow();
     n.transfer = r.getTransfer();
+    n.resume_offset = r.getResumeOffset();
+    n.source_mtime_ns = r.getSourceMtime();
+    n.fresh = r.getFresh();
+    if (n.resume_offset > n.file_size) {
+      set_why(why, "resume offset " + std::to_string(n.resume_offset) + " is beyond the file size " +
+                       std::to_string(n.file_size));
+      return std::nullopt;
+    }
     if (n.file_size > max_file_size || n.window > max_file_size) {
       set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
                        " exceeds the protocol's limit of 2^62 bytes");
@@ -276,8 +289,8 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
 
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why) {
   return read_message<schema::NegotiationReply>(b, why, [&](schema::NegotiationReply::Reader r) -> std::optional<NegotiationReply> {
-    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize()};
-    if (n.file_size > max_file_size || n.window > max_file_size) {
+    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize(), r.getResumeOffset(), r.getMtime()};
+    if (n.file_size > max_file_size || n.window > max_file_size || n.resume_offset > max_file_size) {
       set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
                        " exceeds the protocol's limit of 2^62 bytes");
       return std::nullopt;

@@ -71,6 +71,8 @@ public:
       if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + local + "' is not a regular file", false);
       size_ = static_cast<std::uint64_t>(sb.st_size);
       nego_.file_size = size_;
+      nego_.source_mtime_ns = files::mtime_ns(sb);
+      nego_.fresh = !opt_.resume;
       if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += basename_of(local);
     } catch (...) {
       return refuse(std::current_exception());
@@ -153,14 +155,49 @@ private:
     auto [dir, name] = files::split_parent(local);
     int dfd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) throw TransferError(errc_from_errno(errno), "directory '" + dir + "': " + std::strerror(errno), false);
-    if (auto st = files::PendingFile::create(files::Fd(dfd), name, session_.tag(), pending_); !st)
-      throw TransferError(st.code, st.message, false);
+    files::Fd dirfd(dfd);
+    bool busy = true;
+    if (opt_.resume && session_.manifest()) {
+      // Resumable: a partial copy of the same source (its record says) goes on where it was;
+      // the server hears its size and mtime and sends the rest if the file is still that one.
+      std::optional<files::ResumeRecord> found;
+      std::string notice;
+      files::Fd again(::dup(dirfd.get()));
+      if (!again) throw TransferError(errc_from_errno(errno), "dup: " + std::string(std::strerror(errno)), false);
+      if (auto st = files::PendingFile::open_resumable(std::move(again), name, pending_, found, notice, busy); !st)
+        throw TransferError(st.code, st.message, false);
+      if (!busy) {
+        resume_source_ = source_id();
+        if (found && found->key.source == resume_source_ && found->key.block_size == session_.options().block_size) {
+          nego_.resume_offset = resume_point(found->prefix, found->key.size, found->key.block_size);
+          nego_.file_size = found->key.size;
+          nego_.source_mtime_ns = found->key.mtime_ns;
+        } else if (found) {
+          notice = "'" + pending_.temp_name() + "' is a partial copy of another source: starting over";
+          pending_.restart();
+        }
+        say(notice);
+      }
+    }
+    if (busy)
+      if (auto st = files::PendingFile::create(std::move(dirfd), name, session_.tag(), pending_); !st)
+        throw TransferError(st.code, st.message, false);
     sink_ = piod::Sink{pending_.fd(), true, false};
+  }
+
+  // What a resumed download must come from: the server, the path, the block size.
+  std::string source_id() const {
+    const auto& e = session_.endpoint();
+    return "xdfs://" + e.host + ":" + std::to_string(e.port) + "/" + nego_.remote_path;
+  }
+
+  void say(const std::string& notice) {
+    if (!notice.empty() && session_.options().notice) session_.options().notice(notice);
   }
 
   // Nothing was started (a local file that cannot be read, ...): the completion still runs on the loop.
   void refuse(std::exception_ptr e) {
-    pending_.discard();
+    (void)pending_.keep();
     boost::asio::post(session_.io(), [self = shared_from_this(), e] { self->deliver(e, {}); });
   }
 
@@ -179,7 +216,8 @@ private:
   void on_begun(std::exception_ptr e, const wire::NegotiationReply& reply) {
     if (e) {
       (void)machine_.fire(TransferEvent::local_error);
-      pending_.discard();
+      // A server that could not be reached or refused: a partial copy stays for the next try.
+      (void)pending_.keep();
       return deliver(e, {});
     }
     accepted_at_ = Clock::now();
@@ -222,7 +260,8 @@ private:
         }
         self->deliver(nullptr, TransferResult{self->size_, self->seconds_,
                                               static_cast<unsigned>(self->session_.channels().size()), self->setup_,
-                                              self->digest_ ? manifest::hex(*self->digest_) : std::string()});
+                                              self->digest_ ? manifest::hex(*self->digest_) : std::string(),
+                                              self->resumed_});
       });
     });
   }
@@ -249,6 +288,14 @@ private:
     auto& channels = session_.channels();
     if (action == TransferAction::start_sending) {
       if (reply.window < p.block_size) return fail(errc::protocol_error, "server window is smaller than one block");
+      // The server holds this much of the file already: it must be whole blocks before the end,
+      // and with the manifest, which proves it at the end (a server that claims blocks it does
+      // not have fails there, it cannot make this side skip them unnoticed).
+      if (reply.resume_offset > 0 &&
+          (!p.manifest || memory_source_ || reply.resume_offset % p.block_size != 0 || reply.resume_offset >= size_))
+        return fail(errc::protocol_error, "the server claims " + std::to_string(reply.resume_offset) + " bytes of a " +
+                                              std::to_string(size_) + "-byte file it cannot have");
+      p.start_offset = resumed_ = reply.resume_offset;
       p.file_size = size_;
       p.window = reply.window;
       p.data_event = wire::ChannelEvent::xftsmu;
@@ -257,8 +304,26 @@ private:
       sender_->start();
     } else if (action == TransferAction::start_receiving) {
       size_ = reply.file_size;
+      if (nego_.resume_offset > 0) {
+        if (reply.resume_offset == 0) {
+          say("the source changed since '" + pending_.temp_name() + "' began: starting over");
+          pending_.restart();
+        } else if (reply.resume_offset != nego_.resume_offset || reply.file_size != nego_.file_size) {
+          return fail(errc::protocol_error, "the server resumes at " + std::to_string(reply.resume_offset) +
+                                                " of a " + std::to_string(reply.file_size) + "-byte file; asked for " +
+                                                std::to_string(nego_.resume_offset) + " of " +
+                                                std::to_string(nego_.file_size));
+        }
+      } else if (reply.resume_offset != 0) {
+        return fail(errc::protocol_error, "the server resumes a download that was not asked to resume");
+      }
+      p.start_offset = resumed_ = reply.resume_offset;
+      if (pending_.resumable()) {
+        pending_.set_key(files::ResumeKey{resume_source_, size_, reply.mtime_ns, p.block_size});
+        sink_.checkpoint = &checkpoint_;
+      }
       if (pending_.active())
-        if (auto st = files::check_room(pending_.dir(), size_, "'" + pending_.final_name() + "'"); !st)
+        if (auto st = files::check_room(pending_.dir(), size_ - resumed_, "'" + pending_.final_name() + "'"); !st)
           return fail(st.code, st.message);
       p.file_size = size_;
       p.data_event = wire::ChannelEvent::xftsmd;
@@ -294,7 +359,7 @@ private:
     ended_ = true;
     failure_ = f;
     seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
-    if (f) pending_.discard();
+    if (f) settle_partial(pending_, f);
     ticker_.cancel();
   }
 
@@ -327,6 +392,9 @@ private:
   bool memory_source_ = false;
   files::Fd in_place_;
   files::PendingFile pending_;
+  PartialCheckpoint checkpoint_{pending_};  // the disk thread records a resumable download's progress
+  std::string resume_source_;               // what the partial copy is of (source_id())
+  std::uint64_t resumed_ = 0;               // bytes the receiver had already
   piod::Sink sink_;
   std::uint64_t size_ = 0;
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines

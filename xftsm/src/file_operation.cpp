@@ -50,7 +50,7 @@ public:
     if (machine_.finished()) return;
     (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
-    pending_.discard();
+    (void)pending_.keep();  // a resumable upload's partial file stays for its client
     tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger(), std::chrono::milliseconds(2000));
     done_(runtime::OperationResult{code, message, false, false, false});
   }
@@ -71,7 +71,7 @@ public:
   }
 
   void finished(const Failure& f) override {
-    if (f) pending_.discard();
+    if (f) settle_partial(pending_, f);
     // Success leaves every channel clear (EOFR both ways); a failure told the peer and closes them.
     done_(runtime::OperationResult{f.code, f.message, f.from_peer, false, !f});
   }
@@ -130,6 +130,8 @@ private:
     }
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
+    reply.resume_offset = p.start_offset;
+    reply.mtime_ns = mtime_ns_;
     if (sink) {
       receiver_ = std::make_unique<Receiver>(env_.io, machine_, env_.channels, *this, p, *sink);
       reply.window = receiver_->window();
@@ -171,16 +173,46 @@ private:
       files::Fd dirfd;
       if (auto st = files::open_beneath(root_fd(), dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
         return refuse(st.code, st.message);
-      if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.tag, pending_); !st)
-        return refuse(st.code, st.message);
+      // With the manifest an upload is resumable: it is written as ".NAME.xdfs-partial" with a
+      // resume record beside it, and an earlier one from the same source goes on where it was.
+      std::uint64_t start = 0;
+      bool busy = true;
+      if (p.manifest && env_.config.partial_expiry.count() > 0) {
+        std::optional<files::ResumeRecord> found;
+        std::string notice;
+        files::Fd again(::dup(dirfd.get()));
+        if (!again) return refuse(errc_from_errno(errno), "dup");
+        if (auto st = files::PendingFile::open_resumable(std::move(again), name, pending_, found, notice, busy); !st)
+          return refuse(st.code, st.message);
+        if (!busy) {
+          const files::ResumeKey key{"upload from " + env_.client.fingerprint + " to " + nego_.remote_path,
+                                     nego_.file_size, nego_.source_mtime_ns, nego_.block_size};
+          if (found && nego_.fresh) {
+            pending_.restart();  // the client asked to start over
+          } else if (found && found->key == key) {
+            start = resume_point(found->prefix, nego_.file_size, nego_.block_size);
+          } else if (found) {
+            notice = "the partial upload of '" + nego_.remote_path + "' was of another source: starting over";
+            pending_.restart();
+          }
+          if (!notice.empty()) env_.log(fmt::format("session {}: {}", env_.id.short_hex(), notice));
+          pending_.set_key(key);
+        }
+      }
+      if (busy)
+        if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.tag, pending_); !st)
+          return refuse(st.code, st.message);
       // Without a size limit of its own the server takes what the file system can hold: an
       // upload that cannot fit is refused now, not when the disk is full.
       if (env_.config.max_file_size == 0)
-        if (auto st = files::check_room(pending_.dir(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
+        if (auto st = files::check_room(pending_.dir(), nego_.file_size - start, "'" + nego_.remote_path + "'"); !st)
           return refuse(st.code, st.message);
       p.file_size = nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
-      start_engine(p, piod::Sink{pending_.fd(), true, false, crypto()}, std::nullopt);
+      p.start_offset = start;
+      piod::Sink sink{pending_.fd(), true, false, crypto()};
+      if (pending_.resumable()) sink.checkpoint = &checkpoint_;
+      start_engine(p, sink, std::nullopt);
     } else {
       if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, source_); !st)
         return refuse(st.code, st.message);
@@ -195,6 +227,19 @@ private:
       p.file_size = static_cast<std::uint64_t>(sb.st_size);
       p.window = nego_.window;
       p.data_event = wire::ChannelEvent::xftsmd;
+      mtime_ns_ = files::mtime_ns(sb);
+      // The client holds a verified prefix of this file: the rest is sent, if the file is the
+      // one it began from (same size and mtime); else all of it, and the client starts over.
+      if (nego_.resume_offset > 0) {
+        if (!p.manifest)
+          return refuse(errc::bad_argument, "a resumed download needs the content manifest (the client's --no-verify)");
+        if (nego_.file_size == p.file_size && nego_.source_mtime_ns == mtime_ns_) {
+          if (nego_.resume_offset % nego_.block_size != 0 || nego_.resume_offset >= p.file_size)
+            return refuse(errc::bad_argument, fmt::format("resume offset {} is not whole blocks before the end of the file",
+                                                          nego_.resume_offset));
+          p.start_offset = nego_.resume_offset;
+        }
+      }
       start_engine(p, std::nullopt, piod::Source{source_.get(), p.file_size, false, crypto()});
     }
   }
@@ -210,7 +255,7 @@ private:
     if (machine_.finished()) return;
     (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
-    pending_.discard();
+    (void)pending_.keep();  // what an earlier attempt recorded stays; a new partial file goes
     done_(runtime::OperationResult{code, message, false, true, true});
   }
 
@@ -227,6 +272,8 @@ private:
   std::optional<boost::asio::steady_timer> linger_timer_;
   Clock::time_point waiting_since_{};
   files::PendingFile pending_;
+  PartialCheckpoint checkpoint_{pending_};  // the disk thread records a resumable upload's progress
+  std::int64_t mtime_ns_ = 0;               // download: the file's, for the client's resume record
   files::Fd source_;
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   Reservation ring_;                                 // the engine's pool, in the server's memory budget

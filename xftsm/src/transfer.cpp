@@ -270,6 +270,8 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   source_.resends = resends_;
   spare_ = pipe_.slots() - 1;
   ready_.reserve(pipe_.slots());
+  // A resumed transfer: what the receiver has counts as sent and acknowledged.
+  queued_ = acked_ = done_bytes_ = params_.start_offset;
 }
 
 Sender::~Sender() { stop_disk(); }
@@ -282,7 +284,7 @@ void Sender::stop_disk() noexcept {
 
 void Sender::start() {
   for (std::uint32_t s = 0; s < pipe_.slots() - (resends_ ? 1 : 0); ++s) pipe_.to_disk(piod::Block{s});
-  reader_.emplace(pipe_, source_);
+  reader_.emplace(pipe_, source_, params_.start_offset);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);
   pump();
@@ -514,6 +516,12 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   sink_.manifest = manifest_ ? &*manifest_ : nullptr;
   refetch_ = manifest_ && !sink_.opener && !sink_.discard;
   sink_.refetch = refetch_;
+  // A resumed transfer: the part the receiver has is in the file; the disk thread hashes it first.
+  if (p.start_offset > 0) {
+    sink_.prefix = p.start_offset;
+    seen_.insert(0, p.start_offset);
+    received_ = done_bytes_ = acked_sent_ = p.start_offset;
+  }
   if (!params_.limits.empty())
     for (std::size_t i = 0; i < channels.size(); ++i) pace_.push_back(std::make_unique<asio::steady_timer>(io));
   free_slots_.reserve(pipe_.slots());

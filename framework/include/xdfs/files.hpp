@@ -5,13 +5,18 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "xdfs/error.hpp"
 
@@ -63,6 +68,36 @@ Status check_relative_path(const std::string& path);
 /// symlinks or a concurrent rename (openat2 with RESOLVE_BENEATH).
 Status open_beneath(int root, const std::string& path, int flags, mode_t mode, Fd& out);
 
+/// What a resumable partial file is a copy of. A partial is continued only for the same source:
+/// the same peer and path (`source`), size, mtime and block size.
+struct ResumeKey {
+  std::string source;
+  std::uint64_t size = 0;
+  std::int64_t mtime_ns = 0;
+  std::uint32_t block_size = 0;
+  bool operator==(const ResumeKey&) const = default;
+};
+
+/// The record kept beside a partial file: its source and the prefix of it that is written and
+/// was verified, block by block, when it arrived.
+struct ResumeRecord {
+  ResumeKey key;
+  std::uint64_t prefix = 0;
+};
+
+/// Longest source a record names (a peer's address and a path).
+inline constexpr std::size_t max_record_source = 8192;
+inline constexpr std::string_view partial_suffix = ".xdfs-partial";
+inline constexpr std::string_view record_suffix = ".xdfs-resume";
+
+/// A record's bytes: magic, the key, the prefix, then the SHA-256 of all of it.
+std::vector<std::uint8_t> encode_record(const ResumeRecord& r);
+/// The record, or none with why in words (truncated, corrupt, not whole blocks).
+std::optional<ResumeRecord> decode_record(std::span<const std::uint8_t> b, std::string* why = nullptr);
+/// ".NAME.xdfs-partial" and ".NAME.xdfs-resume" (NAME cut to 200 bytes).
+std::string partial_name(const std::string& name);
+std::string record_name(const std::string& name);
+
 /// A file being received: created under a temporary name beside its final name and renamed
 /// into place only by commit(). Destroying it without commit() removes the temporary file, so
 /// no partial file ever sits under the final name and an existing file stays untouched.
@@ -86,9 +121,32 @@ public:
   const std::string& final_name() const noexcept { return name_; }
   bool active() const noexcept { return static_cast<bool>(fd_); }
 
-  /// Checks the size, optionally fsyncs, renames into place.
+  /// A resumable partial file for `name` in `dir` (".NAME.xdfs-partial", opened for reading
+  /// and writing and locked): `found` is its record when there is one that checks out (the
+  /// caller compares its key with the source's and calls restart() if they differ); a record
+  /// that is truncated, corrupt or counts more than the file holds is discarded, and `notice`
+  /// says so in one line. `busy`: another transfer holds it (nothing is opened; the caller
+  /// writes a temporary file instead).
+  static Status open_resumable(Fd dir, const std::string& name, PendingFile& out, std::optional<ResumeRecord>& found,
+                               std::string& notice, bool& busy);
+  bool resumable() const noexcept { return resumable_; }
+  /// Empties the partial file and drops its record (the source changed).
+  void restart() noexcept;
+  /// The source that the records written from now on name.
+  void set_key(ResumeKey key);
+  /// Makes the first `prefix` bytes durable (fdatasync) and records them beside the file
+  /// (written to a temporary name, then renamed). From the disk thread: nothing else changes
+  /// the file's state meanwhile.
+  void save(std::uint64_t prefix) noexcept;
+  /// The prefix the record on disk counts.
+  std::uint64_t saved() const noexcept { return saved_.load(); }
+  /// After a failure that may be resumed: leaves a resumable partial file and its record where
+  /// they are (true), or removes the file like discard() when nothing of it is recorded.
+  bool keep() noexcept;
+
+  /// Checks the size, optionally fsyncs, renames into place (a record goes with it).
   Status commit(std::uint64_t expected_size, bool sync);
-  /// Removes the temporary file (idempotent).
+  /// Removes the temporary file, and a resumable one's record (idempotent).
   void discard() noexcept;
 
 private:
@@ -96,6 +154,9 @@ private:
   Fd fd_;
   std::string name_;
   std::string temp_;
+  bool resumable_ = false;
+  ResumeKey key_;
+  std::atomic<std::uint64_t> saved_{0};
 };
 
 /// Whether `bytes` more fit on the file system of the open directory `dir` (its space available
@@ -106,6 +167,16 @@ Status check_room(int dir, std::uint64_t bytes, const std::string& what);
 /// files (".NAME.xdfs-TAG.part") whose TAG starts with `tag_prefix`. Stops early once *stop is
 /// set. Returns how many went.
 std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std::atomic<bool>* stop = nullptr);
+
+/// Removes, anywhere below the directory `root` (never following a symlink), the resumable
+/// partial files and their records that nothing has written for `max_age` and no transfer
+/// holds. Stops early once *stop is set. Returns how many partial files went.
+std::size_t sweep_partials(int root, std::chrono::seconds max_age, const std::atomic<bool>* stop = nullptr);
+
+/// A file's mtime in nanoseconds since the epoch.
+inline std::int64_t mtime_ns(const struct ::stat& st) noexcept {
+  return static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
 
 /// The process's umask (read once, without changing it).
 mode_t process_umask() noexcept;

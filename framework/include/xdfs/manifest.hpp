@@ -95,6 +95,17 @@ private:
   std::optional<Digest> result_;
 };
 
+/// Adds to `file` (which has no digest yet) the digests of the blocks in the first `upto` bytes
+/// of `fd` (whole blocks, or the whole file), read with pread in parts of at most 1 MiB: how a
+/// resumed transfer's both ends account for the part that is not sent again. `stop`, when set,
+/// is polled between parts. Errors: the read's errno, size_mismatch when the file is shorter,
+/// cancelled when stopped.
+struct Status {
+  errc code = errc::ok;
+  std::string message;
+};
+Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop = nullptr);
+
 /// The whole-file digest of the first `size` bytes of `fd`, read with pread in parts of at most
 /// 1 MiB whatever the block size. `stop`, when set, is polled between parts. Errors: the read's errno, or size_mismatch when the file is shorter.
 struct Computed {

@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -136,6 +137,19 @@ public:
   static DiskIo& system() noexcept;
 };
 
+/// Where a receiver keeps its resume point (a resumable partial file): the disk thread tells it
+/// the prefix of the file that is written, every block in it verified against its digest,
+/// whenever it grew by `bytes` or `interval` passed since the last time, and once more when it
+/// stops short of the end. What a crash (no last word) loses is what came since.
+class Checkpoint {
+public:
+  virtual ~Checkpoint() = default;
+  /// On the disk thread: every byte below `prefix` is written and verified.
+  virtual void save(std::uint64_t prefix) noexcept = 0;
+  std::chrono::milliseconds interval{1000};
+  std::uint64_t bytes = std::uint64_t(16) << 20;
+};
+
 /// Where received bytes go.
 struct Sink {
   int fd = -1;             ///< not owned
@@ -152,6 +166,11 @@ struct Sink {
   /// not written and goes back with `retry` set, for the receiver to ask for it again, instead
   /// of failing the transfer.
   bool refetch = false;
+  /// A resumed transfer (with a manifest): the first `prefix` bytes are in the file already.
+  /// The disk thread hashes them into the manifest first, from the file, before any block.
+  std::uint64_t prefix = 0;
+  /// If set (seekable, with a manifest): told the verified prefix as it grows.
+  Checkpoint* checkpoint = nullptr;
 };
 
 /// Where sent bytes come from.
@@ -233,6 +252,7 @@ private:
 public:
   void stop() noexcept;
   bool stopping() const noexcept { return stop_.load(std::memory_order_acquire); }
+  const std::atomic<bool>& stop_flag() const noexcept { return stop_; }
 
   /// First error the disk thread hit (errno and what it was doing); set once, then it exits.
   void set_error(errc code, std::string what) noexcept;
@@ -277,6 +297,8 @@ private:
 /// several at a time with one preadv, ahead of the network.
 class DiskReader {
 public:
+  /// From start_offset on (a resumed transfer); with a manifest, the blocks before it are
+  /// hashed into it first, read from the source but not handed over.
   DiskReader(BlockPipe& pipe, Source source, std::uint64_t start_offset = 0);
   ~DiskReader();
   void join();

@@ -66,6 +66,9 @@ struct ServerConfig {
   std::chrono::milliseconds join_timeout{10000};       ///< all n channels must arrive in this
   std::chrono::milliseconds idle_timeout{60000};       ///< a session with no progress this long ends
   bool fsync = false;                     ///< fdatasync received files before renaming them into place
+  /// How long an interrupted upload's partial file and its resume record are kept for the
+  /// client to continue it (swept at start and every hour after); 0: uploads are not resumable.
+  std::chrono::seconds partial_expiry{24 * 3600};
   /// Bytes per second one session's file transfers may move, over all its channels (0: no limit).
   std::uint64_t max_rate = 0;
   /// Bytes per second all sessions' file transfers together may move (0: no limit).

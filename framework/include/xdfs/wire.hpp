@@ -130,6 +130,14 @@ struct Negotiation {
   /// The operation's number: 0 for the first, then strictly increasing. Its data keys derive
   /// from the session secret and this number, so no two operations share a block nonce.
   std::uint64_t transfer = 0;
+  /// Download: the client has this many bytes of the file, verified (a multiple of the block
+  /// size, with flag_manifest), and asks for the rest; 0: the whole file.
+  std::uint64_t resume_offset = 0;
+  /// Upload: the source's mtime in ns (a resumed upload must come from the same file). Download
+  /// with resume_offset: the source's mtime when the partial copy began (file_size its size).
+  std::int64_t source_mtime_ns = 0;
+  /// Upload: start at byte 0, whatever partial copy the server kept (xduc --no-resume).
+  bool fresh = false;
   bool operator==(const Negotiation&) const = default;
 };
 
@@ -144,6 +152,10 @@ struct NegotiationReply {
   std::uint64_t file_size = 0;
   std::uint64_t window = 0;
   std::uint32_t block_size = 0;
+  /// The transfer starts here: the receiver's verified prefix, which the sender hashes but does
+  /// not send (0: the whole file).
+  std::uint64_t resume_offset = 0;
+  std::int64_t mtime_ns = 0;  ///< download: the file's mtime, kept in the client's resume record
   bool operator==(const NegotiationReply&) const = default;
 };
 

@@ -43,6 +43,12 @@ struct TransferOptions : SessionOptions {
   /// Bytes per second over all channels together (0: no limit): the sender waits before each
   /// block, the receiver before it reads each one.
   std::uint64_t limit_rate = 0;
+  /// Downloads into a regular file, with the manifest (verify): written as ".NAME.xdfs-partial"
+  /// with a resume record beside it, kept when the transfer is interrupted (the peer or the
+  /// link lost, a timeout; not a cancel, a digest that differs or a source that changed), and
+  /// continued by the next download of the same file to the same name. Uploads resume at the
+  /// server's side likewise (xdfsd --partial-expiry). false: every transfer starts at byte 0.
+  bool resume = true;
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};
@@ -56,6 +62,9 @@ struct TransferResult {
   /// The whole-file digest both ends computed and found equal (docs/manifest.md), in hex, for
   /// the session's block size; empty when the session does not verify (SessionOptions::verify).
   std::string digest;
+  /// A resumed transfer: the bytes the receiver had already (verified by the digest, not
+  /// sent again); bytes - resumed_from crossed the network this time.
+  std::uint64_t resumed_from = 0;
 };
 
 /// Sends the regular file `local` to `remote_path` (relative to the server's root) in a

@@ -70,7 +70,42 @@ struct TransferParams {
   /// Rate limits every block is taken from (not owned; unlimited ones are skipped): a sender
   /// waits before it sends a block, a receiver before it reads one.
   std::vector<RateLimiter*> limits;
+  /// A resumed transfer (with a manifest): the receiver has the first start_offset bytes
+  /// (whole blocks); only the rest travels. Both ends hash that part from their own file into
+  /// the whole-file digest, so what the receiver kept is verified, not trusted.
+  std::uint64_t start_offset = 0;
 };
+
+/// Where a resumed transfer starts, given the prefix a receiver recorded: whole blocks, and
+/// at least the last block still to send (a partial file that is whole but was never renamed
+/// gets its last block again: the end of a transfer is its EOFR and digests, which need one).
+inline std::uint64_t resume_point(std::uint64_t prefix, std::uint64_t size, std::uint32_t block) noexcept {
+  if (size == 0 || block == 0) return 0;
+  const std::uint64_t last = (size - 1) / block * block;
+  return std::min(prefix / block * block, last);
+}
+
+/// A resumable partial file as the receiving disk thread's checkpoint.
+class PartialCheckpoint final : public piod::Checkpoint {
+public:
+  explicit PartialCheckpoint(files::PendingFile& f) : file_(f) {}
+  void save(std::uint64_t prefix) noexcept override { file_.save(prefix); }
+
+private:
+  files::PendingFile& file_;
+};
+
+/// After a failed transfer: a resumable partial file is kept for the next attempt, unless the
+/// failure says its content or its source cannot be trusted (a digest that differs, a size
+/// that does not add up, a peer that breaks the protocol) or the user cancelled it; a partial
+/// file with nothing recorded is removed too.
+inline void settle_partial(files::PendingFile& f, const Failure& failure) noexcept {
+  if (failure.code == errc::integrity_error || failure.code == errc::size_mismatch ||
+      failure.code == errc::protocol_error || failure.code == errc::cancelled)
+    f.discard();
+  else
+    (void)f.keep();
+}
 
 /// Times a receiver asks for one block again (clear mode, manifest) before the transfer fails.
 inline constexpr unsigned max_refetches = 3;
