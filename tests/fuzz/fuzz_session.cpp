@@ -15,19 +15,23 @@
 // root, no mode with set-user-ID or set-group-ID bits is made, and the memory budget is whole again.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -157,7 +161,13 @@ w::Negotiation make_operation(Reader r, std::uint32_t n, std::uint32_t block) {
   g.file_size = r.u(r.u8() % 9);
   g.window = 4ull * block;
   g.transfer = r.u8() % 6;
-  if (r.u8() % 4 == 0) g.extended_flags = w::flag_memory;
+  const std::uint8_t flags = r.u8();
+  if (flags % 4 == 0) g.extended_flags = w::flag_memory;
+  if (flags & 4) g.extended_flags |= w::flag_manifest;
+  // A resumed download (the server hashes the prefix) or an upload asked to start over.
+  if (flags & 8) g.resume_offset = std::min<std::uint64_t>(g.file_size, std::uint64_t(block) * (r.u8() % 4));
+  if (flags & 16) g.source_mtime_ns = static_cast<std::int64_t>(r.u(8));
+  g.fresh = (flags & 32) != 0;
   return g;
 }
 
@@ -174,10 +184,46 @@ bool has_temp_files(const std::string& root) {
   return false;
 }
 
+// A hang shows every thread, not only the one libFuzzer's timeout prints (the one waiting): an
+// input still running after 20 s (the timeout is 30; XDFS_FUZZ_HANG_MS changes it) has gdb print
+// all stacks to stderr once, between the markers run.sh shows.
+std::atomic<std::int64_t> input_started_ms{0};
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void watch_for_hangs() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // gdb, a child, may attach (Yama)
+    const char* env = std::getenv("XDFS_FUZZ_HANG_MS");  // to try the watch itself
+    const std::int64_t after = env ? std::atoll(env) : 20000;
+    std::thread([after] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::min<std::int64_t>(after, 1000)));
+        const auto started = input_started_ms.load();
+        if (started == 0 || now_ms() - started < after) continue;
+        std::fprintf(stderr, "== all threads of an input running for 20 s ==\n");
+        const std::string cmd = "gdb -batch -nx -p " + std::to_string(::getpid()) +
+                                " -ex 'thread apply all bt 30' 1>&2 2>/dev/null </dev/null";
+        [[maybe_unused]] int r = std::system(cmd.c_str());
+        std::fprintf(stderr, "== end of threads ==\n");
+        return;
+      }
+    }).detach();
+  });
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < 10) return 0;
+  watch_for_hangs();
+  input_started_ms = now_ms();
+  struct Done {
+    ~Done() { input_started_ms = 0; }
+  } done;
   Reader in{data, size};
   const std::uint8_t cfg = in.u8();
   const std::uint64_t raw_size = in.u(8);
@@ -215,6 +261,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   env.nego.file_size = file_size;
   env.nego.window = 4ull * block;
   if (kind == 3) env.nego.extended_flags = w::flag_memory;
+  if (cfg & 0x40) env.nego.extended_flags |= w::flag_manifest;  // resumable uploads, digests
   env.session_secret[0] = 7;
 
   // The client's ends of the channels, keyed as a handshake would have keyed them.

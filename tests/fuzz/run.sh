@@ -76,6 +76,8 @@ for name in "${harnesses[@]}"; do
     # Everything needed to reproduce it, even when the work directory goes away (CI): the
     # fuzzer's report and the input in hex (xxd -r -p turns it back into the file).
     echo "fuzzer $name failed (exit $rc):"
+    # A hang's every thread (fuzz_session has gdb print them after 20 s), then the report.
+    sed -n '/^== all threads/,/^== end of threads/p' "$work/$name.log" | head -n 600
     tail -n 60 "$work/$name.log"
     for f in $found; do echo "$f:"; od -An -v -tx1 "$f" | tr -d ' \n' | fold -w 64; echo; done
     status=1
