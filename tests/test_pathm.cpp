@@ -707,7 +707,9 @@ TEST_CASE("a download killed in the middle leaves temporary files that the next 
   REQUIRE_MESSAGE(again.status == 0, again.err);
   // A temporary file goes; a transfer's partial file is continued where it was (and goes once whole).
   if (std::string(large) == "0") CHECK(again.err.find("left by an interrupted download") != std::string::npos);
-  CHECK(temps() == std::vector<std::string>{live});
+  std::string now_left;
+  for (const auto& t : temps()) now_left += t + " ";
+  CHECK_MESSAGE(temps() == std::vector<std::string>{live}, now_left);
   CHECK(xt::files_equal(root / "t/big", back + "/big"));
   for (int i = 0; i < 20; ++i) CHECK(xt::files_equal(root / ("t/sub/f" + std::to_string(i)), back + "/sub/f" + std::to_string(i)));
   }

@@ -128,7 +128,9 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
     CHECK(notice.empty());
     f.set_key({"src", 8192, 5, 4096});
     REQUIRE(::pwrite(f.fd(), std::string(8192, 'a').data(), 8192, 0) == 8192);
-    f.save(4096);
+    f.save(4096);  // writeback started: the next record counts it
+    CHECK(f.saved() == 0);
+    f.save(8192);
     CHECK(f.saved() == 4096);
     CHECK(f.keep());  // left for the next attempt
   }
@@ -169,7 +171,8 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
     open(found, notice, f);
     f.set_key({"src", 1 << 20, 5, 4096});
     REQUIRE(::pwrite(f.fd(), std::string(8192, 'a').data(), 8192, 0) == 8192);
-    f.save(8192);
+    f.save(8192, true);  // the last one: all of it
+    CHECK(f.saved() == 8192);
     REQUIRE(f.keep());
     REQUIRE(::truncate((dir / ".f.xdfs-partial").c_str(), 4096) == 0);
     files::PendingFile again;
@@ -179,6 +182,17 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
     again.discard();
   }
   CHECK(xt::list_dir(dir.path()).empty());
+  // A file named like a partial file but without a record is someone's own: left as it is,
+  // and the transfer writes a temporary file instead.
+  xt::write_file(dir / ".g.xdfs-partial", "mine");
+  {
+    files::PendingFile g;
+    bool busy = false;
+    REQUIRE(files::PendingFile::open_resumable(files::Fd(::open(dir.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC)),
+                                               "g", g, found, notice, busy));
+    CHECK(busy);
+  }
+  CHECK(xt::read_file(dir / ".g.xdfs-partial") == "mine");
 }
 
 }  // TEST_SUITE("manifest")
@@ -246,7 +260,7 @@ TEST_CASE("a partial copy is checked, not trusted: a changed source starts over 
   auto cut_download = [&] {
     std::vector<std::string> args = slow;
     args.insert(args.end(), {url(d.port(), "f"), local / "f"});
-    auto r = run_and_cut(args, local / ".f.xdfs-partial", size / 2);
+    auto r = run_and_cut(args, local / ".f.xdfs-partial", size * 3 / 4);
     REQUIRE(r.status != 0);
     REQUIRE(exists(local / ".f.xdfs-resume"));
   };

@@ -89,7 +89,8 @@ std::optional<Digest> FileDigest::result() {
   return result_;
 }
 
-Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop) {
+Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop,
+                std::atomic<std::uint64_t>* hashed) {
   Status out;
   if (upto > file.file_size() || (upto % file.block_size() != 0 && upto != file.file_size()) || file.next_offset() != 0) {
     out.code = errc::internal;
@@ -124,6 +125,7 @@ Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<
       }
       blocks.update(buf.data(), static_cast<std::size_t>(r));
       at += static_cast<std::uint64_t>(r);
+      if (hashed) hashed->store(at, std::memory_order_relaxed);
     }
     (void)file.add(FileOffset(block_start), blocks.finish());
   }

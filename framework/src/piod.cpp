@@ -267,7 +267,7 @@ void DiskWriter::write_blocks() {
   // A resumed transfer: the part already in the file goes into the manifest first, read back
   // from the file (verified by the whole-file digest at the end, never trusted).
   if (sink_.manifest && sink_.prefix > 0) {
-    const auto st = manifest::add_file(sink_.fd, *sink_.manifest, sink_.prefix, &pipe_.stop_flag());
+    const auto st = manifest::add_file(sink_.fd, *sink_.manifest, sink_.prefix, &pipe_.stop_flag(), &pipe_.prefix_hashed());
     if (st.code == errc::cancelled) return;
     if (st.code != errc::ok) {
       pipe_.set_error(st.code, "the partial file: " + st.message);
@@ -285,7 +285,7 @@ void DiskWriter::write_blocks() {
     std::uint64_t end;
     ~FinalSave() {
       // A whole file is committed next: no record is needed for it.
-      if (c && at != saved && at != end) c->save(at);
+      if (c && at != saved && at != end) c->save(at, true);
     }
   } final_save{sink_.seekable && sink_.manifest ? sink_.checkpoint : nullptr, written, saved,
                sink_.manifest ? sink_.manifest->file_size() : 0};
@@ -329,7 +329,7 @@ void DiskWriter::write_blocks() {
         const auto now = std::chrono::steady_clock::now();
         if (written != final_save.end &&
             (written - saved >= final_save.c->bytes || now - last_save >= final_save.c->interval)) {
-          final_save.c->save(written);
+          final_save.c->save(written, false);
           saved = written;
           last_save = now;
         }
@@ -390,7 +390,7 @@ void DiskReader::read_blocks() {
 
   // A resumed transfer: the blocks before the start go into the manifest, read but not sent.
   if (source_.manifest && next_ > 0 && !source_.zero) {
-    const auto st = manifest::add_file(source_.fd, *source_.manifest, next_, &pipe_.stop_flag());
+    const auto st = manifest::add_file(source_.fd, *source_.manifest, next_, &pipe_.stop_flag(), &pipe_.prefix_hashed());
     if (st.code == errc::cancelled) return;
     if (st.code != errc::ok) {
       pipe_.set_error(st.code, "hashing the part the receiver has: " + st.message);

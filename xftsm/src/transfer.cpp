@@ -116,6 +116,11 @@ void Engine::arm_watchdog() {
   watchdog_.expires_after(std::chrono::milliseconds(250));
   watchdog_.async_wait([this](const xdsi::ErrorCode& ec) {
     if (ec || machine_.finished()) return;
+    // Hashing a resumed transfer's kept prefix (either side's disk thread) is progress too.
+    if (const auto h = pipe_.prefix_hashed().load(std::memory_order_relaxed); h != hashed_seen_) {
+      hashed_seen_ = h;
+      touch();
+    }
     if (std::chrono::steady_clock::now() - last_activity_ > params_.idle_timeout) {
       fail(errc::timeout, "no progress for " + std::to_string(params_.idle_timeout.count() / 1000) + " s", false, true,
            TransferEvent::timeout);

@@ -125,19 +125,22 @@ public:
   /// and writing and locked): `found` is its record when there is one that checks out (the
   /// caller compares its key with the source's and calls restart() if they differ); a record
   /// that is truncated, corrupt or counts more than the file holds is discarded, and `notice`
-  /// says so in one line. `busy`: another transfer holds it (nothing is opened; the caller
-  /// writes a temporary file instead).
+  /// says so in one line. `busy`: another transfer holds it, or the name holds something that
+  /// is not one of ours (not a regular file, or one without a record): nothing is opened or
+  /// changed, the caller writes a temporary file instead.
   static Status open_resumable(Fd dir, const std::string& name, PendingFile& out, std::optional<ResumeRecord>& found,
                                std::string& notice, bool& busy);
   bool resumable() const noexcept { return resumable_; }
   /// Empties the partial file and drops its record (the source changed).
   void restart() noexcept;
-  /// The source that the records written from now on name.
+  /// The source that the records written from now on name; a partial file with nothing
+  /// recorded yet gets its record now (counting 0 bytes): what marks it as a partial file.
   void set_key(ResumeKey key);
-  /// Makes the first `prefix` bytes durable (fdatasync) and records them beside the file
-  /// (written to a temporary name, then renamed). From the disk thread: nothing else changes
-  /// the file's state meanwhile.
-  void save(std::uint64_t prefix) noexcept;
+  /// The file's first `prefix` bytes are written and verified: starts their writeback and
+  /// records, beside the file (a temporary name, then renamed), what is written out: the prefix
+  /// of the call before, or with `last` all of it (waiting for it). From the disk thread:
+  /// nothing else changes the file's state meanwhile.
+  void save(std::uint64_t prefix, bool last = false) noexcept;
   /// The prefix the record on disk counts.
   std::uint64_t saved() const noexcept { return saved_.load(); }
   /// After a failure that may be resumed: leaves a resumable partial file and its record where
@@ -157,6 +160,8 @@ private:
   bool resumable_ = false;
   ResumeKey key_;
   std::atomic<std::uint64_t> saved_{0};
+  std::uint64_t started_ = 0;  // writeback started up to here (the disk thread's)
+  bool write_record(std::uint64_t count) noexcept;
 };
 
 /// Whether `bytes` more fit on the file system of the open directory `dir` (its space available

@@ -104,7 +104,9 @@ struct Status {
   errc code = errc::ok;
   std::string message;
 };
-Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop = nullptr);
+/// `hashed`, when set, counts the bytes done as they are (a watchdog sees the work go on).
+Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop = nullptr,
+                std::atomic<std::uint64_t>* hashed = nullptr);
 
 /// The whole-file digest of the first `size` bytes of `fd`, read with pread in parts of at most
 /// 1 MiB whatever the block size. `stop`, when set, is polled between parts. Errors: the read's errno, or size_mismatch when the file is shorter.

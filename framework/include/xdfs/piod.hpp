@@ -140,12 +140,14 @@ public:
 /// Where a receiver keeps its resume point (a resumable partial file): the disk thread tells it
 /// the prefix of the file that is written, every block in it verified against its digest,
 /// whenever it grew by `bytes` or `interval` passed since the last time, and once more when it
-/// stops short of the end. What a crash (no last word) loses is what came since.
+/// stops short of the end. What a crash (no last word) loses is what came since (a checkpoint
+/// may record one step behind).
 class Checkpoint {
 public:
   virtual ~Checkpoint() = default;
-  /// On the disk thread: every byte below `prefix` is written and verified.
-  virtual void save(std::uint64_t prefix) noexcept = 0;
+  /// On the disk thread: every byte below `prefix` is written and verified; `last`: the
+  /// transfer stops here (the disk thread is ending short of the end).
+  virtual void save(std::uint64_t prefix, bool last) noexcept = 0;
   std::chrono::milliseconds interval{1000};
   std::uint64_t bytes = std::uint64_t(16) << 20;
 };
@@ -253,6 +255,8 @@ public:
   void stop() noexcept;
   bool stopping() const noexcept { return stop_.load(std::memory_order_acquire); }
   const std::atomic<bool>& stop_flag() const noexcept { return stop_; }
+  /// A resumed transfer: bytes of the kept prefix the disk thread has hashed so far.
+  std::atomic<std::uint64_t>& prefix_hashed() noexcept { return prefix_hashed_; }
 
   /// First error the disk thread hit (errno and what it was doing); set once, then it exits.
   void set_error(errc code, std::string what) noexcept;
@@ -270,6 +274,7 @@ private:
   std::atomic<std::uint32_t> disk_seq_{0};
   std::atomic<bool> disk_sleeping_{false};  // lets the producer skip the wake-up syscall
   std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> prefix_hashed_{0};
   EventFd net_wake_;
   std::atomic<bool> failed_{false};
   errc error_code_ = errc::ok;

@@ -89,7 +89,7 @@ inline std::uint64_t resume_point(std::uint64_t prefix, std::uint64_t size, std:
 class PartialCheckpoint final : public piod::Checkpoint {
 public:
   explicit PartialCheckpoint(files::PendingFile& f) : file_(f) {}
-  void save(std::uint64_t prefix) noexcept override { file_.save(prefix); }
+  void save(std::uint64_t prefix, bool last) noexcept override { file_.save(prefix, last); }
 
 private:
   files::PendingFile& file_;
@@ -191,6 +191,7 @@ protected:
 
 private:
   void arm_watchdog();
+  std::uint64_t hashed_seen_ = 0;  // the disk thread's prefix_hashed() at the last look
 };
 
 /// Sends one file (or a memory source) over all channels.
