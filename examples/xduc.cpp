@@ -18,6 +18,8 @@
 #include <atomic>
 #include <csignal>
 #include <string>
+#include <random>
+#include <thread>
 #include <vector>
 
 #include "cli.hpp"
@@ -62,6 +64,11 @@ const char* usage =
     "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
     "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
     "                         faster; in clear mode nothing then checks the data\n"
+    "  --retries N            a copy of one file whose session is lost (the server gone or\n"
+    "                         restarting, the link cut, a timeout) is tried again, resuming where\n"
+    "                         it was, up to N times, waiting 1, 2, 4 ... 30 s with jitter; not\n"
+    "                         for refusals, missing files, a full disk, a server unreachable from\n"
+    "                         the start, or a download to '-' or a device (default 5; 0: never)\n"
     "  --no-resume            start over instead of continuing an interrupted transfer (by\n"
     "                         default a download is written as .NAME.xdfs-partial with a\n"
     "                         record of its verified blocks, kept when the transfer is cut, and\n"
@@ -366,6 +373,7 @@ int main(int argc, char** argv) {
   bool quiet = false;
   bool json = false;
   bool plain_sha256 = false;
+  unsigned retries = 5;  // --retries: a lost session of a one-file copy is tried again
   bool recursive = false;
   bool parents = false;
   xdfs::pathm::TreeOptions tree;
@@ -402,6 +410,10 @@ int main(int argc, char** argv) {
       opt.verify = false;
     } else if (a == "--no-resume") {
       opt.resume = false;
+    } else if (a == "--retries") {
+      auto v = xdfs::cli::parse_uint(value(i), 0, 100);
+      if (!v) bad("--retries takes a count from 0 to 100");
+      retries = static_cast<unsigned>(*v);
     } else if (a == "--sha256") {
       plain_sha256 = true;
     } else if (a == "--fsync") {
@@ -659,14 +671,43 @@ int main(int argc, char** argv) {
 
   try {
     const xdfs::Endpoint ep{url->host, url->port};
-    auto r = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
+    // A lost session is tried again and resumes where it was (the partial files stay); what
+    // was written to standard output or a device cannot be taken back, so those are not.
+    struct stat ds {};
+    const bool retryable = up || (dst != "-" && !(::stat(dst.c_str(), &ds) == 0 && !S_ISREG(ds.st_mode) && !S_ISDIR(ds.st_mode)));
+    unsigned tried = 0;
+    std::optional<xdfs::TransferResult> done;
+    while (!done) {
+      try {
+        done = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
+      } catch (const xdfs::TransferError& e) {
+        // A server that cannot be reached at all is not a lost session: said at once. Once one
+        // was lost, a server restarting (refusing for a while) is waited for.
+        const bool unreachable = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed;
+        if (!retryable || tried >= retries || e.recovery() == xdfs::Recovery::give_up || (unreachable && tried == 0) ||
+            g_cancel.load())
+          throw;
+        ++tried;
+        const double base = std::min(30.0, static_cast<double>(1u << std::min(tried - 1, 5u)));
+        static std::minstd_rand jitter{std::random_device{}()};
+        const double wait = base * std::uniform_real_distribution<double>(0.5, 1.5)(jitter);
+        line.end();
+        fmt::print(stderr, "xduc: retry {} of {} in {:.1f} s: {}{}: {}\n", tried, retries, wait,
+                   xdfs::to_string(e.code()), e.remote() ? " (server)" : "", shown(e.context()));
+        for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait);
+             std::chrono::steady_clock::now() < until && !g_cancel.load();)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (g_cancel.load()) throw xdfs::TransferError(xdfs::errc::cancelled, "cancelled by the user", false);
+      }
+    }
+    const auto& r = *done;
     line.end();
     if (json) {
       const double bps = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0;
       fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},"
-                 "\"setup_seconds\":{:.6f},\"resumed_from\":{},\"bytes_sent\":{}{}}}\n",
+                 "\"setup_seconds\":{:.6f},\"resumed_from\":{},\"bytes_sent\":{},\"retries\":{}{}}}\n",
                  up ? "upload" : "download", r.bytes, r.seconds, bps, r.channels, r.setup_seconds, r.resumed_from,
-                 r.bytes - r.resumed_from,
+                 r.bytes - r.resumed_from, tried,
                  r.digest.empty() ? std::string()
                                   : fmt::format(",\"block_size\":{},\"digest_algorithm\":\"{}\",\"digest\":\"{}\"",
                                                 opt.block_size, xdfs::manifest::algorithm, r.digest));

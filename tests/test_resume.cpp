@@ -160,11 +160,16 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
     CHECK_FALSE(found);
     CHECK(notice.find("is discarded: its checksum does not match") != std::string::npos);
     CHECK(size_of(dir / ".f.xdfs-partial") == 0);
-    CHECK_FALSE(exists(dir / ".f.xdfs-resume"));
+    // The record is a placeholder now (a partial file always has one), counting nothing.
+    const auto text = xt::read_file(dir / ".f.xdfs-resume");
+    const auto placeholder = files::decode_record(std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+    REQUIRE(placeholder);
+    CHECK(placeholder->prefix == 0);
     // Nothing recorded: nothing kept.
     CHECK_FALSE(f.keep());
   }
   CHECK_FALSE(exists(dir / ".f.xdfs-partial"));
+  CHECK_FALSE(exists(dir / ".f.xdfs-resume"));
   // A record counting more than its partial file holds is not believed either.
   {
     files::PendingFile f;
@@ -210,7 +215,8 @@ TEST_CASE("kill -9 of the client, then of the server, half-way through 1 GiB eac
     d->stop(SIGKILL);
     d = std::make_unique<xt::XdfsdProcess>(root.path(), std::vector<std::string>{"--listen", "127.0.0.1:" + port});
   };
-  const std::vector<std::string> first{"-q", "--json", "-p", "2", "--limit-rate", "256M"};
+  // The first run does not retry by itself (xduc's --retries would finish it: see the relay case).
+  const std::vector<std::string> first{"-q", "--json", "-p", "2", "--limit-rate", "256M", "--retries", "0"};
   auto again = [&](std::vector<std::string> args) {
     args.insert(args.begin(), {"-q", "--json", "-p", "2"});
     auto r = xt::xduc(args);
@@ -276,10 +282,11 @@ TEST_CASE("a partial copy is checked, not trusted: a changed source starts over 
   ::unlink((local / "f").c_str());
 
   // The partial copy is damaged where its record says it is good: the whole-file digests
-  // differ, the transfer fails naming that, the partial goes, and the next run is whole.
+  // differ, the transfer fails naming that, the partial goes, and the next run is whole (with
+  // retries, as by default, that next run is xduc's own).
   cut_download();
   flip_byte(local / ".f.xdfs-partial", 1000);
-  auto bad = xt::xduc({"--json", "--block-size", "256K", url(d.port(), "f"), local / "f"});
+  auto bad = xt::xduc({"--json", "--retries", "0", "--block-size", "256K", url(d.port(), "f"), local / "f"});
   CHECK(bad.status == 1);
   CHECK(bad.err.find("whole-file digest differs") != std::string::npos);
   CHECK_FALSE(exists(local / "f"));
@@ -316,7 +323,7 @@ TEST_CASE("an upload's partial file at the server: a server that claims blocks i
     // The server's partial is damaged inside what its record counts: its claim is
     // proved false by the whole-file digest, the client fails, the server drops the partial.
     flip_byte(root / ".f.xdfs-partial", 4096);
-    auto bad = xt::xduc({"--json", "--block-size", "256K", local / "f", url(d.port(), "f")});
+    auto bad = xt::xduc({"--json", "--retries", "0", "--block-size", "256K", local / "f", url(d.port(), "f")});
     CHECK(bad.status == 1);
     CHECK(bad.err.find("whole-file digest differs") != std::string::npos);
     CHECK_FALSE(exists(root / "f"));
@@ -350,6 +357,53 @@ TEST_CASE("an upload's partial file at the server: a server that claims blocks i
   CHECK_FALSE(exists(root / ".old.xdfs-partial"));
   CHECK_FALSE(exists(root / ".old.xdfs-resume"));
   CHECK(exists(root / ".new.xdfs-partial"));
+}
+
+TEST_CASE("xduc --retries: a channel cut mid-transfer is survived without user action, each retry said and counted") {
+  using V = xt::Relay::Verdict;
+  using D = xt::Relay::Dir;
+  xt::TempDir root, local;
+  const std::uint64_t size = 64ull << 20;
+  xt::write_random_file(root / "f", size, 44);
+  xt::write_random_file(local / "src", size, 45);
+  xt::XdfsdProcess d(root.path());
+  for (const D data : {D::down, D::up}) {
+    CAPTURE(data == D::down ? "download" : "upload");
+    xt::Relay relay(d.port(), xdfs::xsec::Protect::clear);
+    std::atomic<bool> cut{false};
+    // Channel 1 of the first session is cut after 40 of its blocks; later sessions pass.
+    relay.hook = [&](const xt::Relay::Seen& f) {
+      if (f.conn == 1 && f.dir == data && f.data_index == 40 && !cut.exchange(true)) return V::cut;
+      return V::pass;
+    };
+    const std::string remote = "xdfs://127.0.0.1:" + std::to_string(relay.port()) + (data == D::down ? "/f" : "/up");
+    auto r = xt::xduc({"--json", "-p", "3", "--protect", "clear", "--block-size", "256K",
+                       data == D::down ? remote : std::string(local / "src"),
+                       data == D::down ? std::string(local / "f") : remote});
+    REQUIRE_MESSAGE(r.status == 0, r.err);
+    CHECK(cut.load());
+    CHECK(r.err.find("xduc: retry 1 of 5 in ") != std::string::npos);
+    CHECK(json_number(r, "retries") == 1);
+    // It went on from what was verified before the cut, not from byte 0.
+    CHECK(json_number(r, "resumed_from") > 0);
+    CHECK(xt::files_equal(data == D::down ? root / "f" : local / "src", data == D::down ? local / "f" : root / "up"));
+  }
+  // Not every failure is worth another try: a missing file fails at once, and --retries 0
+  // makes a cut channel fail the copy.
+  auto missing = xt::xduc({"--json", url(d.port(), "missing"), local / "m"});
+  CHECK(missing.status == 1);
+  CHECK(missing.err.find("retry") == std::string::npos);
+  xt::Relay relay(d.port(), xdfs::xsec::Protect::clear);
+  relay.hook = [&](const xt::Relay::Seen& f) {
+    return f.conn == 0 && f.dir == D::down && f.data_index == 10 ? V::cut : V::pass;
+  };
+  auto once = xt::xduc({"--retries", "0", "--protect", "clear", "--block-size", "256K",
+                        "xdfs://127.0.0.1:" + std::to_string(relay.port()) + "/f", local / "g"});
+  CHECK(once.status == 1);
+  CHECK(once.err.find("retry") == std::string::npos);
+  auto bad = xt::xduc({"--retries", "x", local / "src", url(d.port(), "z")});
+  CHECK(bad.status == 2);
+  CHECK(bad.err.find("--retries") != std::string::npos);
 }
 
 }  // TEST_SUITE("process")

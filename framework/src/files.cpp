@@ -318,6 +318,9 @@ std::uint64_t get_le(const std::uint8_t* p, int bytes) {
 // the old record or the new one. Whatever was at the temporary name (a FIFO, a link) goes first.
 bool write_record_at(int dir, const std::string& rec, const ResumeRecord& r) noexcept;
 
+// What a partial file's record says before its source is known: nothing kept, no source.
+const ResumeRecord placeholder_record{ResumeKey{"", 0, 0, 1}, 0};
+
 std::vector<std::uint8_t> encode_record(const ResumeRecord& r) {
   std::vector<std::uint8_t> out(record_magic, record_magic + 16);
   put_le(out, r.key.size, 8);
@@ -372,7 +375,7 @@ Status PendingFile::open_resumable(Fd dir, const std::string& name, PendingFile&
   // no partial file of ours is ever without one, even if the process is killed in between.
   struct stat seen {};
   if (::fstatat(dir.get(), partial.c_str(), &seen, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT)
-    (void)write_record_at(dir.get(), rec, ResumeRecord{ResumeKey{"", 0, 0, 1}, 0});
+    (void)write_record_at(dir.get(), rec, placeholder_record);
   int fd = ::openat(dir.get(), partial.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0666);
   if (fd < 0 && errno == EEXIST) {
     struct stat rs {};
@@ -432,7 +435,9 @@ Status PendingFile::open_resumable(Fd dir, const std::string& name, PendingFile&
 
 void PendingFile::restart() noexcept {
   if (!resumable_ || !dir_) return;
-  ::unlinkat(dir_.get(), record_name(name_).c_str(), 0);
+  // The record first becomes a placeholder (never removed: a partial file of ours always has
+  // one, whenever the process is killed), then the file is emptied.
+  if (!write_record_at(dir_.get(), record_name(name_), placeholder_record)) ::unlinkat(dir_.get(), record_name(name_).c_str(), 0);
   [[maybe_unused]] int r = ::ftruncate(fd_.get(), 0);
   saved_.store(0);
   started_ = 0;
