@@ -1,13 +1,13 @@
 #!/usr/bin/python3
 """What resume costs and saves: a disk-to-disk download and upload of SIZE with the resume
-bookkeeping (the default: a record beside the partial file every 16 MiB or second, after an
-fdatasync of the data) against --no-resume, taking turns, medians; then a transfer cut half-way
-(the client killed) and the same command again, reporting what crossed the network.
+bookkeeping (the default: hashing nothing more, a record beside the partial file every 16 MiB or
+second) against --no-resume, taking turns, medians; then a transfer cut half-way (the client
+killed) and the same command again, reporting what crossed the network.
 
     perf/resume.py [--xdfs-bin DIR] [--size 2G] [--streams 4] [--reps 5] [--dir DIR] [--smoke]
 
-Files go to --dir (default: the system's temporary directory, a real disk here; /dev/shm makes
-fdatasync free and measures only the rest). Timings are printed, never judged: --smoke (small
+Files go to --dir (default: the system's temporary directory, a real disk here; /dev/shm
+measures without the disk). Timings are printed, never judged: --smoke (small
 sizes) fails only when a run fails. Run it with nothing else busy on the machine.
 """
 

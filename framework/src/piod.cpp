@@ -285,7 +285,7 @@ void DiskWriter::write_blocks() {
     std::uint64_t end;
     ~FinalSave() {
       // A whole file is committed next: no record is needed for it.
-      if (c && at != saved && at != end) c->save(at, true);
+      if (c && at != saved && at != end) c->save(at);
     }
   } final_save{sink_.seekable && sink_.manifest ? sink_.checkpoint : nullptr, written, saved,
                sink_.manifest ? sink_.manifest->file_size() : 0};
@@ -329,7 +329,7 @@ void DiskWriter::write_blocks() {
         const auto now = std::chrono::steady_clock::now();
         if (written != final_save.end &&
             (written - saved >= final_save.c->bytes || now - last_save >= final_save.c->interval)) {
-          final_save.c->save(written, false);
+          final_save.c->save(written);
           saved = written;
           last_save = now;
         }

@@ -136,11 +136,10 @@ public:
   /// The source that the records written from now on name; a partial file with nothing
   /// recorded yet gets its record now (counting 0 bytes): what marks it as a partial file.
   void set_key(ResumeKey key);
-  /// The file's first `prefix` bytes are written and verified: starts their writeback and
-  /// records, beside the file (a temporary name, then renamed), what is written out: the prefix
-  /// of the call before, or with `last` all of it (waiting for it). From the disk thread:
-  /// nothing else changes the file's state meanwhile.
-  void save(std::uint64_t prefix, bool last = false) noexcept;
+  /// The file's first `prefix` bytes are written and verified: records that beside the file
+  /// (a temporary name, then renamed). From the disk thread: nothing else changes the file's
+  /// state meanwhile.
+  void save(std::uint64_t prefix) noexcept;
   /// The prefix the record on disk counts.
   std::uint64_t saved() const noexcept { return saved_.load(); }
   /// After a failure that may be resumed: leaves a resumable partial file and its record where
@@ -160,7 +159,6 @@ private:
   bool resumable_ = false;
   ResumeKey key_;
   std::atomic<std::uint64_t> saved_{0};
-  std::uint64_t started_ = 0;  // writeback started up to here (the disk thread's)
   bool write_record(std::uint64_t count) noexcept;
 };
 

@@ -140,14 +140,12 @@ public:
 /// Where a receiver keeps its resume point (a resumable partial file): the disk thread tells it
 /// the prefix of the file that is written, every block in it verified against its digest,
 /// whenever it grew by `bytes` or `interval` passed since the last time, and once more when it
-/// stops short of the end. What a crash (no last word) loses is what came since (a checkpoint
-/// may record one step behind).
+/// stops short of the end. What a crash (no last word) loses is what came since.
 class Checkpoint {
 public:
   virtual ~Checkpoint() = default;
-  /// On the disk thread: every byte below `prefix` is written and verified; `last`: the
-  /// transfer stops here (the disk thread is ending short of the end).
-  virtual void save(std::uint64_t prefix, bool last) noexcept = 0;
+  /// On the disk thread: every byte below `prefix` is written and verified.
+  virtual void save(std::uint64_t prefix) noexcept = 0;
   std::chrono::milliseconds interval{1000};
   std::uint64_t bytes = std::uint64_t(16) << 20;
 };

@@ -89,7 +89,7 @@ inline std::uint64_t resume_point(std::uint64_t prefix, std::uint64_t size, std:
 class PartialCheckpoint final : public piod::Checkpoint {
 public:
   explicit PartialCheckpoint(files::PendingFile& f) : file_(f) {}
-  void save(std::uint64_t prefix, bool last) noexcept override { file_.save(prefix, last); }
+  void save(std::uint64_t prefix) noexcept override { file_.save(prefix); }
 
 private:
   files::PendingFile& file_;
