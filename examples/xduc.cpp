@@ -67,8 +67,8 @@ const char* usage =
     "  --retries N            a copy of one file whose session is lost (the server gone or\n"
     "                         restarting, the link cut, a timeout) is tried again, resuming where\n"
     "                         it was, up to N times, waiting 1, 2, 4 ... 30 s with jitter; not\n"
-    "                         for refusals, missing files, a full disk, a server unreachable from\n"
-    "                         the start, or a download to '-' or a device (default 5; 0: never)\n"
+    "                         for refusals, missing files, a full disk, a session that never\n"
+    "                         opened, or a download to '-' or a device (default 5; 0: never)\n"
     "  --no-resume            start over instead of continuing an interrupted transfer (by\n"
     "                         default a download is written as .NAME.xdfs-partial with a\n"
     "                         record of its verified blocks, kept when the transfer is cut, and\n"
@@ -681,10 +681,12 @@ int main(int argc, char** argv) {
       try {
         done = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
       } catch (const xdfs::TransferError& e) {
-        // A server that cannot be reached at all is not a lost session: said at once. Once one
-        // was lost, a server restarting (refusing for a while) is waited for.
-        const bool unreachable = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed;
-        if (!retryable || tried >= retries || e.recovery() == xdfs::Recovery::give_up || (unreachable && tried == 0) ||
+        // A session that never opened (the server unreachable, or gone during the set-up) was
+        // not lost: said at once. Once one was lost, a server restarting (refusing, or closing
+        // connections for a while) is waited for.
+        const bool never_opened = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed ||
+                                  e.operation() == "session set-up";
+        if (!retryable || tried >= retries || e.recovery() == xdfs::Recovery::give_up || (never_opened && tried == 0) ||
             g_cancel.load())
           throw;
         ++tried;

@@ -71,7 +71,8 @@ class Server:
             os.unlink(self.port_file)
         self.log = open(os.path.join(state, "xdfsd.log"), "ab")
         self.proc = subprocess.Popen([binary, "--root", root, "--listen", "127.0.0.1:0", "--port-file", self.port_file,
-                                      "--state-dir", state] + extra, stderr=self.log, stdin=subprocess.DEVNULL)
+                                      "--state-dir", state] + extra, stdout=self.log, stderr=self.log,
+                                     stdin=subprocess.DEVNULL)
         for _ in range(500):
             if os.path.exists(self.port_file):
                 with open(self.port_file) as f:

@@ -6,7 +6,10 @@
 // takes is never asserted.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -196,6 +199,12 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
     CHECK(busy);
   }
   CHECK(xt::read_file(dir / ".g.xdfs-partial") == "mine");
+  // Long names alike in their first 200 bytes get partial files of their own, within NAME_MAX.
+  const std::string a(230, 'a'), b = std::string(229, 'a') + "b";
+  CHECK(files::partial_name(a) != files::partial_name(b));
+  CHECK(files::record_name(a) != files::record_name(b));
+  CHECK(files::record_name(b).size() + 4 <= 255);  // with ".tmp"
+  CHECK(files::partial_name("short") == ".short.xdfs-partial");
 }
 
 }  // TEST_SUITE("manifest")
@@ -391,6 +400,27 @@ TEST_CASE("xduc --retries: a channel cut mid-transfer is survived without user a
   auto missing = xt::xduc({"--json", url(d.port(), "missing"), local / "m"});
   CHECK(missing.status == 1);
   CHECK(missing.err.find("retry") == std::string::npos);
+  // Nor is a session that never opened: a listener that hangs up on the client's opening.
+  {
+    const int lst = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(lst, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+    REQUIRE(::listen(lst, 8) == 0);
+    socklen_t len = sizeof sa;
+    REQUIRE(::getsockname(lst, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+    std::thread hang_up([lst] {
+      const int c = ::accept(lst, nullptr, nullptr);
+      char buf[64];
+      if (c >= 0 && ::recv(c, buf, sizeof buf, 0) >= 0) ::close(c);
+    });
+    auto r = xt::xduc({local / "src", "xdfs://127.0.0.1:" + std::to_string(ntohs(sa.sin_port)) + "/x"}, 20000);
+    hang_up.join();
+    ::close(lst);
+    CHECK(r.status == 1);
+    CHECK(r.err.find("retry") == std::string::npos);
+  }
   xt::Relay relay(d.port(), xdfs::xsec::Protect::clear);
   relay.hook = [&](const xt::Relay::Seen& f) {
     return f.conn == 0 && f.dir == D::down && f.data_index == 10 ? V::cut : V::pass;

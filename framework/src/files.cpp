@@ -283,17 +283,23 @@ Status PendingFile::create(Fd dir, const std::string& name, const std::string& t
   return Status::ok();
 }
 
-std::string partial_name(const std::string& name) {
+namespace {
+
+// ".NAME" cut to 200 bytes; a longer name ends in 16 hex digits of its SHA-256 instead, so that
+// two names alike in their first 200 bytes never share a partial file (or its record).
+std::string partial_stem(const std::string& name) {
   std::string p(1, '.');
-  p.append(name, 0, 200).append(partial_suffix);
-  return p;
+  if (name.size() <= 200) return p.append(name);
+  manifest::BlockHasher h;
+  const auto d = h.digest(reinterpret_cast<const std::uint8_t*>(name.data()), name.size());
+  return p.append(name, 0, 183).append(1, '~').append(manifest::hex(d).substr(0, 16));
 }
 
-std::string record_name(const std::string& name) {
-  std::string p(1, '.');
-  p.append(name, 0, 200).append(record_suffix);
-  return p;
-}
+}  // namespace
+
+std::string partial_name(const std::string& name) { return partial_stem(name).append(partial_suffix); }
+
+std::string record_name(const std::string& name) { return partial_stem(name).append(record_suffix); }
 
 namespace {
 

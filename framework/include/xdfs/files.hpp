@@ -94,7 +94,8 @@ inline constexpr std::string_view record_suffix = ".xdfs-resume";
 std::vector<std::uint8_t> encode_record(const ResumeRecord& r);
 /// The record, or none with why in words (truncated, corrupt, not whole blocks).
 std::optional<ResumeRecord> decode_record(std::span<const std::uint8_t> b, std::string* why = nullptr);
-/// ".NAME.xdfs-partial" and ".NAME.xdfs-resume" (NAME cut to 200 bytes).
+/// ".NAME.xdfs-partial" and ".NAME.xdfs-resume" (a NAME over 200 bytes: its first 183 bytes, '~'
+/// and 16 hex digits of its SHA-256, so that no two names share them).
 std::string partial_name(const std::string& name);
 std::string record_name(const std::string& name);
 
