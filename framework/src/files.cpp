@@ -128,6 +128,14 @@ bool ends_with(std::string_view s, std::string_view tail) {
   return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
 }
 
+// A resume record's first 16 bytes.
+constexpr char record_magic[16] = {'x', 'D', 'F', 'S', '-', 'r', 'e', 's', 'u', 'm', 'e', '-', '1', '\n', 0, 0};
+
+// "NAME" + from (which it ends with) -> "NAME" + to: a partial file's record and back.
+std::string swap_suffix(std::string_view name, std::string_view from, std::string_view to) {
+  return std::string(name.substr(0, name.size() - from.size())).append(to);
+}
+
 }  // namespace
 
 std::size_t sweep_temp_files(int root, const std::string& tag_prefix, const std::atomic<bool>* stop) {
@@ -156,8 +164,7 @@ std::size_t sweep_partials(int root, std::chrono::seconds max_age, const std::at
         if (n.size() > 1 && n.front() == '.' && ends_with(n, record_suffix)) {
           // A record whose partial file never came (killed in between) or went: once stale, and
           // if it is a record at all.
-          const std::string record(raw);
-          const std::string partial = record.substr(0, record.size() - record_suffix.size()).append(partial_suffix);
+          const std::string partial = swap_suffix(n, record_suffix, partial_suffix);
           struct stat ps {}, rs {};
           if (::fstatat(dir, partial.c_str(), &ps, AT_SYMLINK_NOFOLLOW) == 0 ||
               ::fstatat(dir, raw, &rs, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(rs.st_mode) ||
@@ -165,14 +172,14 @@ std::size_t sweep_partials(int root, std::chrono::seconds max_age, const std::at
             return false;
           Fd fd(::openat(dir, raw, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
           char magic[16];
-          if (!fd || ::pread(fd.get(), magic, sizeof magic, 0) != sizeof magic || std::memcmp(magic, "xDFS-resume-1\n", 14) != 0)
+          if (!fd || ::pread(fd.get(), magic, sizeof magic, 0) != sizeof magic || std::memcmp(magic, record_magic, sizeof magic) != 0)
             return false;
           ::unlinkat(dir, raw, 0);
           return false;  // not counted: no partial file went
         }
         if (n.empty() || n.front() != '.' || !ends_with(n, partial_suffix)) return false;
         const std::string partial(raw);
-        const std::string record = partial.substr(0, partial.size() - partial_suffix.size()).append(record_suffix);
+        const std::string record = swap_suffix(n, partial_suffix, record_suffix);
         struct stat ps {}, rs {};
         if (::fstatat(dir, partial.c_str(), &ps, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(ps.st_mode)) return false;
         // Only ours: a partial file with its record (one without is someone's file of that name).
@@ -303,7 +310,6 @@ std::string record_name(const std::string& name) { return partial_stem(name).app
 
 namespace {
 
-constexpr char record_magic[16] = {'x', 'D', 'F', 'S', '-', 'r', 'e', 's', 'u', 'm', 'e', '-', '1', '\n', 0, 0};
 constexpr std::size_t record_fixed = 16 + 8 + 8 + 4 + 4 + 8;  // magic, size, mtime, block, source length, prefix
 
 void put_le(std::vector<std::uint8_t>& out, std::uint64_t v, int bytes) {
@@ -433,6 +439,18 @@ Status PendingFile::open_resumable(Fd dir, const std::string& name, PendingFile&
   out.key_ = r->key;
   out.saved_.store(r->prefix);
   return Status::ok();
+}
+
+Status PendingFile::open(Fd dir, const std::string& name, const std::string& tag, bool resumable, PendingFile& out,
+                         std::optional<ResumeRecord>& found, std::string& notice) {
+  found.reset();
+  if (resumable) {
+    Fd again(::dup(dir.get()));  // open_resumable takes one; create() may need the other
+    if (!again) return Status::from_errno(errno, "dup of the directory of '" + name + "'");
+    bool busy = false;
+    if (auto st = open_resumable(std::move(again), name, out, found, notice, busy); !st || !busy) return st;
+  }
+  return create(std::move(dir), name, tag, out);
 }
 
 void PendingFile::restart() noexcept {

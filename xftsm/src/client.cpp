@@ -155,33 +155,26 @@ private:
     auto [dir, name] = files::split_parent(local);
     int dfd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) throw TransferError(errc_from_errno(errno), "directory '" + dir + "': " + std::strerror(errno), false);
-    files::Fd dirfd(dfd);
-    bool busy = true;
-    if (opt_.resume && session_.manifest()) {
-      // Resumable: a partial copy of the same source (its record says) goes on where it was;
-      // the server hears its size and mtime and sends the rest if the file is still that one.
-      std::optional<files::ResumeRecord> found;
-      std::string notice;
-      files::Fd again(::dup(dirfd.get()));
-      if (!again) throw TransferError(errc_from_errno(errno), "dup: " + std::string(std::strerror(errno)), false);
-      if (auto st = files::PendingFile::open_resumable(std::move(again), name, pending_, found, notice, busy); !st)
-        throw TransferError(st.code, st.message, false);
-      if (!busy) {
-        resume_source_ = source_id();
-        if (found && found->key.source == resume_source_ && found->key.block_size == session_.options().block_size) {
-          nego_.resume_offset = resume_point(found->prefix, found->key.size, found->key.block_size);
-          nego_.file_size = found->key.size;
-          nego_.source_mtime_ns = found->key.mtime_ns;
-        } else if (found) {
-          notice = "'" + pending_.temp_name() + "' is a partial copy of another source: starting over";
-          pending_.restart();
-        }
-        say(notice);
+    // Resumable: a partial copy of the same source (its record says) goes on where it was;
+    // the server hears its size and mtime and sends the rest if the file is still that one.
+    std::optional<files::ResumeRecord> found;
+    std::string notice;
+    if (auto st = files::PendingFile::open(files::Fd(dfd), name, session_.tag(), opt_.resume && session_.manifest(),
+                                           pending_, found, notice);
+        !st)
+      throw TransferError(st.code, st.message, false);
+    if (pending_.resumable()) {
+      resume_source_ = source_id();
+      if (found && found->key.source == resume_source_ && found->key.block_size == session_.options().block_size) {
+        nego_.resume_offset = resume_point(found->prefix, found->key.size, found->key.block_size);
+        nego_.file_size = found->key.size;
+        nego_.source_mtime_ns = found->key.mtime_ns;
+      } else if (found) {
+        notice = "'" + pending_.temp_name() + "' is a partial copy of another source: starting over";
+        pending_.restart();
       }
+      say(notice);
     }
-    if (busy)
-      if (auto st = files::PendingFile::create(std::move(dirfd), name, session_.tag(), pending_); !st)
-        throw TransferError(st.code, st.message, false);
     sink_ = piod::Sink{pending_.fd(), true, false};
   }
 

@@ -176,32 +176,26 @@ private:
       // With the manifest an upload is resumable: it is written as ".NAME.xdfs-partial" with a
       // resume record beside it, and an earlier one from the same source goes on where it was.
       std::uint64_t start = 0;
-      bool busy = true;
-      if (p.manifest && env_.config.partial_expiry.count() > 0) {
-        std::optional<files::ResumeRecord> found;
-        std::string notice;
-        files::Fd again(::dup(dirfd.get()));
-        if (!again) return refuse(errc_from_errno(errno), "dup");
-        if (auto st = files::PendingFile::open_resumable(std::move(again), name, pending_, found, notice, busy); !st)
-          return refuse(st.code, st.message);
-        if (!busy) {
-          const files::ResumeKey key{"upload from " + env_.client.fingerprint + " to " + nego_.remote_path,
-                                     nego_.file_size, nego_.source_mtime_ns, nego_.block_size};
-          if (found && nego_.fresh) {
-            pending_.restart();  // the client asked to start over
-          } else if (found && found->key == key) {
-            start = resume_point(found->prefix, nego_.file_size, nego_.block_size);
-          } else if (found) {
-            notice = "the partial upload of '" + nego_.remote_path + "' was of another source: starting over";
-            pending_.restart();
-          }
-          if (!notice.empty()) env_.log(fmt::format("session {}: {}", env_.id.short_hex(), notice));
-          pending_.set_key(key);
+      std::optional<files::ResumeRecord> found;
+      std::string notice;
+      if (auto st = files::PendingFile::open(std::move(dirfd), name, env_.tag,
+                                             p.manifest && env_.config.partial_expiry.count() > 0, pending_, found, notice);
+          !st)
+        return refuse(st.code, st.message);
+      if (pending_.resumable()) {
+        const files::ResumeKey key{"upload from " + env_.client.fingerprint + " to " + nego_.remote_path,
+                                   nego_.file_size, nego_.source_mtime_ns, nego_.block_size};
+        if (found && nego_.fresh) {
+          pending_.restart();  // the client asked to start over
+        } else if (found && found->key == key) {
+          start = resume_point(found->prefix, nego_.file_size, nego_.block_size);
+        } else if (found) {
+          notice = "the partial upload of '" + nego_.remote_path + "' was of another source: starting over";
+          pending_.restart();
         }
+        if (!notice.empty()) env_.log(fmt::format("session {}: {}", env_.id.short_hex(), notice));
+        pending_.set_key(key);
       }
-      if (busy)
-        if (auto st = files::PendingFile::create(std::move(dirfd), name, env_.tag, pending_); !st)
-          return refuse(st.code, st.message);
       // Without a size limit of its own the server takes what the file system can hold: an
       // upload that cannot fit is refused now, not when the disk is full.
       if (env_.config.max_file_size == 0)

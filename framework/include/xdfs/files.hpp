@@ -131,6 +131,11 @@ public:
   /// changed, the caller writes a temporary file instead.
   static Status open_resumable(Fd dir, const std::string& name, PendingFile& out, std::optional<ResumeRecord>& found,
                                std::string& notice, bool& busy);
+  /// The file to receive `name` in `dir`: with `resumable`, the resumable partial file as
+  /// open_resumable() gives it; when that is busy (or not wanted), a temporary file as create()
+  /// makes. resumable() then tells which it is.
+  static Status open(Fd dir, const std::string& name, const std::string& tag, bool resumable, PendingFile& out,
+                     std::optional<ResumeRecord>& found, std::string& notice);
   bool resumable() const noexcept { return resumable_; }
   /// Empties the partial file and drops its record (the source changed).
   void restart() noexcept;
