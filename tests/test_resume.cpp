@@ -22,6 +22,7 @@
 
 #include "support.hpp"
 #include "xdfs/files.hpp"
+#include "xdfs/wire.hpp"
 #include "xdfs/xdfs.hpp"
 
 namespace {
@@ -205,6 +206,24 @@ TEST_CASE("a partial file's record that does not check out is discarded with a n
   CHECK(files::record_name(a) != files::record_name(b));
   CHECK(files::record_name(b).size() + 4 <= 255);  // with ".tmp"
   CHECK(files::partial_name("short") == ".short.xdfs-partial");
+}
+
+TEST_CASE("a negotiation resuming beyond the file, and xdfsd --partial-expiry out of range, are refused naming the cause") {
+  xdfs::wire::Negotiation n;
+  n.mode = xdfs::Mode::download;
+  n.remote_path = "f";
+  n.file_size = 1 << 20;
+  n.resume_offset = (1 << 20) + 4096;
+  std::string why;
+  CHECK_FALSE(xdfs::wire::decode_negotiation(xdfs::wire::encode(n), &why));
+  CHECK(why.find("resume offset 1052672 is beyond the file size 1048576") != std::string::npos);
+  n.resume_offset = 1 << 20;
+  CHECK(xdfs::wire::decode_negotiation(xdfs::wire::encode(n)));
+  for (const char* bad : {"x", "-1", "31536001"}) {
+    auto r = xt::run(XDFSD_PATH, {"--root", "/tmp", "--partial-expiry", bad});
+    CHECK(r.status == 2);
+    CHECK(r.err.find("--partial-expiry") != std::string::npos);
+  }
 }
 
 }  // TEST_SUITE("manifest")
