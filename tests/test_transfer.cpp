@@ -466,6 +466,9 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
         asio::write(peer, std::array{asio::buffer(head), asio::buffer(payload)}, ec);
         if (ec) return;
       }
+      // Hang up once the disk thread is inside a write (bounded): the failure must catch it
+      // there, with blocks still queued, not before its first write began.
+      for (int i = 0; i < 1000 && io.calls.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       boost::system::error_code ec;
       peer.shutdown(tcp::socket::shutdown_send, ec);
     });
