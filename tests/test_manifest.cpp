@@ -33,16 +33,18 @@ std::string url(std::uint16_t port, const std::string& path) {
 std::string reference(const std::vector<std::uint8_t>& file, std::uint32_t bs) {
   auto whole = Botan::HashFunction::create_or_throw("SHA-256");
   auto block = Botan::HashFunction::create_or_throw("SHA-256");
-  std::uint8_t head[28];
-  std::memcpy(head, "xDFS-manifest-1\n", 16);
-  const std::uint64_t size = file.size();
-  for (int i = 0; i < 8; ++i) head[16 + i] = static_cast<std::uint8_t>(size >> (8 * i));
-  for (int i = 0; i < 4; ++i) head[24 + i] = static_cast<std::uint8_t>(bs >> (8 * i));
+  std::uint8_t head[20];
+  std::memcpy(head, "xDFS-manifest-2\n", 16);
+  for (int i = 0; i < 4; ++i) head[16 + i] = static_cast<std::uint8_t>(bs >> (8 * i));
   whole->update(head, sizeof head);
   for (std::size_t at = 0; at < file.size(); at += bs) {
     block->update(file.data() + at, std::min<std::size_t>(bs, file.size() - at));
     whole->update(block->final());
   }
+  const std::uint64_t size = file.size();
+  std::uint8_t tail[8];
+  for (int i = 0; i < 8; ++i) tail[i] = static_cast<std::uint8_t>(size >> (8 * i));
+  whole->update(tail, sizeof tail);
   const auto d = whole->final();
   mf::Digest out{};
   std::copy(d.begin(), d.end(), out.begin());
@@ -94,6 +96,20 @@ TEST_CASE("the whole-file digest is the documented formula, in whatever order th
     }
     REQUIRE(backwards.result().has_value());
     CHECK(mf::hex(*backwards.result()) == want);
+
+    // A stream's: the size comes at the end, after blocks in any order.
+    mf::FileDigest stream(mf::FileDigest::OpenEnded{}, bs);
+    for (std::size_t i = blocks; i-- > 0;) {
+      const std::size_t at = i * bs;
+      CHECK(stream.add(xdfs::FileOffset(at), block_digest(bytes, at, std::min<std::size_t>(bs, size - at))) == Added::ok);
+    }
+    CHECK_FALSE(stream.complete());
+    CHECK_FALSE(stream.result().has_value());
+    if (blocks > 0) CHECK_FALSE(stream.set_size((blocks - 1) * bs));  // a block it has is beyond that end
+    REQUIRE(stream.set_size(size));
+    CHECK_FALSE(stream.set_size(size));  // once
+    REQUIRE(stream.result().has_value());
+    CHECK(mf::hex(*stream.result()) == want);
 
     const std::string path = dir / "f";
     xt::write_file(path, std::string(bytes.begin(), bytes.end()));
@@ -183,7 +199,7 @@ TEST_CASE("xduc --json reports the digest and xduc sum computes the same for the
   REQUIRE_MESSAGE(up.status == 0, up.err);
   const std::string want = digest_of_file(local / "f", 1 << 20);
   CHECK(up.out.find("\"digest\":\"" + want + "\"") != std::string::npos);
-  CHECK(up.out.find("\"digest_algorithm\":\"xdfs-manifest-1-sha256\"") != std::string::npos);
+  CHECK(up.out.find("\"digest_algorithm\":\"xdfs-manifest-2-sha256\"") != std::string::npos);
   auto remote = xt::xduc({"sum", url(d.port(), "f")});
   CHECK(remote.out == want + "  f\n");
   auto mine = xt::xduc({"sum", local / "f"});

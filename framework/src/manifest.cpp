@@ -11,7 +11,7 @@
 namespace xdfs::manifest {
 namespace {
 
-constexpr char domain[] = "xDFS-manifest-1\n";
+constexpr char domain[] = "xDFS-manifest-2\n";
 static_assert(sizeof domain - 1 == 16);
 
 std::unique_ptr<Botan::HashFunction> sha256() { return Botan::HashFunction::create_or_throw("SHA-256"); }
@@ -54,11 +54,25 @@ FileDigest::FileDigest(std::uint64_t file_size, std::uint32_t block_size, std::s
       blocks_(file_size / block_size_ + (file_size % block_size_ != 0)),
       max_waiting_(max_waiting),
       hash_(sha256()) {
-  std::uint8_t head[16 + 8 + 4];
+  std::uint8_t head[16 + 4];
   std::memcpy(head, domain, 16);
-  for (int i = 0; i < 8; ++i) head[16 + i] = static_cast<std::uint8_t>(file_size >> (8 * i));
-  for (int i = 0; i < 4; ++i) head[24 + i] = static_cast<std::uint8_t>(block_size_ >> (8 * i));
+  for (int i = 0; i < 4; ++i) head[16 + i] = static_cast<std::uint8_t>(block_size_ >> (8 * i));
   hash_->update(head, sizeof head);
+}
+
+FileDigest::FileDigest(OpenEnded, std::uint32_t block_size, std::size_t max_waiting)
+    : FileDigest(0, block_size, max_waiting) {
+  known_ = false;
+  blocks_ = UINT64_MAX;
+}
+
+bool FileDigest::set_size(std::uint64_t file_size) {
+  const std::uint64_t blocks = file_size / block_size_ + (file_size % block_size_ != 0);
+  if (known_ || next_ > blocks || (!waiting_.empty() && waiting_.rbegin()->first >= blocks)) return false;
+  known_ = true;
+  file_size_ = file_size;
+  blocks_ = blocks;
+  return true;
 }
 
 FileDigest::~FileDigest() = default;
@@ -85,14 +99,19 @@ FileDigest::Added FileDigest::add(FileOffset offset, const Digest& d) {
 }
 
 std::optional<Digest> FileDigest::result() {
-  if (!result_ && complete()) result_ = take(*hash_);
+  if (!result_ && complete()) {
+    std::uint8_t tail[8];
+    for (int i = 0; i < 8; ++i) tail[i] = static_cast<std::uint8_t>(file_size_ >> (8 * i));
+    hash_->update(tail, sizeof tail);
+    result_ = take(*hash_);
+  }
   return result_;
 }
 
 Status add_file(int fd, FileDigest& file, std::uint64_t upto, const std::atomic<bool>* stop,
                 std::atomic<std::uint64_t>* hashed) {
   Status out;
-  if (upto > file.file_size() || (upto % file.block_size() != 0 && upto != file.file_size()) || file.next_offset() != 0) {
+  if (!file.size_known() || upto > file.file_size() || (upto % file.block_size() != 0 && upto != file.file_size()) || file.next_offset() != 0) {
     out.code = errc::internal;
     out.message = "a prefix of " + std::to_string(upto) + " bytes is not whole blocks of the file";
     return out;

@@ -29,7 +29,7 @@ namespace xdfs::manifest {
 /// Bytes of one digest (SHA-256).
 inline constexpr std::uint32_t digest_size = 32;
 /// The name of the whole-file digest's definition, reported beside its value.
-inline constexpr const char* algorithm = "xdfs-manifest-1-sha256";
+inline constexpr const char* algorithm = "xdfs-manifest-2-sha256";
 
 /// A block travels with its digest and, in the protected modes, a tag after both.
 static_assert(digest_size <= wire::max_block_tag, "a block's digest must fit its frame and slot (xsec.hpp checks it with the tag)");
@@ -58,17 +58,26 @@ private:
 };
 
 /// The whole-file digest of a file of `file_size` bytes cut into blocks of `block_size`:
-///   SHA-256("xDFS-manifest-1\n" || u64le file_size || u32le block_size || d_0 || ... || d_{k-1})
-/// where d_i is the SHA-256 of block i. Blocks may be added in any order; each digest waits
-/// until those before it are in (a receiver sees blocks roughly in order, so few wait: at most
-/// `max_waiting`, so that a peer that never sends one block cannot make the others pile up).
-/// Used by one thread at a time.
+///   SHA-256("xDFS-manifest-2\n" || u32le block_size || d_0 || ... || d_{k-1} || u64le file_size)
+/// where d_i is the SHA-256 of block i. The size comes last, so that a stream whose size is
+/// known only at its end is hashed in one pass like a file (`open_ended`, then set_size).
+/// Blocks may be added in any order; each digest waits until those before it are in (a
+/// receiver sees blocks roughly in order, so few wait: at most `max_waiting`, so that a peer
+/// that never sends one block cannot make the others pile up). Used by one thread at a time.
 class FileDigest {
 public:
   FileDigest(std::uint64_t file_size, std::uint32_t block_size, std::size_t max_waiting = SIZE_MAX);
+  /// A stream's: blocks of any index come until set_size.
+  struct OpenEnded {};
+  FileDigest(OpenEnded, std::uint32_t block_size, std::size_t max_waiting = SIZE_MAX);
   ~FileDigest();
   FileDigest(const FileDigest&) = delete;
   FileDigest& operator=(const FileDigest&) = delete;
+
+  /// An open-ended one's size, once its end is known: false (and nothing changed) if the size
+  /// is known already or a digest came for a block at or after its end.
+  bool set_size(std::uint64_t file_size);
+  bool size_known() const noexcept { return known_; }
 
   enum class Added { ok, not_a_block, too_far_ahead };
   /// The digest of the block at `offset`. not_a_block if that is not the start of one of the
@@ -77,8 +86,8 @@ public:
   Added add(FileOffset offset, const Digest& d);
   /// The first block whose digest has not come (the one the others wait for).
   std::uint64_t next_offset() const noexcept { return next_ * block_size_; }
-  /// Every block's digest is in.
-  bool complete() const noexcept { return next_ == blocks_; }
+  /// Every block's digest is in (and the size is known).
+  bool complete() const noexcept { return known_ && next_ == blocks_; }
   /// The whole-file digest; none until complete(). The same value on every later call.
   std::optional<Digest> result();
   std::uint64_t file_size() const noexcept { return file_size_; }
@@ -88,6 +97,7 @@ private:
   std::uint64_t file_size_;
   std::uint32_t block_size_;
   std::uint64_t blocks_;
+  bool known_ = true;       // the size is (false: a stream's, until set_size)
   std::uint64_t next_ = 0;  // index of the next block whose digest the running hash takes
   std::size_t max_waiting_;
   std::map<std::uint64_t, Digest> waiting_;
