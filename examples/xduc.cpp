@@ -39,7 +39,9 @@ const char* usage =
     "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
     "one server, and all of them travel over one session (its channels are set up once).\n"
     "With one SRC, DST may be a local directory, '-' (standard output) or a device such as\n"
-    "/dev/null; with several, DST is a directory (remote: the files go into it).\n"
+    "/dev/null; with several, DST is a directory (remote: the files go into it). SRC '-' uploads\n"
+    "standard input to the remote file DST names, as does a pipe or FIFO: a stream, whose size\n"
+    "is known at its end (its digest too); it cannot be resumed or retried.\n"
     "  --files-from FILE      more SRCs, one a line ('-': standard input; empty lines and lines\n"
     "                         starting with # are skipped); remote ones as xdfs:// URLs\n"
     "  -r, --recursive        copy a directory tree (files, empty directories, symlinks, modes,\n"
@@ -103,6 +105,12 @@ struct ProgressLine {
     if (rate > 0 && p.total >= p.bytes) {
       auto s = static_cast<long long>(static_cast<double>(p.total - p.bytes) / rate);
       eta = fmt::format("{}:{:02}", s / 60, s % 60);
+    }
+    if (p.total == 0 && p.bytes > 0) {  // a stream: its size is known at its end
+      fmt::print(stderr, "\r{:>10}  {:>10}/s   ", xdfs::cli::human_bytes(static_cast<double>(p.bytes)),
+                 xdfs::cli::human_bytes(rate));
+      shown = true;
+      return;
     }
     const double pct = p.total ? 100.0 * static_cast<double>(p.bytes) / static_cast<double>(p.total) : 100.0;
     fmt::print(stderr, "\r{:>10} / {:<10} {:5.1f}%  {:>10}/s  ETA {}   ", xdfs::cli::human_bytes(static_cast<double>(p.bytes)),
@@ -580,11 +588,15 @@ int main(int argc, char** argv) {
   auto url = xdfs::cli::parse_url(up ? dst : sources[0], why);
   if (!url) bad(why);
   if (!recursive && (tree.sync || tree.follow)) bad("--sync and --follow go with -r");
+  if (up && (sources.size() > 1 || !files_from.empty() || recursive) &&
+      std::find(sources.begin(), sources.end(), "-") != sources.end())
+    bad("standard input ('-') is uploaded alone, to a remote file name, without -r");
   if (sources.size() > 1 || !files_from.empty())
     return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json);
   const std::string& src = sources[0];
   if (down && url->path.empty()) bad("'" + src + "' names no remote file");
-  if (up && src == "-" && !opt.memory) bad("uploading from standard input is not supported; name a file");
+  if (up && src == "-" && !opt.memory && (url->path.empty() || url->path.back() == '/'))
+    bad("uploading standard input needs a remote file name: xdfs://HOST[:PORT]/DIR/NAME");
 
 
   if (recursive) {
@@ -673,8 +685,12 @@ int main(int argc, char** argv) {
     const xdfs::Endpoint ep{url->host, url->port};
     // A lost session is tried again and resumes where it was (the partial files stay); what
     // was written to standard output or a device cannot be taken back, so those are not.
-    struct stat ds {};
-    const bool retryable = up || (dst != "-" && !(::stat(dst.c_str(), &ds) == 0 && !S_ISREG(ds.st_mode) && !S_ISDIR(ds.st_mode)));
+    // Nor is a stream (standard input that is not a regular file, a pipe, a FIFO): what it gave
+    // is gone.
+    struct stat ds {}, ss {};
+    const bool stream = up && (src == "-" ? ::fstat(STDIN_FILENO, &ss) != 0 || !S_ISREG(ss.st_mode)
+                                          : ::stat(src.c_str(), &ss) == 0 && (S_ISFIFO(ss.st_mode) || S_ISSOCK(ss.st_mode)));
+    const bool retryable = up ? !stream : (dst != "-" && !(::stat(dst.c_str(), &ds) == 0 && !S_ISREG(ds.st_mode) && !S_ISDIR(ds.st_mode)));
     unsigned tried = 0;
     std::optional<xdfs::TransferResult> done;
     while (!done) {

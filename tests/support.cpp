@@ -650,6 +650,14 @@ std::unique_ptr<RawServer::Conn> RawServer::accept(int timeout_ms) {
   return c;
 }
 
+xdfs::wire::FrameHeader upload_block(std::uint64_t offset, std::uint32_t length) {
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::ChannelEvent::xftsmu;
+  h.offset = offset;
+  h.length = length;
+  return h;
+}
+
 Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size) {
   Hello g;
   g.opening.session = xdfs::SessionId::random();

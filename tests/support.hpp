@@ -248,6 +248,9 @@ xdfs::xsec::KeyPair test_identity();
 /// blocks, clear mode: data frames stay plain blocks, control frames are still authenticated).
 Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size = 0);
 
+/// The header of an upload's data frame (xFTSMU) of `length` bytes at `offset`.
+xdfs::wire::FrameHeader upload_block(std::uint64_t offset, std::uint32_t length);
+
 }  // namespace xt
 
 namespace xt {

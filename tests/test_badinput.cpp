@@ -278,13 +278,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     REQUIRE(reply.has_value());
     REQUIRE(reply->first.event == ChannelEvent::nego_reply);
   };
-  auto block = [&](std::uint64_t offset, std::uint32_t len) {
-    FrameHeader h;
-    h.event = ChannelEvent::xftsmu;
-    h.offset = offset;
-    h.length = len;
-    return h;
-  };
+  const auto block = xt::upload_block;
 
   SUBCASE("a misaligned block") {
     xt::RawChannel c(d.port());

@@ -43,6 +43,8 @@ struct Negotiation {
   sourceMtime @10 :Int64;        # upload: the file's mtime (ns); download with resumeOffset: the
                                  # source's mtime when the partial copy began (fileSize its size)
   fresh @11 :Bool;               # upload: start at byte 0 even if a partial copy was kept
+  openEnded @12 :Bool;           # upload of a stream: its size is unknown (fileSize 0); blocks come
+                                 # until a short one or the EOFRs, whose offset is the size
 }
 
 # The server's answer on each channel once all n have joined.

@@ -1,5 +1,7 @@
 #include "xdfs/piod.hpp"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -42,6 +44,7 @@ void PoolDeleter::operator()(std::uint8_t* p) const noexcept { ::munmap(p, bytes
 ssize_t DiskIo::pwritev(int fd, const iovec* iov, int count, off_t offset) { return ::pwritev(fd, iov, count, offset); }
 ssize_t DiskIo::writev(int fd, const iovec* iov, int count) { return ::writev(fd, iov, count); }
 ssize_t DiskIo::preadv(int fd, const iovec* iov, int count, off_t offset) { return ::preadv(fd, iov, count, offset); }
+ssize_t DiskIo::readv(int fd, const iovec* iov, int count) { return ::readv(fd, iov, count); }
 
 DiskIo& DiskIo::system() noexcept {
   static DiskIo real;
@@ -374,7 +377,10 @@ void DiskReader::join() {
 
 void DiskReader::run() {
   try {
-    read_blocks();
+    if (source_.stream)
+      read_stream();
+    else
+      read_blocks();
   } catch (const std::exception& e) {
     pipe_.set_error(errc::internal, std::string("disk reader: ") + e.what());
   }
@@ -468,19 +474,109 @@ void DiskReader::read_blocks() {
     }
     if (!source_.zero && !read_all(iov, static_cast<int>(n), next_)) return;
     next_ = off;
-    for (std::size_t i = 0; i < n; ++i) {
-      std::uint8_t* data = pipe_.slot_data(batch[i].slot);
-      std::uint32_t len = batch[i].length.value();
-      if (source_.manifest) {
-        const manifest::Digest d = hasher->digest(data, len);
-        manifest::BlockHasher::put(data + len, d);
-        (void)source_.manifest->add(batch[i].offset, d);  // read in order: always taken at once
-        len += manifest::digest_size;
-      }
-      if (source_.sealer) source_.sealer->seal(data, DataLength(len), batch[i].offset);
-    }
+    for (std::size_t i = 0; i < n; ++i) finish(batch[i], hasher ? &*hasher : nullptr);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
+  }
+}
+
+void DiskReader::finish(Block& b, manifest::BlockHasher* hasher) {
+  std::uint8_t* data = pipe_.slot_data(b.slot);
+  std::uint32_t len = b.length.value();
+  if (source_.manifest) {
+    const manifest::Digest d = hasher->digest(data, len);
+    manifest::BlockHasher::put(data + len, d);
+    (void)source_.manifest->add(b.offset, d);  // read in order: always taken at once
+    len += manifest::digest_size;
+  }
+  if (source_.sealer) source_.sealer->seal(data, DataLength(len), b.offset);
+}
+
+// A stream: blocks in order from read(2), each handed over as soon as it is full (a slow
+// writer's data does not wait for a whole batch), the last one short or none at all.
+void DiskReader::read_stream() {
+  const std::uint32_t bs = pipe_.block_size();
+  std::optional<manifest::BlockHasher> hasher;
+  if (source_.manifest) hasher.emplace();
+  DiskIo& io = source_.io ? *source_.io : DiskIo::system();
+  Block batch[max_iov];
+  iovec iov[max_iov];
+  const std::size_t cap = source_.sealer || source_.manifest ? crypto_group(bs) : max_iov;
+  // A larger pipe buffer means fewer, larger reads (best effort: not a pipe, or not allowed).
+  (void)::fcntl(source_.fd, F_SETPIPE_SZ, 1 << 20);
+
+  while (true) {
+    const std::uint32_t seen = pipe_.disk_seq();
+    int n = 0;
+    Block b;
+    while (static_cast<std::size_t>(n) < cap && pipe_.disk_pop(b)) {
+      batch[n] = b;
+      iov[n].iov_base = pipe_.slot_data(b.slot);
+      iov[n].iov_len = bs;
+      ++n;
+    }
+    if (pipe_.stopping()) return;
+    if (n == 0) {
+      pipe_.disk_wait(seen);
+      continue;
+    }
+    iovec* cur = iov;
+    int left = n;
+    std::uint64_t got = 0;  // bytes in this batch's slots
+    int handed = 0;         // of them, blocks handed over
+    bool ended = false;
+    while (!ended && left > 0) {
+      if (pipe_.stopping()) return;
+      // Waits for data in short steps, so that a stop is seen while the stream's writer is
+      // silent (a pipe nobody writes to would otherwise hold the reader, and its session).
+      pollfd pfd{source_.fd, POLLIN, 0};
+      const int pr = ::poll(&pfd, 1, 200);
+      if (pr < 0 && errno != EINTR) {
+        pipe_.set_error(errc_from_errno(errno), std::string("waiting for the stream: ") + std::strerror(errno));
+        return;
+      }
+      if (pr <= 0) continue;
+      const ssize_t r = io.readv(source_.fd, cur, left);
+      if (r < 0) {
+        if (errno == EINTR || errno == EAGAIN) continue;
+        pipe_.set_error(errc_from_errno(errno),
+                        "read of the stream at offset " + std::to_string(next_ + got) + ": " + std::strerror(errno));
+        return;
+      }
+      if (r == 0) {
+        ended = true;
+      } else {
+        got += static_cast<std::uint64_t>(r);
+        advance(cur, left, static_cast<std::size_t>(r));
+      }
+      if (next_ + got > source_.size) {
+        pipe_.set_error(errc::limit_exceeded, "the stream is longer than " + std::to_string(source_.size) + " bytes");
+        return;
+      }
+      // The blocks now full (or, at the end, the short last one) go.
+      const int full = static_cast<int>(got / bs);
+      const int ready = ended && got % bs != 0 ? full + 1 : full;
+      if (ready == handed && !ended) continue;
+      for (int i = handed; i < ready; ++i) {
+        Block& blk = batch[i];
+        blk.offset = FileOffset(next_ + std::uint64_t(i) * bs);
+        blk.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, got - std::uint64_t(i) * bs)));
+        finish(blk, hasher ? &*hasher : nullptr);
+      }
+      if (ended) {
+        // The size is known: the manifest's, then the network thread's, before the last block.
+        if (source_.manifest && !source_.manifest->set_size(next_ + got)) {
+          pipe_.set_error(errc::internal, "the stream's digest does not take its size");
+          return;
+        }
+        pipe_.set_stream_end(next_ + got);
+      }
+      for (int i = handed; i < ready; ++i) pipe_.disk_push(batch[i]);
+      handed = ready;
+      pipe_.net_wake().notify();
+    }
+    next_ += got;
+    if (ended) return;  // the slots not filled stay here: the transfer needs no more
   }
 }
 

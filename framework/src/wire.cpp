@@ -183,6 +183,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setResumeOffset(n.resume_offset);
   r.setSourceMtime(n.source_mtime_ns);
   r.setFresh(n.fresh);
+  r.setOpenEnded(n.open_ended);
   return to_bytes(msg);
 }
 
@@ -273,6 +274,11 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.resume_offset = r.getResumeOffset();
     n.source_mtime_ns = r.getSourceMtime();
     n.fresh = r.getFresh();
+    n.open_ended = r.getOpenEnded();
+    if (n.open_ended && (n.mode != Mode::upload || n.file_size != 0)) {
+      set_why(why, n.mode != Mode::upload ? "only an upload is open-ended" : "an open-ended upload declares a size");
+      return std::nullopt;
+    }
     if (n.resume_offset > n.file_size) {
       set_why(why, "resume offset " + std::to_string(n.resume_offset) + " is beyond the file size " +
                        std::to_string(n.file_size));

@@ -62,18 +62,37 @@ public:
         memory_source_ = true;
         return begin();
       }
-      int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-      if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
+      // "-" is standard input (its own descriptor, so that closing it leaves the program's).
+      const bool std_in = local == "-";
+      int fd = std_in ? ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3)
+                      : ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+      const std::string what = std_in ? std::string("standard input") : "'" + local + "'";
+      if (fd < 0) throw TransferError(errc_from_errno(errno), what + ": " + std::strerror(errno), false);
       source_ = files::Fd(fd);
       struct stat sb {};
-      if (::fstat(fd, &sb) != 0) throw TransferError(errc_from_errno(errno), "stat '" + local + "'", false);
-      if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, "'" + local + "' is a directory", false);
-      if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + local + "' is not a regular file", false);
-      size_ = static_cast<std::uint64_t>(sb.st_size);
-      nego_.file_size = size_;
-      nego_.source_mtime_ns = files::mtime_ns(sb);
-      nego_.fresh = !opt_.resume;
-      if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') nego_.remote_path += basename_of(local);
+      if (::fstat(fd, &sb) != 0) throw TransferError(errc_from_errno(errno), "stat " + what, false);
+      if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, what + " is a directory", false);
+      // A pipe, a FIFO, or standard input that is not a whole regular file: a stream, whose size
+      // is known at its end (a FIFO without a writer yet is waited for, as cat would).
+      stream_ = S_ISFIFO(sb.st_mode) || S_ISSOCK(sb.st_mode) ||
+                (std_in && !(S_ISREG(sb.st_mode) && ::lseek(fd, 0, SEEK_CUR) == 0));
+      if (stream_) {
+        if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
+          if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
+          nego_.remote_path += basename_of(local);
+        }
+        nego_.open_ended = true;
+      } else {
+        if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, what + " is not a regular file", false);
+        size_ = static_cast<std::uint64_t>(sb.st_size);
+        nego_.file_size = size_;
+        nego_.source_mtime_ns = files::mtime_ns(sb);
+        nego_.fresh = !opt_.resume;
+        if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
+          if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
+          nego_.remote_path += basename_of(local);
+        }
+      }
     } catch (...) {
       return refuse(std::current_exception());
     }
@@ -237,6 +256,7 @@ private:
       self->session_.end_operation(!self->failure_);
       boost::asio::post(self->session_.io(), [self] {
         if (!self->failure_) self->digest_ = self->sender_ ? self->sender_->digest() : self->receiver_ ? self->receiver_->digest() : std::nullopt;
+        if (!self->failure_ && self->stream_ && self->sender_) self->size_ = self->sender_->size();
         self->sender_.reset();
         self->receiver_.reset();
         if (self->failure_) {
@@ -284,16 +304,18 @@ private:
       // The server holds this much of the file already: it must be whole blocks before the end,
       // and with the manifest, which proves it at the end (a server that claims blocks it does
       // not have fails there, it cannot make this side skip them unnoticed).
-      if (reply.resume_offset > 0 &&
-          (!p.manifest || memory_source_ || reply.resume_offset % p.block_size != 0 || reply.resume_offset >= size_))
+      if (reply.resume_offset > 0 && (!p.manifest || memory_source_ || stream_ ||
+                                      reply.resume_offset % p.block_size != 0 || reply.resume_offset >= size_))
         return fail(errc::protocol_error, "the server claims " + std::to_string(reply.resume_offset) + " bytes of a " +
                                               std::to_string(size_) + "-byte file it cannot have");
       p.start_offset = resumed_ = reply.resume_offset;
-      p.file_size = size_;
+      // A stream may be as long as the protocol allows; the server stops one beyond its limit.
+      p.file_size = stream_ ? wire::max_file_size : size_;
+      p.open_ended = stream_;
       p.window = reply.window;
       p.data_event = wire::ChannelEvent::xftsmu;
       sender_ = std::make_unique<Sender>(io, machine_, channels, *this, p,
-                                         piod::Source{source_.get(), size_, memory_source_, crypto(true)});
+                                         piod::Source{source_.get(), p.file_size, memory_source_, crypto(true)});
       sender_->start();
     } else if (action == TransferAction::start_receiving) {
       size_ = reply.file_size;
@@ -383,6 +405,7 @@ private:
   boost::asio::steady_timer ticker_;
   files::Fd source_;
   bool memory_source_ = false;
+  bool stream_ = false;  // upload of a stream: its size is size_ once it ended
   files::Fd in_place_;
   files::PendingFile pending_;
   PartialCheckpoint checkpoint_{pending_};  // the disk thread records a resumable download's progress

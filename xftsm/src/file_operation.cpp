@@ -63,7 +63,7 @@ public:
     if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
     struct stat st {};
     const bool known = ::fstat(pending_.fd(), &st) == 0;
-    auto s = pending_.commit(nego_.file_size, env_.config.fsync);
+    auto s = pending_.commit(receiver_ ? receiver_->size() : nego_.file_size, env_.config.fsync);
     // The session made it: its client may set its mode later (a tree copy does, after its
     // large files went).
     if (s && known && env_.made) env_.made->add(st, files::Made::key(nego_.remote_path));
@@ -157,8 +157,11 @@ private:
     p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
     p.limits = {env_.session_rate, env_.total_rate};
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
+    // A stream may grow to this server's file size limit, or the protocol's.
+    p.open_ended = nego_.open_ended;
+    const std::uint64_t stream_limit = env_.config.max_file_size ? env_.config.max_file_size : wire::max_file_size;
     if (nego_.mode == Mode::upload && memory) {
-      p.file_size = nego_.file_size;
+      p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
       start_engine(p, piod::Sink{-1, true, true, crypto()}, std::nullopt);
     } else if (nego_.mode == Mode::download && memory) {
@@ -178,8 +181,10 @@ private:
       std::uint64_t start = 0;
       std::optional<files::ResumeRecord> found;
       std::string notice;
+      // A stream is never resumed: its sender cannot read it again.
       if (auto st = files::PendingFile::open(std::move(dirfd), name, env_.tag,
-                                             p.manifest && env_.config.partial_expiry.count() > 0, pending_, found, notice);
+                                             p.manifest && !nego_.open_ended && env_.config.partial_expiry.count() > 0,
+                                             pending_, found, notice);
           !st)
         return refuse(st.code, st.message);
       if (pending_.resumable()) {
@@ -198,10 +203,10 @@ private:
       }
       // Without a size limit of its own the server takes what the file system can hold: an
       // upload that cannot fit is refused now, not when the disk is full.
-      if (env_.config.max_file_size == 0)
+      if (env_.config.max_file_size == 0 && !nego_.open_ended)
         if (auto st = files::check_room(pending_.dir(), nego_.file_size - start, "'" + nego_.remote_path + "'"); !st)
           return refuse(st.code, st.message);
-      p.file_size = nego_.file_size;
+      p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
       p.start_offset = start;
       piod::Sink sink{pending_.fd(), true, false, crypto()};

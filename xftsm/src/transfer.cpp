@@ -49,11 +49,14 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       wake_(io, dup_or_throw(pipe_.net_wake().fd())),
       watchdog_(io),
       linger_(io),
-      last_activity_(std::chrono::steady_clock::now()) {
+      last_activity_(std::chrono::steady_clock::now()),
+      end_(p.open_ended ? piod::BlockPipe::no_end : p.file_size) {
   // Digests wait for a missing block. The sender's window counts bytes written, not a prefix,
   // so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki blocks) is far
   // beyond any stall that ends; more means a block the peer withholds.
-  if (p.manifest) manifest_.emplace(p.file_size, p.block_size, std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p))));
+  const std::size_t max_waiting = std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p)));
+  if (p.manifest && p.open_ended) manifest_.emplace(manifest::FileDigest::OpenEnded{}, p.block_size, max_waiting);
+  else if (p.manifest) manifest_.emplace(p.file_size, p.block_size, max_waiting);
   std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });
   arm_watchdog();
 }
@@ -254,8 +257,10 @@ bool Engine::digests_agree() {
 }
 
 void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::string what) {
-  Failure f(errc::protocol_error, fmt::format("bad block on channel {}: offset {} length {} in a file of {} bytes: {}",
-                                              ch.index(), h.offset, h.length, params_.file_size, what));
+  Failure f(errc::protocol_error,
+            fmt::format("bad block on channel {}: offset {} length {} in {}: {}", ch.index(), h.offset, h.length,
+                        params_.open_ended ? std::string("a stream") : fmt::format("a file of {} bytes", params_.file_size),
+                        what));
   f.channel = ChannelIndex(ch.index());
   f.offset = FileOffset(h.offset);
   fail(std::move(f), true);
@@ -271,8 +276,9 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   source_.manifest = manifest_ ? &*manifest_ : nullptr;
   // In clear mode nothing else checks a block on its way: one that fails its digest at the
   // receiver is sent again. A sealed block never is (its nonce serves once).
-  resends_ = manifest_ && !source_.sealer && !source_.zero;
+  resends_ = manifest_ && !source_.sealer && !source_.zero && !p.open_ended;
   source_.resends = resends_;
+  source_.stream = p.open_ended && !source_.zero;
   spare_ = pipe_.slots() - 1;
   ready_.reserve(pipe_.slots());
   // A resumed transfer: what the receiver has counts as sent and acknowledged.
@@ -300,6 +306,11 @@ void Sender::on_disk() {
   bool any = false;
   while (pipe_.from_disk(b)) {
     (b.retry ? again_ : ready_).push_back(b);
+    any = true;
+  }
+  // A stream's reader met its end (set before its last block was handed over).
+  if (end_ == piod::BlockPipe::no_end && pipe_.stream_end() != piod::BlockPipe::no_end) {
+    end_ = pipe_.stream_end();
     any = true;
   }
   if (any) on(TransferEvent::block_ready);
@@ -362,7 +373,7 @@ void Sender::pump() {
     ready_head_ = 0;
   }
   // EOFR once the receiver has every block: until then it may ask for one again.
-  if (queued_ == source_.size && acked_ == source_.size) on(TransferEvent::all_sent);
+  if (queued_ == end_ && acked_ == end_) on(TransferEvent::all_sent);
 }
 
 void Sender::send_on(std::size_t pick, const piod::Block& b) {
@@ -421,7 +432,7 @@ void Sender::resend() {
   pipe_.to_disk(b);
 }
 
-void Sender::send_eofrs() { eofr_everywhere(source_.size); }
+void Sender::send_eofrs() { eofr_everywhere(end_); }
 
 void Sender::read_loop(xdsi::Channel& ch) {
   ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const FrameHeader& h) {
@@ -485,15 +496,14 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
       // this transfer (it is not read again until the next operation).
       // Only a receiver that has everything confirms: the table allows it in draining alone.
       if (!machine_.find(TransferEvent::committed)) return (void)fire(TransferEvent::committed);
-      if (h.offset != source_.size)
+      if (h.offset != end_)
         return fail(errc::size_mismatch,
-                    "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(source_.size),
-                    false, true);
+                    "receiver confirmed " + std::to_string(h.offset) + " bytes of " + std::to_string(end_), false, true);
       if (confirmed_[ch.index()]) return fail(errc::protocol_error, unexpected(ch, h) + " twice", false, true);
       confirmed_[ch.index()] = true;
       // With a manifest, the confirmation carries the digest of what the receiver verified.
       return read_digest(ch, h, [this] {
-        done_bytes_ = source_.size;
+        done_bytes_ = end_;
         touch();
         ++confirmations_;
         maybe_finish();
@@ -519,7 +529,7 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
                    const TransferParams& p, piod::Sink sink)
     : Engine(io, machine, channels, host, p), sink_(sink), eofr_(channels.size(), false) {
   sink_.manifest = manifest_ ? &*manifest_ : nullptr;
-  refetch_ = manifest_ && !sink_.opener && !sink_.discard;
+  refetch_ = manifest_ && !sink_.opener && !sink_.discard && !p.open_ended;
   sink_.refetch = refetch_;
   // A resumed transfer: the part the receiver has is in the file; the disk thread hashes it first.
   if (p.start_offset > 0) {
@@ -585,6 +595,7 @@ void Receiver::on_header(xdsi::Channel& ch, const FrameHeader& h) {
     // The sender's last word on this channel: it is not read again in this transfer. With a
     // manifest it carries the whole-file digest, compared once every block is verified.
     eofr_[idx] = true;
+    if (params_.open_ended && !stream_eofr(ch, h)) return;
     return read_digest(ch, h, [this] {
       ++eofr_count_;
       touch();
@@ -619,9 +630,12 @@ void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
                           touch();
                           // Authenticated now: it must name one whole, aligned, new block.
                           const FileOffset at(h.offset);
-                          const auto expect = block_at(at, params_.file_size, DataLength(params_.block_size));
-                          if (!expect || framed(*expect, tag()) != FrameLength(h.length))
-                            return bad_block(ch, h, "not one of the file's blocks");
+                          std::string why = "not one of the file's blocks";
+                          const auto expect = params_.open_ended
+                                                  ? stream_block(h, why)
+                                                  : block_at(at, params_.file_size, DataLength(params_.block_size));
+                          if (machine_.finished()) return;
+                          if (!expect || framed(*expect, tag()) != FrameLength(h.length)) return bad_block(ch, h, why);
                           if (!seen_.insert(at.value(), after(at, *expect)->value()))
                             return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
                           on(TransferEvent::block_received, Arrival{&ch, slot, h, *expect});
@@ -702,7 +716,10 @@ void Receiver::on_disk() {
 void Receiver::send_nack(const Arrival& a) { tell_sender(wire::ChannelEvent::nack, a.h.offset); }
 
 void Receiver::send_ack() {
-  if (done_bytes_ - acked_sent_ < ack_every_ && done_bytes_ != params_.file_size) return;
+  // A stream's end may be a whole block that says nothing: all that came is acknowledged once
+  // written, or the sender (which ends once everything is acknowledged) would wait for ever.
+  const bool caught_up = params_.open_ended && done_bytes_ == received_;
+  if (done_bytes_ - acked_sent_ < ack_every_ && done_bytes_ != end_ && !caught_up) return;
   if (done_bytes_ == acked_sent_) return;
   acked_sent_ = done_bytes_;
   tell_sender(wire::ChannelEvent::ack, acked_sent_);
@@ -726,12 +743,14 @@ void Receiver::tell_sender(wire::ChannelEvent event, std::uint64_t offset) {
 void Receiver::maybe_complete() {
   if (machine_.state() != State::transferring) return;
   if (eofr_count_ != channels_.size()) return;
-  if (received_ != params_.file_size)
+  if (received_ != end_)
     return fail(errc::size_mismatch,
-                "sender ended after " + std::to_string(received_) + " of " + std::to_string(params_.file_size) +
-                    " bytes",
-                false, true);
-  if (done_bytes_ != params_.file_size) return;  // disk still writing
+                "sender ended after " + std::to_string(received_) + " of " + std::to_string(end_) + " bytes", false,
+                true);
+  if (done_bytes_ != end_) return;  // disk still writing
+  // A stream's digest takes its size now: every block is back from the disk thread.
+  if (manifest_ && !manifest_->size_known() && !manifest_->set_size(end_))
+    return fail(errc::internal, "the stream's digest does not take its size", false, true);
   on(TransferEvent::all_received);
 }
 
@@ -743,13 +762,58 @@ void Receiver::commit() {
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
   // EOFR back on every channel, with the bytes committed: this side is done with the transfer
   // there, and the channel is ready for the session's next operation.
-  eofr_everywhere(params_.file_size);
+  eofr_everywhere(end_);
 }
 
 // Done when the EOFRs (and any ACK) have left: the file is committed, the channels are clear.
 void Receiver::maybe_finish() {
   if (machine_.state() != State::draining || eofr_unsent_ != 0 || told_unsent_ != 0 || writer_) return;
   on(TransferEvent::committed);
+}
+
+std::optional<DataLength> Receiver::stream_block(const FrameHeader& h, std::string& why) {
+  const auto data = unframed(FrameLength(h.length), tag());  // on_header checked it
+  const std::uint64_t at = h.offset, n = data ? data->value() : 0, bs = params_.block_size;
+  if (n == 0 || at % bs != 0) {
+    why = "not one of the stream's blocks";
+    return std::nullopt;
+  }
+  if (at > params_.file_size || n > params_.file_size - at) {
+    fail(errc::limit_exceeded, fmt::format("the stream is longer than this server's limit of {} bytes", params_.file_size),
+         false, true);
+    return std::nullopt;
+  }
+  const std::uint64_t e = at + n;
+  if (end_ != piod::BlockPipe::no_end) {
+    if (e > end_ || (n < bs && e != end_)) {
+      why = fmt::format("the stream ends at {}", end_);
+      return std::nullopt;
+    }
+  } else if (n < bs) {  // the short block is the last
+    if (seen_.overlaps(e, UINT64_MAX)) {
+      why = "a short block before blocks that came already";
+      return std::nullopt;
+    }
+    end_ = e;
+  }
+  return data;
+}
+
+bool Receiver::stream_eofr(const xdsi::Channel& ch, const FrameHeader& h) {
+  if (h.offset > params_.file_size) {
+    fail(errc::limit_exceeded, fmt::format("the stream is longer than this server's limit of {} bytes", params_.file_size),
+         false, true);
+    return false;
+  }
+  if ((end_ != piod::BlockPipe::no_end && h.offset != end_) || seen_.overlaps(h.offset, UINT64_MAX)) {
+    fail(errc::protocol_error,
+         fmt::format("EOFR on channel {} ends the stream at {}; its blocks say {}", ch.index(), h.offset,
+                     end_ != piod::BlockPipe::no_end ? std::to_string(end_) : "it goes on"),
+         false, true);
+    return false;
+  }
+  end_ = h.offset;
+  return true;
 }
 
 }  // namespace xdfs::xftsm

@@ -133,6 +133,7 @@ public:
   virtual ssize_t pwritev(int fd, const iovec* iov, int count, off_t offset);
   virtual ssize_t writev(int fd, const iovec* iov, int count);
   virtual ssize_t preadv(int fd, const iovec* iov, int count, off_t offset);
+  virtual ssize_t readv(int fd, const iovec* iov, int count);
   /// The real system calls.
   static DiskIo& system() noexcept;
 };
@@ -187,6 +188,10 @@ struct Source {
   /// (a Block with `retry` set names it). Never with a sealer: a block is sealed once per
   /// transfer, so no nonce serves twice.
   bool resends = false;
+  /// A stream (a pipe, standard input): read in order with read(2) until its end, at most
+  /// `size` bytes (more fails the transfer). Blocks are whole but the last; the end, once met,
+  /// is BlockPipe::stream_end(), and the manifest's size is set then. Never with resends.
+  bool stream = false;
 };
 
 /// Bytes after a block's data in its slot and its frame: its digest, then its tag.
@@ -255,6 +260,11 @@ public:
   const std::atomic<bool>& stop_flag() const noexcept { return stop_; }
   /// A resumed transfer: bytes of the kept prefix the disk thread has hashed so far.
   std::atomic<std::uint64_t>& prefix_hashed() noexcept { return prefix_hashed_; }
+  /// A stream's size once its reader met its end (set before the last blocks are handed over);
+  /// none before.
+  static constexpr std::uint64_t no_end = UINT64_MAX;
+  std::uint64_t stream_end() const noexcept { return stream_end_.load(std::memory_order_acquire); }
+  void set_stream_end(std::uint64_t size) noexcept { stream_end_.store(size, std::memory_order_release); }
 
   /// First error the disk thread hit (errno and what it was doing); set once, then it exits.
   void set_error(errc code, std::string what) noexcept;
@@ -273,6 +283,7 @@ private:
   std::atomic<bool> disk_sleeping_{false};  // lets the producer skip the wake-up syscall
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> prefix_hashed_{0};
+  std::atomic<std::uint64_t> stream_end_{no_end};
   EventFd net_wake_;
   std::atomic<bool> failed_{false};
   errc error_code_ = errc::ok;
@@ -309,6 +320,10 @@ public:
 private:
   void run();
   void read_blocks();
+  void read_stream();
+  /// A block just read (its offset and length set): its digest after its data and into the
+  /// manifest, then sealed, as the source says.
+  void finish(Block& b, manifest::BlockHasher* hasher);
   BlockPipe& pipe_;
   Source source_;
   std::uint64_t next_;

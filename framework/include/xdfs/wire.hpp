@@ -138,6 +138,11 @@ struct Negotiation {
   std::int64_t source_mtime_ns = 0;
   /// Upload: start at byte 0, whatever partial copy the server kept (xduc --no-resume).
   bool fresh = false;
+  /// Upload of a stream (standard input, a pipe): its size is not known in advance (file_size
+  /// is 0). Whole blocks come until the end; the last may be short, and the sender's EOFRs
+  /// carry the size. Never resumed, and with the manifest no block is sent twice (a stream is
+  /// read once): one that fails its digest fails the transfer.
+  bool open_ended = false;
   bool operator==(const Negotiation&) const = default;
 };
 

@@ -74,6 +74,13 @@ struct TransferParams {
   /// (whole blocks); only the rest travels. Both ends hash that part from their own file into
   /// the whole-file digest, so what the receiver kept is verified, not trusted.
   std::uint64_t start_offset = 0;
+  /// A stream (wire::Negotiation::open_ended): its size is known at its end only, and
+  /// file_size is the most it may have. Whole blocks travel until the end, the last may be
+  /// short; the receiver learns the end from that block or the sender's EOFRs, and acknowledges
+  /// whenever it has written all that came (the sender's EOFRs wait for the last bytes to be
+  /// acknowledged, as for a file). With a manifest no block is sent again: the sender cannot
+  /// read a stream twice.
+  bool open_ended = false;
 };
 
 /// Where a resumed transfer starts, given the prefix a receiver recorded: whole blocks, and
@@ -130,6 +137,8 @@ public:
   /// After a transfer with a manifest ended well: the whole-file digest, which both sides
   /// computed and found equal. None otherwise.
   std::optional<manifest::Digest> digest() const noexcept { return agreed_; }
+  /// The file's size: for a stream, once its end is known (BlockPipe::no_end before).
+  std::uint64_t size() const noexcept { return end_; }
 
 protected:
   /// Feeds an event to the CFSM; a refused event fails the session and returns nullopt.
@@ -178,6 +187,7 @@ protected:
   asio::steady_timer linger_;
   std::chrono::steady_clock::time_point last_activity_;
   std::uint64_t done_bytes_ = 0;
+  std::uint64_t end_;  // the file's size; a stream's once known, no_end until then
   /// With a manifest: this side's whole-file digest, built by the disk thread (which outlives
   /// no engine: the derived class stops it first).
   std::optional<manifest::FileDigest> manifest_;
@@ -292,6 +302,12 @@ private:
   void commit();
   /// all_received, once EOFR came on every channel and every byte is written.
   void maybe_complete();
+  /// A stream's block, its frame read: whole blocks up to the end, the one short block at the
+  /// end (which tells it, if the EOFRs did not). Its data length, or none and `why`.
+  std::optional<DataLength> stream_block(const wire::FrameHeader& h, std::string& why);
+  /// A stream's EOFR: its offset is the stream's size, the same on every channel and what the
+  /// blocks said. False: the transfer failed.
+  bool stream_eofr(const xdsi::Channel& ch, const wire::FrameHeader& h);
 
   piod::Sink sink_;
   std::optional<piod::DiskWriter> writer_;

@@ -1,0 +1,263 @@
+// Streams: uploads whose size is known only at their end (wire::Negotiation::open_ended), from
+// standard input, a pipe or a FIFO. Real xduc and xdfsd processes, standard input a real pipe
+// (sh's), and hand-made frames from a raw client for what a correct client never sends.
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support.hpp"
+#include "xdfs/manifest.hpp"
+#include "xdfs/wire.hpp"
+
+using xdfs::Mode;
+using xdfs::errc;
+using xdfs::wire::ChannelEvent;
+using xdfs::wire::FrameHeader;
+
+namespace {
+
+std::string url(std::uint16_t port, const std::string& path) {
+  return "xdfs://127.0.0.1:" + std::to_string(port) + "/" + path;
+}
+
+// sh -c "COMMAND | xduc ARGS": xduc's standard input is a pipe.
+xt::RunResult xduc_from(const std::string& command, const std::vector<std::string>& args, int timeout_ms = 300000) {
+  std::string line = command + " | '" + XDUC_PATH + "'";
+  for (const auto& a : args) line += " '" + a + "'";
+  return xt::run("/bin/sh", {"-c", line}, timeout_ms);
+}
+
+std::string json_string(const xt::RunResult& r, const std::string& key) {
+  const auto at = r.out.find("\"" + key + "\":\"");
+  REQUIRE_MESSAGE(at != std::string::npos, r.out << r.err);
+  const auto from = at + key.size() + 4;
+  return r.out.substr(from, r.out.find('"', from) - from);
+}
+
+std::uint64_t json_number(const xt::RunResult& r, const std::string& key) {
+  const auto at = r.out.find("\"" + key + "\":");
+  REQUIRE_MESSAGE(at != std::string::npos, r.out << r.err);
+  return std::stoull(r.out.substr(at + key.size() + 3));
+}
+
+std::string digest_of(const std::string& path, std::uint32_t bs = 1 << 20) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  struct stat st {};
+  REQUIRE(::fstat(fd, &st) == 0);
+  const auto r = xdfs::manifest::of_file(fd, static_cast<std::uint64_t>(st.st_size), bs);
+  ::close(fd);
+  REQUIRE(r.code == errc::ok);
+  return xdfs::manifest::hex(r.digest);
+}
+
+}  // namespace
+
+TEST_SUITE("process") {
+
+TEST_CASE("xduc - uploads 1 GiB of standard input (a pipe): it arrives identical, with the digest of its content") {
+  xt::TempDir root, local;
+  const std::uint64_t size = 1ull << 30;
+  xt::write_random_file(local / "src", size, 61);
+  xt::XdfsdProcess d(root.path());
+  auto r = xduc_from("cat '" + local / "src" + "'", {"-q", "--json", "-p", "4", "-", url(d.port(), "in/big")}, 600000);
+  // "in" does not exist: refused, nothing made.
+  CHECK(r.status == 1);
+  CHECK(r.err.find("no such file") != std::string::npos);
+  ::mkdir((root / "in").c_str(), 0755);
+  r = xduc_from("cat '" + local / "src" + "'", {"-q", "--json", "-p", "4", "-", url(d.port(), "in/big")}, 600000);
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::files_equal(local / "src", root / "in/big"));
+  CHECK(json_number(r, "bytes") == size);
+  // The digest both ends agreed on is the documented one of the content (docs/manifest.md), as
+  // xduc sum gives it for the local file and for the server's copy.
+  const std::string want = digest_of(local / "src");
+  CHECK(json_string(r, "digest") == want);
+  CHECK(json_string(r, "digest_algorithm") == xdfs::manifest::algorithm);
+  auto sum = xt::xduc({"sum", url(d.port(), "in/big")});
+  CHECK(sum.out.rfind(want, 0) == 0);
+  xt::check_no_partials(root.path());
+}
+
+TEST_CASE("streams of every shape arrive whole in every protection mode: empty, short, whole blocks, a FIFO, slow writers") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "src", 5 * 65536 + 17, 62);
+  xt::XdfsdProcess d(root.path());
+  const std::string src = local / "src";
+  for (const char* protect : {"clear", "integrity", "private"})
+    for (const char* verify : {"", "--no-verify"})
+      for (std::uint64_t n : {std::uint64_t(0), std::uint64_t(1), std::uint64_t(65536), std::uint64_t(4 * 65536),
+                              std::uint64_t(5 * 65536 + 17)}) {
+        CAPTURE(protect);
+        CAPTURE(verify);
+        CAPTURE(n);
+        std::vector<std::string> args{"-q", "--json", "-p", "3", "--block-size", "64K", "--protect", protect};
+        if (*verify) args.push_back(verify);
+        args.insert(args.end(), {"-", url(d.port(), "s")});
+        auto r = xduc_from("head -c " + std::to_string(n) + " '" + src + "'", args);
+        REQUIRE_MESSAGE(r.status == 0, r.err);
+        CHECK(json_number(r, "bytes") == n);
+        xt::write_file(local / "want", xt::read_file(src).substr(0, n));
+        CHECK(xt::files_equal(local / "want", root / "s"));
+        if (!*verify) CHECK(json_string(r, "digest") == digest_of(local / "want", 65536));
+      }
+  // A writer that pauses: what it gave arrives, whatever the pauses.
+  auto r = xduc_from("(printf abc; sleep 1; printf def)", {"-q", "-", url(d.port(), "slow")});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::read_file(root / "slow") == "abcdef");
+  // A FIFO named as SRC is a stream too, its name the remote one; xduc waits for its writer.
+  REQUIRE(::mkfifo((local / "fifo").c_str(), 0600) == 0);
+  r = xt::run("/bin/sh", {"-c", "(sleep 1; cat '" + src + "' > '" + local / "fifo" + "') & '" + XDUC_PATH + "' -q '" +
+                                    local / "fifo" + "' '" + url(d.port(), "") + "'; s=$?; wait; exit $s"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::files_equal(src, root / "fifo"));
+  xt::check_no_partials(root.path());
+}
+
+TEST_CASE("a stream beyond the server's --max-file-size fails naming the limit, leaving no file and the old one whole; bad uses exit 2") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "src", 6 << 20, 63);
+  xt::XdfsdProcess d(root.path(), {"--max-file-size", "4M"});
+  xt::write_file(root / "keep", "the old content");
+  auto r = xduc_from("cat '" + local / "src" + "'", {"-q", "-p", "2", "-", url(d.port(), "keep")});
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("limit exceeded (server): the stream is longer than this server's limit of 4194304 bytes") !=
+                    std::string::npos,
+                r.err);
+  CHECK(r.err.find("retry") == std::string::npos);
+  CHECK(xt::read_file(root / "keep") == "the old content");
+  CHECK(d.wait_for_log("status=error: limit exceeded"));
+  xt::check_no_partials(root.path());
+  // Exactly the limit is fine.
+  r = xduc_from("head -c 4194304 '" + local / "src" + "'", {"-q", "-", url(d.port(), "four")});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::read_file(root / "four").size() == 4194304);
+
+  struct Bad {
+    std::vector<std::string> args;
+    const char* words;
+  };
+  for (const auto& b : {Bad{{"-", url(d.port(), "")}, "needs a remote file name"},
+                        Bad{{"-", url(d.port(), "dir/")}, "needs a remote file name"},
+                        Bad{{"-", local / "src", url(d.port(), "dir/")}, "uploaded alone"},
+                        Bad{{"-r", "-", url(d.port(), "x")}, "uploaded alone"}}) {
+    auto e = xduc_from("echo hi", b.args);
+    CHECK(e.status == 2);
+    CHECK_MESSAGE(e.err.find(b.words) != std::string::npos, e.err);
+  }
+}
+
+TEST_CASE("a stream whose server goes away is not retried: what it read is gone") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "src", 1 << 20, 64);
+  auto d = std::make_unique<xt::XdfsdProcess>(root.path());
+  const auto port = d->port();
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    d->stop(SIGKILL);
+  });
+  auto r = xduc_from("(cat '" + local / "src" + "'; sleep 4)", {"-q", "--retries", "3", "-", url(port, "gone")});
+  killer.join();
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("retry") == std::string::npos, r.err);
+  CHECK_FALSE(xt::exists(root / "gone"));
+}
+
+}  // TEST_SUITE("process")
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("a hostile stream: a short block not at the end, blocks past it, an EOFR that disagrees, a negotiation with a size") {
+  xt::TempDir root, local;
+  xt::XdfsdProcess d(root.path(), {"--idle-timeout", "2", "--max-file-size", "1M"});
+  const std::uint32_t bs = 64 * 1024;
+  auto start_stream = [&](xt::RawChannel& c) {
+    auto n = xt::make_hello(Mode::upload, "victim", 1, 0);
+    n.nego.open_ended = true;
+    REQUIRE(c.establish(n));
+    auto reply = c.read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == ChannelEvent::nego_reply);
+  };
+  const auto block = xt::upload_block;
+  auto expect = [&](xt::RawChannel& c, errc code, const std::string& words) {
+    auto ex = c.read_exception();
+    REQUIRE_MESSAGE(ex.has_value(), "no exception header; xdfsd log:\n" << d.log());
+    CHECK(ex->code == code);
+    CHECK_MESSAGE(ex->message.find(words) != std::string::npos, ex->message);
+  };
+  SUBCASE("a short block, then a block after it") {
+    xt::RawChannel c(d.port());
+    start_stream(c);
+    c.send_frame(block(0, 100), xt::random_bytes(100, 1));
+    c.send_frame(block(bs, bs), xt::random_bytes(bs, 2));
+    expect(c, errc::protocol_error, "bad block on channel 0: offset 65536 length 65536 in a stream: the stream ends at 100");
+  }
+  SUBCASE("a short block before blocks that came already") {
+    xt::RawChannel c(d.port());
+    start_stream(c);
+    c.send_frame(block(bs, bs), xt::random_bytes(bs, 2));
+    c.send_frame(block(0, 100), xt::random_bytes(100, 1));
+    expect(c, errc::protocol_error, "a short block before blocks that came already");
+  }
+  SUBCASE("an EOFR that ends the stream before its blocks") {
+    xt::RawChannel c(d.port());
+    start_stream(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 2));
+    c.send_frame(block(bs, bs), xt::random_bytes(bs, 3));
+    FrameHeader e;
+    e.event = ChannelEvent::eofr;
+    e.offset = bs;
+    c.send_frame(e);
+    expect(c, errc::protocol_error, "EOFR on channel 0 ends the stream at 65536");
+  }
+  SUBCASE("an EOFR that claims more than came") {
+    xt::RawChannel c(d.port());
+    start_stream(c);
+    c.send_frame(block(0, bs), xt::random_bytes(bs, 2));
+    FrameHeader e;
+    e.event = ChannelEvent::eofr;
+    e.offset = 3 * bs;
+    c.send_frame(e);
+    expect(c, errc::size_mismatch, "sender ended after 65536 of 196608 bytes");
+  }
+  SUBCASE("blocks beyond the server's limit, and an EOFR beyond it") {
+    xt::RawChannel c(d.port());
+    start_stream(c);
+    c.send_frame(block(1 << 20, bs), xt::random_bytes(bs, 2));
+    expect(c, errc::limit_exceeded, "the stream is longer than this server's limit of 1048576 bytes");
+    xt::RawChannel c2(d.port());
+    start_stream(c2);
+    FrameHeader e;
+    e.event = ChannelEvent::eofr;
+    e.offset = std::uint64_t(1) << 61;
+    c2.send_frame(e);
+    expect(c2, errc::limit_exceeded, "the stream is longer than this server's limit of 1048576 bytes");
+  }
+  SUBCASE("an open-ended negotiation that declares a size, or is a download") {
+    auto n = xt::make_hello(Mode::upload, "victim", 1, 10);
+    n.nego.open_ended = true;
+    std::string why;
+    CHECK_FALSE(xdfs::wire::decode_negotiation(xdfs::wire::encode(n.nego), &why));
+    CHECK(why == "an open-ended upload declares a size");
+    n.nego.file_size = 0;
+    n.nego.mode = Mode::download;
+    CHECK_FALSE(xdfs::wire::decode_negotiation(xdfs::wire::encode(n.nego), &why));
+    CHECK(why == "only an upload is open-ended");
+  }
+  REQUIRE(d.alive());
+  xt::check_serving(d.port(), root.path(), local.path());
+  xt::check_no_partials(root.path());
+  CHECK_FALSE(xt::exists(root / "victim"));
+}
+
+}  // TEST_SUITE("badinput")
