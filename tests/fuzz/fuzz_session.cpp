@@ -168,6 +168,12 @@ w::Negotiation make_operation(Reader r, std::uint32_t n, std::uint32_t block) {
   if (flags & 8) g.resume_offset = std::min<std::uint64_t>(g.file_size, std::uint64_t(block) * (r.u8() % 4));
   if (flags & 16) g.source_mtime_ns = static_cast<std::int64_t>(r.u(8));
   g.fresh = (flags & 32) != 0;
+  // A stream (what the decoder lets through is an upload without a size; the rest it refuses).
+  g.open_ended = (flags & 64) != 0;
+  if (g.open_ended && (flags & 128)) {
+    g.mode = xdfs::Mode::upload;
+    g.file_size = g.resume_offset = 0;
+  }
   return g;
 }
 
@@ -262,6 +268,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   env.nego.window = 4ull * block;
   if (kind == 3) env.nego.extended_flags = w::flag_memory;
   if (cfg & 0x40) env.nego.extended_flags |= w::flag_manifest;  // resumable uploads, digests
+  // An upload of a stream: its size comes with its last block or its EOFRs.
+  if ((cfg & 0x80) && env.nego.mode == xdfs::Mode::upload) {
+    env.nego.open_ended = true;
+    env.nego.file_size = 0;
+  }
   env.session_secret[0] = 7;
 
   // The client's ends of the channels, keyed as a handshake would have keyed them.
