@@ -52,6 +52,8 @@ const char* usage =
     "  --max-total-rate RATE    bytes per second all sessions' file transfers together may move\n"
     "                           (each at least --max-block-size per 15 s)\n"
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
+    "  --allow-fifo             an upload to an existing FIFO under the root writes into it, in\n"
+    "                           order, for the process that has it open for reading\n"
     "  --disable-mode MODE      refuse operations of MODE: upload, download or path (repeatable)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
     "  -h, --help               this text\n";
@@ -163,6 +165,8 @@ int main(int argc, char** argv) {
       cfg.path_workers = static_cast<unsigned>(*v);
     } else if (a == "--allow-memory-mode") {
       cfg.allow_memory_mode = true;
+    } else if (a == "--allow-fifo") {
+      cfg.allow_fifo = true;
     } else if (a == "--disable-mode") {
       const std::string& m = value(i);
       if (m != "upload" && m != "download" && m != "path") bad("--disable-mode takes upload, download or path");

@@ -107,7 +107,7 @@ struct ProgressLine {
       auto s = static_cast<long long>(static_cast<double>(p.total - p.bytes) / rate);
       eta = fmt::format("{}:{:02}", s / 60, s % 60);
     }
-    if (p.total == 0 && p.bytes > 0) {  // a stream: its size is known at its end
+    if (p.stream) {  // its size is known at its end
       fmt::print(stderr, "\r{:>10}  {:>10}/s   ", xdfs::cli::human_bytes(static_cast<double>(p.bytes)),
                  xdfs::cli::human_bytes(rate));
       shown = true;
@@ -689,8 +689,10 @@ int main(int argc, char** argv) {
     // Nor is a stream (standard input that is not a regular file, a pipe, a FIFO): what it gave
     // is gone.
     struct stat ds {}, ss {};
-    const bool stream = up && (src == "-" ? ::fstat(STDIN_FILENO, &ss) != 0 || !S_ISREG(ss.st_mode)
-                                          : ::stat(src.c_str(), &ss) == 0 && (S_ISFIFO(ss.st_mode) || S_ISSOCK(ss.st_mode)));
+    // (the library's rule: standard input that is not a regular file read from its start.)
+    const bool stream =
+        up && (src == "-" ? ::fstat(STDIN_FILENO, &ss) != 0 || !S_ISREG(ss.st_mode) || ::lseek(STDIN_FILENO, 0, SEEK_CUR) != 0
+                          : ::stat(src.c_str(), &ss) == 0 && S_ISFIFO(ss.st_mode));
     const bool retryable = up ? !stream : (dst != "-" && !(::stat(dst.c_str(), &ds) == 0 && !S_ISREG(ds.st_mode) && !S_ISDIR(ds.st_mode)));
     unsigned tried = 0;
     std::optional<xdfs::TransferResult> done;

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -114,6 +115,22 @@ TEST_CASE("streams of every shape arrive whole in every protection mode: empty, 
   auto r = xduc_from("(printf abc; sleep 1; printf def)", {"-q", "-", url(d.port(), "slow")});
   REQUIRE_MESSAGE(r.status == 0, r.err);
   CHECK(xt::read_file(root / "slow") == "abcdef");
+  // Standard input that is a regular file goes as that file does, from its start; read partly
+  // already, it is a stream of the rest.
+  r = xt::run("/bin/sh", {"-c", "'" + std::string(XDUC_PATH) + "' -q - '" + url(d.port(), "whole") + "' < '" + src + "'"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::files_equal(src, root / "whole"));
+  r = xt::run("/bin/sh", {"-c", "{ dd bs=100 count=1 of=/dev/null 2>/dev/null; '" + std::string(XDUC_PATH) +
+                                    "' -q - '" + url(d.port(), "rest") + "'; } < '" + src + "'"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::read_file(root / "rest") == xt::read_file(src).substr(100));
+  // A writer silent for longer than the server's idle timeout: the client says it is alive.
+  {
+    xt::XdfsdProcess strict(root.path(), {"--idle-timeout", "2"});
+    r = xduc_from("(printf abc; sleep 5; printf def)", {"-q", "-", url(strict.port(), "patient")});
+    REQUIRE_MESSAGE(r.status == 0, r.err);
+    CHECK(xt::read_file(root / "patient") == "abcdef");
+  }
   // A FIFO named as SRC is a stream too, its name the remote one; xduc waits for its writer.
   REQUIRE(::mkfifo((local / "fifo").c_str(), 0600) == 0);
   r = xt::run("/bin/sh", {"-c", "(sleep 1; cat '" + src + "' > '" + local / "fifo" + "') & '" + XDUC_PATH + "' -q '" +
@@ -130,7 +147,7 @@ TEST_CASE("a stream beyond the server's --max-file-size fails naming the limit, 
   xt::write_file(root / "keep", "the old content");
   auto r = xduc_from("cat '" + local / "src" + "'", {"-q", "-p", "2", "-", url(d.port(), "keep")});
   CHECK(r.status == 1);
-  CHECK_MESSAGE(r.err.find("limit exceeded (server): the stream is longer than this server's limit of 4194304 bytes") !=
+  CHECK_MESSAGE(r.err.find("limit exceeded (server): the stream is longer than the 4194304 bytes this server takes for it") !=
                     std::string::npos,
                 r.err);
   CHECK(r.err.find("retry") == std::string::npos);
@@ -170,6 +187,56 @@ TEST_CASE("a stream whose server goes away is not retried: what it read is gone"
   CHECK(r.status == 1);
   CHECK_MESSAGE(r.err.find("retry") == std::string::npos, r.err);
   CHECK_FALSE(xt::exists(root / "gone"));
+}
+
+TEST_CASE("xdfsd --allow-fifo: a stream uploaded to a FIFO reaches its reader whole, with its digest; no reader, or one that leaves, fails only that transfer") {
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  xt::write_random_file(src, 8 << 20, 65);
+  REQUIRE(::mkfifo((root / "pipe").c_str(), 0600) == 0);
+  xt::XdfsdProcess d(root.path(), {"--allow-fifo"});
+  // The reader: opens the FIFO, then reads up to `limit` bytes (all, by default) and closes it.
+  auto reader = [&](std::string& got, std::size_t limit) {
+    const int fd = ::open((root / "pipe").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    return std::thread([fd, &got, limit] {
+      char buf[65536];
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (got.size() < limit && std::chrono::steady_clock::now() < until) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) continue;
+        const ssize_t r = ::read(fd, buf, std::min(sizeof buf, limit - got.size()));
+        if (r == 0) break;  // every writer closed it
+        if (r > 0) got.append(buf, static_cast<std::size_t>(r));
+      }
+      ::close(fd);
+    });
+  };
+  std::string got;
+  auto t = reader(got, SIZE_MAX);
+  auto r = xduc_from("cat '" + src + "'", {"-q", "--json", "-p", "3", "-", url(d.port(), "pipe")});
+  t.join();
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(got == xt::read_file(src));
+  CHECK(json_string(r, "digest") == digest_of(src));
+  struct stat st {};
+  REQUIRE(::lstat((root / "pipe").c_str(), &st) == 0);
+  CHECK(S_ISFIFO(st.st_mode));
+  // Nobody reads it: refused, naming why.
+  r = xduc_from("echo hi", {"-q", "-", url(d.port(), "pipe")});
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("'pipe' is a FIFO that nobody reads") != std::string::npos, r.err);
+  // The reader leaves after 64 KiB: that upload fails (EPIPE, not a signal), xdfsd serves on.
+  got.clear();
+  t = reader(got, 65536);
+  r = xduc_from("cat '" + src + "'", {"-q", "-", url(d.port(), "pipe")});
+  t.join();
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.err.find("Broken pipe") != std::string::npos, r.err);
+  REQUIRE(d.alive());
+  xt::check_serving(d.port(), root.path(), local.path());
+  REQUIRE(::lstat((root / "pipe").c_str(), &st) == 0);
+  CHECK(S_ISFIFO(st.st_mode));
 }
 
 }  // TEST_SUITE("process")
@@ -234,14 +301,14 @@ TEST_CASE("a hostile stream: a short block not at the end, blocks past it, an EO
     xt::RawChannel c(d.port());
     start_stream(c);
     c.send_frame(block(1 << 20, bs), xt::random_bytes(bs, 2));
-    expect(c, errc::limit_exceeded, "the stream is longer than this server's limit of 1048576 bytes");
+    expect(c, errc::limit_exceeded, "the stream is longer than the 1048576 bytes this server takes for it");
     xt::RawChannel c2(d.port());
     start_stream(c2);
     FrameHeader e;
     e.event = ChannelEvent::eofr;
     e.offset = std::uint64_t(1) << 61;
     c2.send_frame(e);
-    expect(c2, errc::limit_exceeded, "the stream is longer than this server's limit of 1048576 bytes");
+    expect(c2, errc::limit_exceeded, "the stream is longer than the 1048576 bytes this server takes for it");
   }
   SUBCASE("an open-ended negotiation that declares a size, or is a download") {
     auto n = xt::make_hello(Mode::upload, "victim", 1, 10);

@@ -73,10 +73,16 @@ Status open_beneath(int root, const std::string& path, int flags, mode_t mode, F
   return Status::ok();
 }
 
-Status check_room(int dir, std::uint64_t bytes, const std::string& what) {
+std::optional<std::uint64_t> room(int dir) {
   struct statvfs fs {};
-  if (::fstatvfs(dir, &fs) != 0) return Status::ok();  // cannot tell: the writes will say
-  const std::uint64_t avail = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (::fstatvfs(dir, &fs) != 0) return std::nullopt;
+  return static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+}
+
+Status check_room(int dir, std::uint64_t bytes, const std::string& what) {
+  const auto free = room(dir);
+  if (!free) return Status::ok();  // cannot tell: the writes will say
+  const std::uint64_t avail = *free;
   if (bytes <= avail) return Status::ok();
   return {errc::disk_full, what + ": " + std::to_string(bytes) + " bytes do not fit, " + std::to_string(avail) +
                                " bytes are free"};

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -152,12 +154,19 @@ void advance(iovec*& iov, int& cnt, std::size_t n) noexcept {
 }
 
 // Writes every byte of iov at offset (or at the current position when offset < 0), retrying on
-// short writes and EINTR. Returns 0 or an errno.
-int write_all(DiskIo& io, int fd, iovec* iov, int cnt, std::int64_t offset) {
+// short writes and EINTR. A non-blocking sink (a FIFO) that is full is waited for with poll in
+// short steps, so that a stop is seen while its reader does not read. Returns 0 or an errno.
+int write_all(DiskIo& io, int fd, iovec* iov, int cnt, std::int64_t offset, const std::atomic<bool>& stop) {
   while (cnt > 0) {
     ssize_t n = offset >= 0 ? io.pwritev(fd, iov, cnt, offset) : io.writev(fd, iov, cnt);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        if (stop.load(std::memory_order_acquire)) return ECANCELED;
+        pollfd pfd{fd, POLLOUT, 0};
+        (void)::poll(&pfd, 1, 200);
+        continue;
+      }
       return errno;
     }
     if (n == 0) return EIO;
@@ -181,6 +190,12 @@ void DiskWriter::join() {
 }
 
 void DiskWriter::run() {
+  // A pipe or FIFO sink whose reader went away fails this transfer with EPIPE; its SIGPIPE,
+  // blocked on this thread only, never ends the process (it is dropped when the thread ends).
+  sigset_t pipe_signal;
+  sigemptyset(&pipe_signal);
+  sigaddset(&pipe_signal, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
   // A throw here (memory) fails the transfer, never the process.
   try {
     write_blocks();
@@ -216,7 +231,8 @@ void DiskWriter::write_blocks() {
       }
       if (!sink_.discard) {
         const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset.value()) : -1;
-        if (int err = write_all(sink_.io ? *sink_.io : DiskIo::system(), sink_.fd, iov, static_cast<int>(n), off);
+        if (int err = write_all(sink_.io ? *sink_.io : DiskIo::system(), sink_.fd, iov, static_cast<int>(n), off,
+                                pipe_.stop_flag());
             err != 0) {
           fail(err, blocks[i].offset.value());
           return false;

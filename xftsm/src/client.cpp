@@ -64,8 +64,15 @@ public:
       }
       // "-" is standard input (its own descriptor, so that closing it leaves the program's).
       const bool std_in = local == "-";
-      int fd = std_in ? ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3)
-                      : ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+      // A pipe on standard input is opened afresh, so that its reads may be non-blocking (the
+      // disk thread waits with poll and sees a stop) without changing the program's descriptor.
+      int fd = -1;
+      struct stat in {};
+      if (std_in && ::fstat(STDIN_FILENO, &in) == 0 && S_ISFIFO(in.st_mode))
+        fd = ::open("/proc/self/fd/0", O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+      if (fd < 0)
+        fd = std_in ? ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3)
+                    : ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
       const std::string what = std_in ? std::string("standard input") : "'" + local + "'";
       if (fd < 0) throw TransferError(errc_from_errno(errno), what + ": " + std::strerror(errno), false);
       source_ = files::Fd(fd);
@@ -74,8 +81,7 @@ public:
       if (S_ISDIR(sb.st_mode)) throw TransferError(errc::is_directory, what + " is a directory", false);
       // A pipe, a FIFO, or standard input that is not a whole regular file: a stream, whose size
       // is known at its end (a FIFO without a writer yet is waited for, as cat would).
-      stream_ = S_ISFIFO(sb.st_mode) || S_ISSOCK(sb.st_mode) ||
-                (std_in && !(S_ISREG(sb.st_mode) && ::lseek(fd, 0, SEEK_CUR) == 0));
+      stream_ = S_ISFIFO(sb.st_mode) || (std_in && !(S_ISREG(sb.st_mode) && ::lseek(fd, 0, SEEK_CUR) == 0));
       if (stream_) {
         if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
           if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
@@ -390,7 +396,7 @@ private:
       }
       if (opt_.progress && (sender_ || receiver_)) {
         const std::uint64_t done = sender_ ? sender_->bytes_done() : receiver_->bytes_done();
-        opt_.progress(Progress{done, size_, std::chrono::duration<double>(Clock::now() - accepted_at_).count()});
+        opt_.progress(Progress{done, size_, std::chrono::duration<double>(Clock::now() - accepted_at_).count(), stream_});
       }
       tick();
     });

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cstring>
 
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
@@ -157,9 +158,11 @@ private:
     p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
     p.limits = {env_.session_rate, env_.total_rate};
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
-    // A stream may grow to this server's file size limit, or the protocol's.
+    // A stream may grow to this server's file size limit; without one, to what its file system
+    // had free when it began (a file's size is checked against that before it starts).
     p.open_ended = nego_.open_ended;
-    const std::uint64_t stream_limit = env_.config.max_file_size ? env_.config.max_file_size : wire::max_file_size;
+    std::uint64_t stream_limit = env_.config.max_file_size ? std::min(env_.config.max_file_size, wire::max_file_size)
+                                                            : wire::max_file_size;
     if (nego_.mode == Mode::upload && memory) {
       p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
@@ -171,6 +174,13 @@ private:
       p.window = nego_.window;
       p.data_event = wire::ChannelEvent::xftsmd;
       start_engine(p, std::nullopt, piod::Source{-1, p.file_size, true, crypto()});
+    } else if (nego_.mode == Mode::upload && fifo_target()) {
+      // Into a FIFO (xdfsd --allow-fifo): in order, as it comes, for whoever reads it; nothing
+      // to rename or resume.
+      if (!fifo_) return;  // refused
+      p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
+      p.data_event = wire::ChannelEvent::xftsmu;
+      start_engine(p, piod::Sink{fifo_.get(), false, false, crypto()}, std::nullopt);
     } else if (nego_.mode == Mode::upload) {
       auto [dir, name] = files::split_parent(nego_.remote_path);
       files::Fd dirfd;
@@ -206,6 +216,8 @@ private:
       if (env_.config.max_file_size == 0 && !nego_.open_ended)
         if (auto st = files::check_room(pending_.dir(), nego_.file_size - start, "'" + nego_.remote_path + "'"); !st)
           return refuse(st.code, st.message);
+      if (nego_.open_ended && env_.config.max_file_size == 0)
+        if (const auto free = files::room(pending_.dir())) stream_limit = std::min(stream_limit, *free);
       p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
       p.start_offset = start;
@@ -243,6 +255,28 @@ private:
     }
   }
 
+  // With --allow-fifo: whether the upload's path is an existing FIFO (opened for writing into
+  // fifo_, or the operation refused: nobody reads it). Only a FIFO is opened for writing here:
+  // the path is looked at first without opening what it names.
+  bool fifo_target() {
+    if (!env_.config.allow_fifo) return false;
+    files::Fd probe;
+    struct stat sb {};
+    if (!files::open_beneath(root_fd(), nego_.remote_path, O_PATH, 0, probe) || ::fstat(probe.get(), &sb) != 0 ||
+        !S_ISFIFO(sb.st_mode))
+      return false;
+    // A writer's non-blocking open succeeds only while a reader has the FIFO open.
+    const int fd = ::open(("/proc/self/fd/" + std::to_string(probe.get())).c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      refuse(err == ENXIO ? errc::not_supported : errc_from_errno(err),
+             "'" + nego_.remote_path + "' is a FIFO " + (err == ENXIO ? std::string("that nobody reads") : std::strerror(err)));
+      return true;
+    }
+    fifo_ = files::Fd(fd);
+    return true;
+  }
+
   void send_reply(const wire::NegotiationReply& reply) {
     auto payload = wire::encode(reply);
     for (auto& ch : env_.channels) ch->send_control(wire::ChannelEvent::nego_reply, payload);
@@ -274,6 +308,7 @@ private:
   PartialCheckpoint checkpoint_{pending_};  // the disk thread records a resumable upload's progress
   std::int64_t mtime_ns_ = 0;               // download: the file's, for the client's resume record
   files::Fd source_;
+  files::Fd fifo_;  // an upload into a FIFO (--allow-fifo)
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   Reservation ring_;                                 // the engine's pool, in the server's memory budget
   std::unique_ptr<Sender> sender_;

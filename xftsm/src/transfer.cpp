@@ -152,7 +152,10 @@ bool Engine::handle_common(xdsi::Channel& ch, const FrameHeader& h) {
     case wire::ChannelEvent::conm:
       if (h.length != 0) {
         fail(errc::protocol_error, std::string(wire::to_string(h.event)) + " with a payload", false, true);
+        return true;
       }
+      // A stream's sender says so while its writer is silent: the session is alive.
+      if (h.event == wire::ChannelEvent::noop && params_.open_ended) touch();
       return true;
     case wire::ChannelEvent::exception:
       read_exception(ch, h.length);
@@ -271,7 +274,7 @@ void Engine::bad_block(const xdsi::Channel& ch, const FrameHeader& h, std::strin
 
 Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, TransferHost& host,
                const TransferParams& p, piod::Source source)
-    : Engine(io, machine, channels, host, p), source_(source), pace_timer_(io), inflight_(channels.size(), 0),
+    : Engine(io, machine, channels, host, p), source_(source), keepalive_(io), pace_timer_(io), inflight_(channels.size(), 0),
       confirmed_(channels.size(), false) {
   source_.manifest = manifest_ ? &*manifest_ : nullptr;
   // In clear mode nothing else checks a block on its way: one that fails its digest at the
@@ -289,6 +292,7 @@ Sender::~Sender() { stop_disk(); }
 
 void Sender::stop_disk() noexcept {
   pace_timer_.cancel();  // a block waiting for its rate does not outlive the transfer
+  keepalive_.cancel();
   pipe_.stop();
   reader_.reset();  // joins: the reader checks for the stop before every read
 }
@@ -298,7 +302,29 @@ void Sender::start() {
   reader_.emplace(pipe_, source_, params_.start_offset);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);
+  if (params_.open_ended) keep_alive();
   pump();
+}
+
+void Sender::keep_alive() {
+  keepalive_.expires_after(std::chrono::seconds(1));
+  keepalive_.async_wait([this](const xdsi::ErrorCode& ec) {
+    if (ec || machine_.state() != State::transferring) return;
+    if (ready_head_ == ready_.size() && again_.empty() && queued_ == acked_ && !pacing_) {
+      touch();
+      FrameHeader h;
+      h.event = wire::ChannelEvent::noop;
+      auto& ch = *channels_.front();
+      ++noops_unsent_;
+      ch.send(h, std::vector<std::uint8_t>{}, [this, &ch](const xdsi::ErrorCode& e) {
+        --noops_unsent_;
+        if (machine_.finished()) return;
+        if (e) return channel_error(ch, e);
+        maybe_finish();
+      });
+    }
+    keep_alive();
+  });
 }
 
 void Sender::on_disk() {
@@ -515,7 +541,7 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
 
 // Done when the receiver confirmed on every channel and everything this side queued has left.
 void Sender::maybe_finish() {
-  if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0) return;
+  if (machine_.finished() || confirmations_ != channels_.size() || eofr_unsent_ != 0 || noops_unsent_ != 0) return;
   for (auto q : inflight_)
     if (q != 0) return;
   if (!digests_agree()) return;
@@ -779,8 +805,7 @@ std::optional<DataLength> Receiver::stream_block(const FrameHeader& h, std::stri
     return std::nullopt;
   }
   if (at > params_.file_size || n > params_.file_size - at) {
-    fail(errc::limit_exceeded, fmt::format("the stream is longer than this server's limit of {} bytes", params_.file_size),
-         false, true);
+    too_long();
     return std::nullopt;
   }
   const std::uint64_t e = at + n;
@@ -799,10 +824,14 @@ std::optional<DataLength> Receiver::stream_block(const FrameHeader& h, std::stri
   return data;
 }
 
+void Receiver::too_long() {
+  fail(errc::limit_exceeded, fmt::format("the stream is longer than the {} bytes this server takes for it", params_.file_size),
+       false, true);
+}
+
 bool Receiver::stream_eofr(const xdsi::Channel& ch, const FrameHeader& h) {
   if (h.offset > params_.file_size) {
-    fail(errc::limit_exceeded, fmt::format("the stream is longer than this server's limit of {} bytes", params_.file_size),
-         false, true);
+    too_long();
     return false;
   }
   if ((end_ != piod::BlockPipe::no_end && h.offset != end_) || seen_.overlaps(h.offset, UINT64_MAX)) {

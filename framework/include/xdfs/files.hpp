@@ -171,6 +171,9 @@ private:
 /// Whether `bytes` more fit on the file system of the open directory `dir` (its space available
 /// to unprivileged users); disk_full naming `what` and both figures if not.
 Status check_room(int dir, std::uint64_t bytes, const std::string& what);
+/// Bytes an unprivileged writer may still put on the file system of `dir`; nullopt if it cannot
+/// tell.
+std::optional<std::uint64_t> room(int dir);
 
 /// Removes, anywhere below the directory `root` (never following a symlink), the temporary
 /// files (".NAME.xdfs-TAG.part") whose TAG starts with `tag_prefix`. Stops early once *stop is

@@ -74,6 +74,9 @@ struct ServerConfig {
   /// Bytes per second all sessions' file transfers together may move (0: no limit).
   std::uint64_t max_total_rate = 0;
   bool allow_memory_mode = false;         ///< accept memory-to-memory sessions (benchmarks)
+  /// An upload to an existing FIFO under the root writes into it, in order, for the process
+  /// reading it (which must have it open); without this, such an upload replaces the FIFO.
+  bool allow_fifo = false;
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
   /// Where log lines go (one line each, no newline, escaped: nothing from a peer can break a
   /// line or drive a terminal). Default: stderr with a timestamp.

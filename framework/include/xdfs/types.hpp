@@ -9,8 +9,9 @@
 
 namespace xdfs {
 
-/// Protocol version spoken by this build (2: the negotiation travels inside the handshake).
-inline constexpr std::uint16_t protocol_version = 3;
+/// Protocol version spoken by this build (2: the negotiation travels inside the handshake; 4:
+/// manifest format 2, open-ended uploads). A peer of another version is refused at its preamble.
+inline constexpr std::uint16_t protocol_version = 4;
 
 /// A session's 16-byte random identifier, the same on all of its channels.
 struct SessionId {

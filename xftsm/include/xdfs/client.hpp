@@ -30,6 +30,7 @@ struct Progress {
   std::uint64_t bytes = 0;   ///< bytes the receiver has written
   std::uint64_t total = 0;   ///< bytes in the file
   double seconds = 0;        ///< since the channels were accepted
+  bool stream = false;       ///< an upload of a stream: total is known (and set) only at its end
 };
 
 /// A file transfer's options: the session's (SessionOptions), then the transfer's own.
@@ -69,7 +70,9 @@ struct TransferResult {
 
 /// Sends the regular file `local` to `remote_path` (relative to the server's root) in a
 /// session of its own. The server writes it under a temporary name and renames it into place
-/// only when it is whole.
+/// only when it is whole. `local` may also be a pipe or FIFO, or "-" for standard input: a
+/// stream, sent until it ends (its size and digest known then; never resumed), to a
+/// `remote_path` that names the file.
 TransferResult upload(const std::string& local, const Endpoint& server, const std::string& remote_path,
                       const TransferOptions& options = {});
 

@@ -227,6 +227,10 @@ private:
   void send_on(std::size_t pick, const piod::Block& b);
   /// resend_block: the spare slot reads the next block asked for again, when it is free.
   void resend();
+  /// A stream whose writer is silent: once a second while everything it gave is sent and
+  /// acknowledged, a NOOP on channel 0 tells the receiver (and this side's watchdog) that the
+  /// session waits for its input, not for the network.
+  void keep_alive();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
 
@@ -245,6 +249,8 @@ private:
   std::set<std::uint64_t> resending_;    // offsets asked for and not sent again yet (at most slots)
   // Rate limits: the next block waits on this timer (pacing_), then goes on the reservation it
   // waited for (paced_).
+  asio::steady_timer keepalive_;         // keep_alive()'s
+  std::size_t noops_unsent_ = 0;
   asio::steady_timer pace_timer_;
   bool pacing_ = false;
   bool paced_ = false;
@@ -308,6 +314,8 @@ private:
   /// A stream's EOFR: its offset is the stream's size, the same on every channel and what the
   /// blocks said. False: the transfer failed.
   bool stream_eofr(const xdsi::Channel& ch, const wire::FrameHeader& h);
+  /// Fails a stream that went past the most this side takes (TransferParams::file_size).
+  void too_long();
 
   piod::Sink sink_;
   std::optional<piod::DiskWriter> writer_;
