@@ -66,9 +66,9 @@ const char* usage =
     "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
     "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
     "                         faster; in clear mode nothing then checks the data\n"
-    "  --retries N            a copy of one file whose session is lost (the server gone or\n"
-    "                         restarting, the link cut, a timeout) is tried again, resuming where\n"
-    "                         it was, up to N times, waiting 1, 2, 4 ... 30 s with jitter; not\n"
+    "  --retries N            a copy whose session is lost (the server gone or restarting, the\n"
+    "                         link cut, a timeout) goes on in a new session, resuming where it\n"
+    "                         was, up to N times in a row, waiting 1, 2, 4 ... 30 s with jitter; not\n"
     "                         for refusals, missing files, a full disk, a session that never\n"
     "                         opened, a download to '-' or a device, or an upload of a stream\n"
     "                         (default 5; 0: never)\n"
@@ -257,11 +257,50 @@ int sum_local(const std::vector<std::string>& paths, std::uint32_t block_size, b
   return status;
 }
 
+// Whether a copy that failed with e is worth another session, retry `tried + 1` of `retries`:
+// a lost session is (the copy resumes where it was); what the error's class says to give up on
+// (a refusal, a missing file, a full disk, a protocol error) is not, nor a session that never
+// opened at the first try (the server unreachable, or gone during the set-up): that is said at
+// once. Once a session was lost, a server that refuses while it restarts is waited for.
+bool worth_retrying(const xdfs::TransferError& e, unsigned tried, unsigned retries) {
+  const bool never_opened = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed ||
+                            e.operation() == "session set-up";
+  return tried < retries && e.recovery() != xdfs::Recovery::give_up && !(never_opened && tried == 0) && !g_cancel.load();
+}
+
+// A tree copy that lost its session ends in a TreeError: the failure that ended it (the last
+// one before those of the files it never tried), to decide on a retry with; none if the session
+// still stands.
+std::optional<xdfs::TransferError> session_lost(const xdfs::pathm::TreeError& e, const xdfs::Session& s) {
+  if (s.usable()) return std::nullopt;
+  const auto& fs = e.result().failures;
+  for (auto it = fs.rbegin(); it != fs.rend(); ++it)
+    if (it->message.rfind("not copied", 0) != 0) return xdfs::TransferError(it->code, it->message, it->remote);
+  return xdfs::TransferError(xdfs::errc::peer_aborted, "the session ended", false);
+}
+
+// Says retry `tried` of `retries` in one line and waits 1, 2, 4 ... 30 s with +-50% jitter;
+// throws cancelled if the user stops it meanwhile.
+void wait_to_retry(unsigned tried, unsigned retries, const xdfs::TransferError& e) {
+  const double base = std::min(30.0, static_cast<double>(1u << std::min(tried - 1, 5u)));
+  static std::minstd_rand jitter{std::random_device{}()};
+  const double wait = base * std::uniform_real_distribution<double>(0.5, 1.5)(jitter);
+  fmt::print(stderr, "xduc: retry {} of {} in {:.1f} s: {}{}: {}\n", tried, retries, wait, xdfs::to_string(e.code()),
+             e.remote() ? " (server)" : "", shown(e.context()));
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait);
+       std::chrono::steady_clock::now() < until && !g_cancel.load();)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (g_cancel.load()) throw xdfs::TransferError(xdfs::errc::cancelled, "cancelled by the user", false);
+}
+
 // Several sources over one session: files as xFTSM transfers, directories (with -r) as tree
 // copies in path mode, switching modes on the same channels. A source that fails gets its line
-// and the others go on while the session does; the exit status says whether all went well.
+// and the others go on while the session does; a lost session is opened again (up to
+// `retries` times in a row) and the source it was copying goes again, resuming where it was.
+// The exit status says whether all went well.
 int copy_many(const std::vector<std::string>& sources, const std::string& dst, bool up, const xdfs::cli::Url& url,
-              const xdfs::TransferOptions& opt, xdfs::pathm::TreeOptions tree, bool recursive, bool quiet, bool json) {
+              const xdfs::TransferOptions& opt, xdfs::pathm::TreeOptions tree, bool recursive, bool quiet, bool json,
+              unsigned retries) {
   const xdfs::Endpoint ep{url.host, url.port};
   if (!up) {
     struct stat sb {};
@@ -284,7 +323,9 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   const auto t0 = std::chrono::steady_clock::now();
   std::uint64_t files = 0, trees = 0, bytes = 0, failed = 0, skipped = 0;
   double setup = 0;
-  xdfs::Session session(ep, opt);
+  std::optional<xdfs::Session> session_holder;
+  session_holder.emplace(ep, opt);
+  unsigned tried = 0, retried = 0;  // retries in a row (since a source last went well), in all
   std::vector<std::string> errors;  // for --json: each failure, with its class
   std::vector<std::string> digests;  // for --json: each file's manifest digest
   auto fail_line = [&](const std::string& what, const xdfs::Error& e, bool remote) {
@@ -294,11 +335,29 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
     errors.push_back(fmt::format("{{\"source\":\"{}\",{}", json_escape(shown(what)), json_error(e, remote).substr(1)));
     ++failed;
   };
+  // A lost session, if e is worth it: waits, says so, and opens a new one. False: no retry (or
+  // the user stopped it while it waited).
+  auto retry_in_new_session = [&](const xdfs::TransferError& e) {
+    if (!worth_retrying(e, tried, retries)) return false;
+    line.end();
+    try {
+      wait_to_retry(++tried, retries, e);
+    } catch (const xdfs::TransferError&) {
+      return false;
+    }
+    ++retried;
+    session_holder.emplace(ep, opt);
+    return true;
+  };
   std::size_t k = 0;
   for (; k < sources.size() && !g_cancel.load(); ++k) {
     const std::string& src = sources[k];
     const std::string name = base_name(up ? src : remote_paths[k]);
     if (tty) o.progress = [&line](const xdfs::Progress& p) { line.draw(p); };
+    tried = 0;
+    for (bool again = true; again;) {  // again: the session was lost and is opened anew
+    again = false;
+    auto& session = *session_holder;
     try {
       struct stat sb {};
       const bool tree_source = up ? (::stat(src.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode)) : false;
@@ -335,6 +394,12 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       }
     } catch (const xdfs::pathm::TreeError& e) {
       line.end();
+      if (auto lost = session_lost(e, session); lost && retry_in_new_session(*lost)) {
+        // Again, skipping what is already whole at DST, as --sync does.
+        tree.sync = true;
+        again = true;
+        continue;
+      }
       for (const auto& f : e.result().failures) {
         fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
                    f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
@@ -345,16 +410,21 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       bytes += e.result().bytes;
       ++failed;
     } catch (const xdfs::TransferError& e) {
+      if (!session.usable() && retry_in_new_session(e)) {
+        again = true;
+        continue;
+      }
       fail_line(src, e, e.remote());
     } catch (const xdfs::Error& e) {
       fail_line(src, e, false);
     }
-    if (!session.usable()) {
+    }
+    if (!session_holder->usable()) {
       ++k;
       break;
     }
   }
-  session.close();
+  session_holder->close();
   line.end();
   const std::uint64_t not_tried = sources.size() - k;
   if (not_tried) fmt::print(stderr, "xduc: {} source{} not copied: the session ended\n", not_tried, not_tried == 1 ? "" : "s");
@@ -363,9 +433,9 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
     const double bps = secs > 0 ? static_cast<double>(bytes) / secs : 0;
     fmt::print("{{\"direction\":\"{}\",\"sources\":{},\"files\":{},\"trees\":{},\"skipped\":{},\"failed\":{},"
                "\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},\"setup_seconds\":{:.6f},"
-               "\"block_size\":{},\"digests\":[{}],\"errors\":[{}]}}\n",
+               "\"retries\":{},\"block_size\":{},\"digests\":[{}],\"errors\":[{}]}}\n",
                up ? "upload" : "download", sources.size(), files, trees, skipped, failed + not_tried, bytes, secs, bps,
-               opt.channels, setup, opt.block_size, fmt::join(digests, ","), fmt::join(errors, ","));
+               opt.channels, setup, retried, opt.block_size, fmt::join(digests, ","), fmt::join(errors, ","));
   } else if (!quiet) {
     fmt::print(stderr, "xduc: {} files{}, {} in {:.2f} s over one session{}\n", files,
                trees ? fmt::format(" ({} trees)", trees) : std::string(), xdfs::cli::human_bytes(static_cast<double>(bytes)),
@@ -593,7 +663,7 @@ int main(int argc, char** argv) {
       std::find(sources.begin(), sources.end(), "-") != sources.end())
     bad("standard input ('-') is uploaded alone, to a remote file name, without -r");
   if (sources.size() > 1 || !files_from.empty())
-    return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json);
+    return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json, retries);
   const std::string& src = sources[0];
   if (down && url->path.empty()) bad("'" + src + "' names no remote file");
   if (up && src == "-" && !opt.memory && (url->path.empty() || url->path.back() == '/'))
@@ -632,6 +702,7 @@ int main(int argc, char** argv) {
     }
     std::optional<xdfs::Session> session;
     const auto t0 = std::chrono::steady_clock::now();
+    unsigned tree_retries = 0;
     auto summary = [&](const xdfs::pathm::TreeResult& r, bool end_progress) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (tty && end_progress) fmt::print(stderr, "\n");
@@ -641,20 +712,40 @@ int main(int argc, char** argv) {
       if (json)
         fmt::print("{{\"direction\":\"{}\",\"files\":{},\"directories\":{},\"symlinks\":{},\"skipped\":{},"
                    "\"failed\":{},\"bytes\":{},\"seconds\":{:.6f},\"requests\":{},\"channels\":{},"
-                   "\"large_files\":{},\"large_bytes\":{},\"large_seconds\":{:.6f}}}\n",
+                   "\"large_files\":{},\"large_bytes\":{},\"large_seconds\":{:.6f},\"retries\":{}}}\n",
                    up ? "upload" : "download", r.files, r.directories, r.symlinks, r.skipped, r.failures.size(), r.bytes,
-                   secs, r.requests, opt.channels, r.large_files, r.large_bytes, r.large_seconds);
+                   secs, r.requests, opt.channels, r.large_files, r.large_bytes, r.large_seconds, tree_retries);
       else if (!quiet || !r.failures.empty())
         fmt::print(stderr, "xduc: {} files, {} directories, {} symlinks, {} in {:.2f} s ({} up to date or skipped{})\n",
                    r.files, r.directories, r.symlinks, xdfs::cli::human_bytes(static_cast<double>(r.bytes)), secs,
                    r.skipped, r.failures.empty() ? "" : fmt::format(", {} not copied", r.failures.size()));
     };
     try {
-      session.emplace(xdfs::Endpoint{url->host, url->port}, opt);
-      auto r = up ? xdfs::upload_tree(*session, local, remote, tree, opt)
-                  : xdfs::download_tree(*session, remote, local, tree, opt);
+      // A lost session is opened again and the copy goes on, skipping (as --sync does) what is
+      // already there whole; its large files resume where they were.
+      std::optional<xdfs::pathm::TreeResult> done;
+      for (unsigned tried = 0; !done;) {
+        session.emplace(xdfs::Endpoint{url->host, url->port}, opt);
+        std::optional<xdfs::TransferError> lost;
+        try {
+          done = up ? xdfs::upload_tree(*session, local, remote, tree, opt)
+                    : xdfs::download_tree(*session, remote, local, tree, opt);
+        } catch (const xdfs::pathm::TreeError& e) {
+          lost = session_lost(e, *session);
+          if (!lost || !worth_retrying(*lost, tried, retries)) throw;
+        } catch (const xdfs::TransferError& e) {
+          if (session->usable() || !worth_retrying(e, tried, retries)) throw;
+          lost = e;
+        }
+        if (lost) {
+          if (tty) fmt::print(stderr, "\n");
+          wait_to_retry(++tried, retries, *lost);
+          tree_retries = tried;
+          tree.sync = true;
+        }
+      }
       session->close();
-      summary(r, true);
+      summary(*done, true);
       return 0;
     } catch (const xdfs::pathm::TreeError& e) {
       // As rsync: everything else was copied; each entry that was not gets its line.
@@ -700,25 +791,9 @@ int main(int argc, char** argv) {
       try {
         done = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
       } catch (const xdfs::TransferError& e) {
-        // A session that never opened (the server unreachable, or gone during the set-up) was
-        // not lost: said at once. Once one was lost, a server restarting (refusing, or closing
-        // connections for a while) is waited for.
-        const bool never_opened = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed ||
-                                  e.operation() == "session set-up";
-        if (!retryable || tried >= retries || e.recovery() == xdfs::Recovery::give_up || (never_opened && tried == 0) ||
-            g_cancel.load())
-          throw;
-        ++tried;
-        const double base = std::min(30.0, static_cast<double>(1u << std::min(tried - 1, 5u)));
-        static std::minstd_rand jitter{std::random_device{}()};
-        const double wait = base * std::uniform_real_distribution<double>(0.5, 1.5)(jitter);
+        if (!retryable || !worth_retrying(e, tried, retries)) throw;
         line.end();
-        fmt::print(stderr, "xduc: retry {} of {} in {:.1f} s: {}{}: {}\n", tried, retries, wait,
-                   xdfs::to_string(e.code()), e.remote() ? " (server)" : "", shown(e.context()));
-        for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait);
-             std::chrono::steady_clock::now() < until && !g_cancel.load();)
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (g_cancel.load()) throw xdfs::TransferError(xdfs::errc::cancelled, "cancelled by the user", false);
+        wait_to_retry(++tried, retries, e);
       }
     }
     const auto& r = *done;

@@ -453,4 +453,40 @@ TEST_CASE("xduc --retries: a channel cut mid-transfer is survived without user a
   CHECK(bad.err.find("--retries") != std::string::npos);
 }
 
+TEST_CASE("xduc --retries: several sources, and a tree, go on in a new session after a channel is cut") {
+  using V = xt::Relay::Verdict;
+  using D = xt::Relay::Dir;
+  xt::TempDir root, local;
+  const std::uint64_t size = 8ull << 20;
+  ::mkdir((local / "tree").c_str(), 0755);
+  for (const char* f : {"a", "b", "c"}) xt::write_random_file(local / (std::string("tree/") + f), size, 46 + f[0]);
+  xt::XdfsdProcess d(root.path());
+  const std::vector<std::string> common{"--json", "-p", "2", "--protect", "clear", "--block-size", "256K"};
+  for (const bool tree : {false, true}) {
+    CAPTURE(tree);
+    xt::Relay relay(d.port(), xdfs::xsec::Protect::clear);
+    std::atomic<bool> cut{false};
+    // Channel 1 of the first session is cut at its 40th block: in the second or third file.
+    relay.hook = [&](const xt::Relay::Seen& f) {
+      if (f.conn == 1 && f.dir == D::up && f.data_index == 40 && !cut.exchange(true)) return V::cut;
+      return V::pass;
+    };
+    const std::string to = "xdfs://127.0.0.1:" + std::to_string(relay.port()) + "/" + (tree ? "t" : "m") + "/";
+    ::mkdir((root / (tree ? "t" : "m")).c_str(), 0755);
+    auto args = common;
+    if (tree)
+      args.insert(args.end(), {"-r", "--large-file", "1M", local / "tree/", to});
+    else
+      args.insert(args.end(), {local / "tree/a", local / "tree/b", local / "tree/c", to});
+    auto r = xt::xduc(args);
+    REQUIRE_MESSAGE(r.status == 0, r.err);
+    CHECK(cut.load());
+    CHECK_MESSAGE(r.err.find("xduc: retry 1 of 5 in ") != std::string::npos, r.err);
+    CHECK(json_number(r, "retries") == 1);
+    for (const char* f : {"a", "b", "c"})
+      CHECK(xt::files_equal(local / (std::string("tree/") + f), root / (std::string(tree ? "t/" : "m/") + f)));
+    xt::check_no_partials(root.path());
+  }
+}
+
 }  // TEST_SUITE("process")
