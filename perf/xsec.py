@@ -21,6 +21,7 @@ keep the script working. Run it with nothing else busy on the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -101,10 +102,11 @@ class Server:
             time.sleep(0.02)
         self.url = f"xdfs://127.0.0.1:{open(port_file).read().strip()}"
 
-    def xduc_json(self, args: list[str]) -> tuple[dict, float, float]:
-        """Runs xduc --json; returns its summary, its CPU seconds and the server's."""
+    def xduc_json(self, args: list[str], stdin=None) -> tuple[dict, float, float]:
+        """Runs xduc --json (its standard input `stdin`, if given); returns its summary, its CPU
+        seconds (with those of other children that ended meanwhile) and the server's."""
         c0, s0 = children_cpu(), server_cpu(self.proc.pid)
-        r = subprocess.run([self.xduc, "-q", "--json", *self.auth, *args], capture_output=True, text=True)
+        r = subprocess.run([self.xduc, "-q", "--json", *self.auth, *args], capture_output=True, text=True, stdin=stdin)
         c1, s1 = children_cpu(), server_cpu(self.proc.pid)
         if r.returncode != 0:
             fail(f"xduc {' '.join(args)} failed: {r.stderr.strip()}")
@@ -118,6 +120,39 @@ class Server:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def disk_args(doc: str) -> argparse.Namespace:
+    """The options of the disk-to-disk scripts (resume.py, stream.py); --smoke: 64M, 1 run."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--xdfs-bin", default=os.path.join(SRC_ROOT, "build-perf", "examples"))
+    ap.add_argument("--size", default="2G")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (default: the temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="64M, 1 run each")
+    a = ap.parse_args()
+    if a.smoke:
+        a.size, a.reps = "64M", 1
+    return a
+
+
+@contextlib.contextmanager
+def disk_bench(name: str, a: argparse.Namespace):
+    """A server whose root and a local directory are under a.dir, and a.size random bytes in
+    local/src: yields (server, root, local, src); stops the server and removes it all after."""
+    with tempfile.TemporaryDirectory(prefix=f"xdfs-{name}-", dir=a.dir) as base, \
+            tempfile.TemporaryDirectory(prefix=f"xdfs-{name}-work-") as work:
+        root, local = os.path.join(base, "root"), os.path.join(base, "local")
+        os.makedirs(root)
+        os.makedirs(local)
+        src = os.path.join(local, "src")
+        write_random(src, parse_size(a.size))
+        srv = Server(a.xdfs_bin, root, work)
+        try:
+            yield srv, root, local, src
+        finally:
+            srv.stop()
 
 
 def summary(xs: list[float]) -> tuple[float, float, float]:
