@@ -490,3 +490,69 @@ TEST_CASE("xduc --retries: several sources, and a tree, go on in a new session a
 }
 
 }  // TEST_SUITE("process")
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("a download resuming at an offset that is not whole blocks before the end is refused naming it; a changed file resumes at 0") {
+  using xdfs::wire::ChannelEvent;
+  xt::TempDir root, local;
+  const std::uint32_t bs = 64 * 1024;
+  xt::write_random_file(root / "f", 4 * bs + 10, 47);
+  struct stat st {};
+  REQUIRE(::stat((root / "f").c_str(), &st) == 0);
+  xt::XdfsdProcess d(root.path());
+  // A client that says it holds `offset` bytes of f as it was (its size and mtime, or others).
+  auto ask = [&](std::uint64_t offset, bool manifest, std::int64_t mtime) {
+    auto c = std::make_unique<xt::RawChannel>(d.port());
+    auto h = xt::make_hello(xdfs::Mode::download, "f", 1, 4 * bs + 10);
+    if (manifest) h.nego.extended_flags |= xdfs::wire::flag_manifest;
+    h.nego.window = 8 * bs;
+    h.nego.resume_offset = offset;
+    h.nego.source_mtime_ns = mtime;
+    REQUIRE(c->establish(h));
+    return c;
+  };
+  const std::int64_t mtime = files::mtime_ns(st);
+  for (const std::uint64_t offset : {std::uint64_t(100), std::uint64_t(bs + 1), std::uint64_t(4 * bs + 10)}) {
+    CAPTURE(offset);
+    auto c = ask(offset, true, mtime);
+    auto ex = c->read_exception();
+    REQUIRE_MESSAGE(ex.has_value(), d.log());
+    CHECK(ex->code == xdfs::errc::bad_argument);
+    CHECK(ex->refused);
+    CHECK_MESSAGE(ex->message.find("resume offset " + std::to_string(offset) +
+                                   " is not whole blocks before the end of the file") != std::string::npos,
+                  ex->message);
+  }
+  {
+    auto c = ask(bs, false, mtime);
+    auto ex = c->read_exception();
+    REQUIRE(ex.has_value());
+    CHECK(ex->message.find("a resumed download needs the content manifest") != std::string::npos);
+  }
+  // The file is not the one the client began from: the server sends all of it (resume offset 0).
+  for (const std::int64_t other : {mtime + 1, std::int64_t(0)}) {
+    auto c = ask(bs, true, other);
+    auto reply = c->read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == ChannelEvent::nego_reply);
+    auto r = xdfs::wire::decode_reply(reply->second);
+    REQUIRE(r.has_value());
+    CHECK(r->resume_offset == 0);
+    CHECK(r->file_size == 4 * bs + 10);
+  }
+  // Whole blocks of the same file: the reply resumes there.
+  auto c = ask(2 * bs, true, mtime);
+  auto reply = c->read_frame();
+  REQUIRE(reply.has_value());
+  REQUIRE(reply->first.event == ChannelEvent::nego_reply);
+  auto r = xdfs::wire::decode_reply(reply->second);
+  REQUIRE(r.has_value());
+  CHECK(r->resume_offset == 2 * bs);
+  CHECK(r->mtime_ns == mtime);
+  c.reset();
+  REQUIRE(d.alive());
+  xt::check_serving(d.port(), root.path(), local.path());
+}
+
+}  // TEST_SUITE("badinput")
