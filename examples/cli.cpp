@@ -57,6 +57,12 @@ std::optional<Url> parse_url(const std::string& text, std::string& why) {
   std::string rest = text.substr(7);
   auto slash = rest.find('/');
   std::string authority = rest.substr(0, slash);
+  // A user name picks nothing here: the client's key (--identity) is who it is at the server.
+  if (const auto at = authority.rfind('@'); at != std::string::npos) {
+    why = "'" + text + "' names a user ('" + authority.substr(0, at) +
+          "@'): xDFS knows clients by their keys, not user names; give --identity FILE to use another key";
+    return std::nullopt;
+  }
   Url u;
   if (slash != std::string::npos) u.path = rest.substr(slash + 1);
   while (!u.path.empty() && u.path.front() == '/') u.path.erase(0, 1);

@@ -785,6 +785,8 @@ TEST_CASE("xduc path commands: output, one-line errors, exit codes; a read-only 
   CHECK(bad_arg(xt::xduc({"--sync", local / "file", url(d.port(), "t")}), "go with -r"));
   CHECK(bad_arg(xt::xduc({"mv", url(d.port(), "p")}), "mv takes"));
   CHECK(bad_arg(xt::xduc({"stat", "not-a-url"}), "not an xdfs:// URL"));
+  CHECK(bad_arg(xt::xduc({"stat", "xdfs://alice@127.0.0.1/x"}), "names a user ('alice@'): xDFS knows clients by their keys"));
+  CHECK(bad_arg(xt::xduc({local / "file", "xdfs://a@b@127.0.0.1/x"}), "names a user ('a@b@')"));
   CHECK(bad_arg(xt::run(XDFSD_PATH, {"--root", root.path(), "--path-workers", "0"}), "--path-workers"));
   CHECK(ok(xt::xduc({"rm", "-r", url(d.port(), "p")})));
   CHECK_FALSE(xt::exists(root / "p"));
