@@ -70,8 +70,8 @@ const char* usage =
     "                         link cut, a timeout) goes on in a new session, resuming where it\n"
     "                         was, up to N times in a row, waiting 1, 2, 4 ... 30 s with jitter; not\n"
     "                         for refusals, missing files, a full disk, a session that never\n"
-    "                         opened, a download to '-' or a device, or an upload of a stream\n"
-    "                         (default 5; 0: never)\n"
+    "                         opened, a download to '-' or a device, an upload of a stream or\n"
+    "                         into a server's FIFO (default 5; 0: never)\n"
     "  --no-resume            start over instead of continuing an interrupted transfer (by\n"
     "                         default a download is written as .NAME.xdfs-partial with a\n"
     "                         record of its verified blocks, kept when the transfer is cut, and\n"
@@ -265,17 +265,15 @@ int sum_local(const std::vector<std::string>& paths, std::uint32_t block_size, b
 bool worth_retrying(const xdfs::TransferError& e, unsigned tried, unsigned retries) {
   const bool never_opened = e.code() == xdfs::errc::connection_refused || e.code() == xdfs::errc::connection_failed ||
                             e.operation() == "session set-up";
-  return tried < retries && e.recovery() != xdfs::Recovery::give_up && !(never_opened && tried == 0) && !g_cancel.load();
+  return tried < retries && e.recovery() != xdfs::Recovery::give_up && !e.once() && !(never_opened && tried == 0) &&
+         !g_cancel.load();
 }
 
-// A tree copy that lost its session ends in a TreeError: the failure that ended it (the last
-// one before those of the files it never tried), to decide on a retry with; none if the session
-// still stands.
+// A tree copy that lost its session ends in a TreeError: the failure that ended it, to decide
+// on a retry with; none if the session still stands.
 std::optional<xdfs::TransferError> session_lost(const xdfs::pathm::TreeError& e, const xdfs::Session& s) {
   if (s.usable()) return std::nullopt;
-  const auto& fs = e.result().failures;
-  for (auto it = fs.rbegin(); it != fs.rend(); ++it)
-    if (it->message.rfind("not copied", 0) != 0) return xdfs::TransferError(it->code, it->message, it->remote);
+  if (const auto& f = e.result().session_failure) return xdfs::TransferError(f->code, f->message, f->remote);
   return xdfs::TransferError(xdfs::errc::peer_aborted, "the session ended", false);
 }
 
@@ -355,6 +353,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
     const std::string name = base_name(up ? src : remote_paths[k]);
     if (tty) o.progress = [&line](const xdfs::Progress& p) { line.draw(p); };
     tried = 0;
+    auto this_tree = tree;  // a retry of this source skips what is whole at DST; later sources do not
     for (bool again = true; again;) {  // again: the session was lost and is opened anew
     again = false;
     auto& session = *session_holder;
@@ -364,7 +363,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       if (tree_source && !recursive) throw xdfs::TransferError(xdfs::errc::is_directory, "'" + src + "' is a directory (-r copies trees)", false);
       if (tree_source) {
         const bool contents = src.back() == '/';
-        auto r = xdfs::upload_tree(session, src, contents ? url.path : join_path(url.path, name), tree, o);
+        auto r = xdfs::upload_tree(session, src, contents ? url.path : join_path(url.path, name), this_tree, o);
         ++trees;
         files += r.files;
         bytes += r.bytes;
@@ -378,7 +377,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
           // A remote directory: with -r it is a tree, copied in path mode on the same session.
           if (up || !recursive || e.code() != xdfs::errc::is_directory || !session.usable()) throw;
           const bool contents = remote_paths[k].back() == '/';
-          auto t = xdfs::download_tree(session, remote_paths[k], contents ? dst : join_path(dst, name), tree, o);
+          auto t = xdfs::download_tree(session, remote_paths[k], contents ? dst : join_path(dst, name), this_tree, o);
           ++trees;
           files += t.files;
           bytes += t.bytes;
@@ -396,7 +395,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       line.end();
       if (auto lost = session_lost(e, session); lost && retry_in_new_session(*lost)) {
         // Again, skipping what is already whole at DST, as --sync does.
-        tree.sync = true;
+        this_tree.sync = true;
         again = true;
         continue;
       }
@@ -776,22 +775,15 @@ int main(int argc, char** argv) {
   try {
     const xdfs::Endpoint ep{url->host, url->port};
     // A lost session is tried again and resumes where it was (the partial files stay); what
-    // was written to standard output or a device cannot be taken back, so those are not.
-    // Nor is a stream (standard input that is not a regular file, a pipe, a FIFO): what it gave
-    // is gone.
-    struct stat ds {}, ss {};
-    // (the library's rule: standard input that is not a regular file read from its start.)
-    const bool stream =
-        up && (src == "-" ? ::fstat(STDIN_FILENO, &ss) != 0 || !S_ISREG(ss.st_mode) || ::lseek(STDIN_FILENO, 0, SEEK_CUR) != 0
-                          : ::stat(src.c_str(), &ss) == 0 && S_ISFIFO(ss.st_mode));
-    const bool retryable = up ? !stream : (dst != "-" && !(::stat(dst.c_str(), &ds) == 0 && !S_ISREG(ds.st_mode) && !S_ISDIR(ds.st_mode)));
+    // went to standard output, a device or a FIFO, or came from a stream, cannot be taken back
+    // or read again: the library says so (TransferError::once) and those are not.
     unsigned tried = 0;
     std::optional<xdfs::TransferResult> done;
     while (!done) {
       try {
         done = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
       } catch (const xdfs::TransferError& e) {
-        if (!retryable || !worth_retrying(e, tried, retries)) throw;
+        if (!worth_retrying(e, tried, retries)) throw;
         line.end();
         wait_to_retry(++tried, retries, e);
       }

@@ -9,7 +9,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -237,6 +239,85 @@ TEST_CASE("xdfsd --allow-fifo: a stream uploaded to a FIFO reaches its reader wh
   xt::check_serving(d.port(), root.path(), local.path());
   REQUIRE(::lstat((root / "pipe").c_str(), &st) == 0);
   CHECK(S_ISFIFO(st.st_mode));
+
+  // One upload at a time: a second one while the first writes is refused, naming why.
+  got.clear();
+  t = reader(got, SIZE_MAX);
+  std::thread first([&] { r = xduc_from("(cat '" + src + "'; sleep 3)", {"-q", "-", url(d.port(), "pipe")}); });
+  REQUIRE(d.wait_for_log("writing into the FIFO 'pipe'"));
+  auto second = xduc_from("echo hi", {"-q", "-", url(d.port(), "pipe")});
+  first.join();
+  t.join();
+  CHECK(r.status == 0);
+  CHECK(got == xt::read_file(src));
+  CHECK(second.status == 1);
+  CHECK_MESSAGE(second.err.find("'pipe' is a FIFO another upload is writing into") != std::string::npos, second.err);
+}
+
+TEST_CASE("what went into a FIFO or out of one, or to standard output, is not tried again when the session is cut") {
+  using V = xt::Relay::Verdict;
+  using D = xt::Relay::Dir;
+  xt::TempDir root, local;
+  const std::string src = local / "src";
+  xt::write_random_file(src, 8 << 20, 66);
+  xt::write_random_file(root / "f", 8 << 20, 67);
+  REQUIRE(::mkfifo((root / "pipe").c_str(), 0600) == 0);
+  xt::XdfsdProcess d(root.path(), {"--allow-fifo"});
+  // A reader that drains the FIFO for as long as the test runs.
+  const int fifo = ::open((root / "pipe").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  REQUIRE(fifo >= 0);
+  std::atomic<bool> done{false};
+  std::thread drain([&] {
+    char buf[65536];
+    while (!done.load()) {
+      pollfd p{fifo, POLLIN, 0};
+      if (::poll(&p, 1, 50) > 0) (void)::read(fifo, buf, sizeof buf);
+    }
+  });
+  const std::vector<std::string> common{"-q", "-p", "2", "--protect", "clear", "--block-size", "256K", "--retries", "3"};
+  struct Case {
+    const char* name;
+    D data;
+    std::function<xt::RunResult(const std::string& relay_url)> run;
+  };
+  const std::vector<Case> cases{
+      {"a file uploaded into a FIFO", D::up,
+       [&](const std::string& u) {
+         auto a = common;
+         a.insert(a.end(), {src, u + "/pipe"});
+         return xt::xduc(a);
+       }},
+      {"a download to standard output", D::down,
+       [&](const std::string& u) {
+         std::string line = "'" + std::string(XDUC_PATH) + "'";
+         for (const auto& x : common) line += " '" + x + "'";
+         return xt::run("/bin/sh", {"-c", line + " '" + u + "/f' - > /dev/null"});
+       }},
+      {"a stream from a FIFO", D::up,
+       [&](const std::string& u) {
+         REQUIRE(::mkfifo((local / "in").c_str(), 0600) == 0);
+         std::string line = "(cat '" + src + "' > '" + local / "in" + "') & '" + XDUC_PATH + "'";
+         for (const auto& x : common) line += " '" + x + "'";
+         return xt::run("/bin/sh", {"-c", line + " '" + local / "in" + "' '" + u + "/streamed'; s=$?; wait; exit $s"});
+       }},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    xt::Relay relay(d.port(), xdfs::xsec::Protect::clear);
+    std::atomic<bool> cut{false};
+    relay.hook = [&](const xt::Relay::Seen& f) {
+      if (f.conn == 1 && f.dir == c.data && f.data_index == 5 && !cut.exchange(true)) return V::cut;
+      return V::pass;
+    };
+    auto r = c.run("xdfs://127.0.0.1:" + std::to_string(relay.port()));
+    CHECK(cut.load());
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("retry") == std::string::npos, r.err);
+  }
+  done = true;
+  drain.join();
+  ::close(fifo);
+  CHECK_FALSE(xt::exists(root / "streamed"));
 }
 
 }  // TEST_SUITE("process")

@@ -329,6 +329,23 @@ TEST_CASE("negotiation round trip") {
   auto d3 = w::decode_negotiation(w::encode(n3));
   REQUIRE(d3);
   CHECK(*d3 == n3);
+  // The later fields: a resumed download's, an upload's that starts over, a stream's.
+  auto n4 = n;
+  n4.transfer = 7;
+  n4.resume_offset = 1 << 20;
+  n4.source_mtime_ns = -5;
+  n4.fresh = true;
+  auto d4 = w::decode_negotiation(w::encode(n4));
+  REQUIRE(d4);
+  CHECK(*d4 == n4);
+  auto n5 = n;
+  n5.mode = Mode::upload;
+  n5.file_size = 0;
+  n5.open_ended = true;
+  auto d5 = w::decode_negotiation(w::encode(n5));
+  REQUIRE(d5);
+  CHECK(*d5 == n5);
+  CHECK(d5->open_ended);
 }
 
 TEST_CASE("a file size or window beyond 2^62 is refused where it is decoded, naming the field") {
@@ -360,6 +377,11 @@ TEST_CASE("negotiation reply and exception header round trips") {
   CHECK(dr->file_size == 0x1122334455667788ull);
   CHECK(dr->window == 0x19AABBCCDDEEFF00ull);
   CHECK(dr->block_size == 0x00400000u);
+  const w::NegotiationReply later{1, 2, 3, 4, -6, true};
+  auto dl = w::decode_reply(w::encode(later));
+  REQUIRE(dl.has_value());
+  CHECK(*dl == later);
+  CHECK(dl->in_place);
 
   w::ExceptionHeader e{errc::disk_full, "no space left on device while writing 'a/b'", 5, 0xDEADBEEFCAFEull};
   auto de = w::decode_exception(w::encode(e), &why);

@@ -54,6 +54,8 @@ struct NegotiationReply {
   blockSize @2 :UInt32;          # block size in force for the session
   resumeOffset @3 :UInt64;       # where the data starts: the receiver's verified prefix (0: all)
   mtime @4 :Int64;               # download: the file's mtime (ns), for the client's resume record
+  inPlace @5 :Bool;              # upload: written as it comes (a FIFO, xdfsd --allow-fifo): what
+                                 # went cannot be resumed, and a new attempt would repeat it
 }
 
 # An error travelling to the peer (code from xdfs::errc and a one-line message).

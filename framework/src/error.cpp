@@ -124,6 +124,7 @@ Error::Error(const Failure& f) : Error(f.code, f.message) {
   operation_ = f.operation;
   channel_ = f.channel;
   offset_ = f.offset;
+  once_ = f.once;
 }
 
 Error::Error(errc code, const std::string& context)

@@ -195,6 +195,7 @@ std::vector<std::uint8_t> encode(const NegotiationReply& n) {
   r.setBlockSize(n.block_size);
   r.setResumeOffset(n.resume_offset);
   r.setMtime(n.mtime_ns);
+  r.setInPlace(n.in_place);
   return to_bytes(msg);
 }
 
@@ -295,7 +296,8 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
 
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why) {
   return read_message<schema::NegotiationReply>(b, why, [&](schema::NegotiationReply::Reader r) -> std::optional<NegotiationReply> {
-    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize(), r.getResumeOffset(), r.getMtime()};
+    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize(), r.getResumeOffset(), r.getMtime(),
+                       r.getInPlace()};
     if (n.file_size > max_file_size || n.window > max_file_size || n.resume_offset > max_file_size) {
       set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
                        " exceeds the protocol's limit of 2^62 bytes");

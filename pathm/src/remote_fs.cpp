@@ -200,8 +200,9 @@ std::string join(const std::string& base, const std::string& rel) {
   return b + "/" + rel;
 }
 
-// A path operation of a tree copy. Its failures say whether the server reported them.
-void path_part(Session& session, const std::function<void(PathClient&)>& run) {
+// A path operation of a tree copy. Its failures say whether the server reported them. Returns
+// why its end failed, if it did (which ends the session).
+std::optional<TreeFailure> path_part(Session& session, const std::function<void(PathClient&)>& run) {
   RemoteFs fs(session);
   try {
     run(fs.client());
@@ -217,21 +218,24 @@ void path_part(Session& session, const std::function<void(PathClient&)>& run) {
   // copy) rather than losing the result here.
   try {
     fs.close();
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    return TreeFailure{"", e.code(), e.context(), fs.remote_error()};
   }
+  return std::nullopt;
 }
 
 // The path part of a tree copy; the entries it could not copy are kept, and the large files
 // still go.
 TreeResult tree_part(Session& session, const std::function<TreeResult(PathClient&)>& copy) {
   TreeResult r;
-  path_part(session, [&](PathClient& c) {
+  auto ended = path_part(session, [&](PathClient& c) {
     try {
       r = copy(c);
     } catch (const TreeError& e) {
       r = e.result();
     }
   });
+  if (ended && !r.session_failure) r.session_failure = ended;
   return r;
 }
 
@@ -276,6 +280,7 @@ void large_part(Session& session, const LargeFiles& large, const std::string& fr
     } catch (const TransferError& e) {
       r.failures.push_back({f.path, e.code(), e.context(), e.remote()});
       if (!session.usable()) {
+        if (!r.session_failure) r.session_failure = r.failures.back();
         for (const auto* g = &f + 1; g != large.files.data() + large.files.size(); ++g)
           r.failures.push_back({g->path, errc::peer_aborted, "not copied: the session ended", false});
         break;
@@ -312,7 +317,9 @@ TreeResult upload_tree(Session& session, const std::string& local, const std::st
   // Their modes and mtimes, then the directories' (which the large files' renames touched); a
   // session that ended with a large file cannot set them (its files are named above).
   done.insert(done.end(), large.dirs.begin(), large.dirs.end());
-  if (session.usable()) path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); });
+  if (session.usable())
+    if (auto ended = path_part(session, [&](PathClient& c) { c.set_attrs(remote, done, r); }); ended && !r.session_failure)
+      r.session_failure = ended;
   return finish(std::move(r));
 }
 

@@ -310,7 +310,8 @@ private:
       // The server holds this much of the file already: it must be whole blocks before the end,
       // and with the manifest, which proves it at the end (a server that claims blocks it does
       // not have fails there, it cannot make this side skip them unnoticed).
-      if (reply.resume_offset > 0 && (!p.manifest || memory_source_ || stream_ ||
+      server_in_place_ = reply.in_place;
+      if (reply.resume_offset > 0 && (!p.manifest || memory_source_ || stream_ || server_in_place_ ||
                                       reply.resume_offset % p.block_size != 0 || reply.resume_offset >= size_))
         return fail(errc::protocol_error, "the server claims " + std::to_string(reply.resume_offset) + " bytes of a " +
                                               std::to_string(size_) + "-byte file it cannot have");
@@ -379,6 +380,9 @@ private:
     if (ended_) return;
     ended_ = true;
     failure_ = f;
+    // What went was read once (a stream), or written as it came (a FIFO at the server; standard
+    // output or a device here): a new attempt would repeat or lose some of it.
+    failure_.once = f && (stream_ || server_in_place_ || (nego_.mode == Mode::download && !memory_ && !pending_.active()));
     seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
     if (f) settle_partial(pending_, f);
     ticker_.cancel();
@@ -412,6 +416,7 @@ private:
   files::Fd source_;
   bool memory_source_ = false;
   bool stream_ = false;  // upload of a stream: its size is size_ once it ended
+  bool server_in_place_ = false;  // upload the server writes as it comes (a FIFO)
   files::Fd in_place_;
   files::PendingFile pending_;
   PartialCheckpoint checkpoint_{pending_};  // the disk thread records a resumable download's progress

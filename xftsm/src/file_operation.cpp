@@ -1,4 +1,5 @@
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
@@ -133,6 +134,7 @@ private:
     reply.block_size = nego_.block_size;
     reply.resume_offset = p.start_offset;
     reply.mtime_ns = mtime_ns_;
+    reply.in_place = fifo_.get() >= 0;
     if (sink) {
       receiver_ = std::make_unique<Receiver>(env_.io, machine_, env_.channels, *this, p, *sink);
       reply.window = receiver_->window();
@@ -270,10 +272,18 @@ private:
     if (fd < 0) {
       const int err = errno;
       refuse(err == ENXIO ? errc::not_supported : errc_from_errno(err),
-             "'" + nego_.remote_path + "' is a FIFO " + (err == ENXIO ? std::string("that nobody reads") : std::strerror(err)));
+             "'" + nego_.remote_path + "' is a FIFO " +
+                 (err == ENXIO ? std::string("that nobody reads") : std::string("that cannot be opened: ") + std::strerror(err)));
       return true;
     }
-    fifo_ = files::Fd(fd);
+    files::Fd held(fd);
+    // One upload at a time writes into it: blocks of two would interleave for its reader.
+    if (::flock(held.get(), LOCK_EX | LOCK_NB) != 0) {
+      refuse(errc::limit_exceeded, "'" + nego_.remote_path + "' is a FIFO another upload is writing into");
+      return true;
+    }
+    fifo_ = std::move(held);
+    env_.log(fmt::format("session {}: writing into the FIFO '{}' as the data comes", env_.id.short_hex(), nego_.remote_path));
     return true;
   }
 

@@ -154,8 +154,7 @@ bool Engine::handle_common(xdsi::Channel& ch, const FrameHeader& h) {
         fail(errc::protocol_error, std::string(wire::to_string(h.event)) + " with a payload", false, true);
         return true;
       }
-      // A stream's sender says so while its writer is silent: the session is alive.
-      if (h.event == wire::ChannelEvent::noop && params_.open_ended) touch();
+      if (h.event == wire::ChannelEvent::noop && params_.open_ended) on_noop();
       return true;
     case wire::ChannelEvent::exception:
       read_exception(ch, h.length);
@@ -311,7 +310,6 @@ void Sender::keep_alive() {
   keepalive_.async_wait([this](const xdsi::ErrorCode& ec) {
     if (ec || machine_.state() != State::transferring) return;
     if (ready_head_ == ready_.size() && again_.empty() && queued_ == acked_ && !pacing_) {
-      touch();
       FrameHeader h;
       h.event = wire::ChannelEvent::noop;
       auto& ch = *channels_.front();
@@ -740,6 +738,14 @@ void Receiver::on_disk() {
 }
 
 void Receiver::send_nack(const Arrival& a) { tell_sender(wire::ChannelEvent::nack, a.h.offset); }
+
+void Receiver::on_noop() {
+  // Alive only while this side owes nothing: every block that came is written (a disk thread
+  // stuck on a FIFO nobody reads is a stall, whatever the sender says) and acknowledged.
+  if (!parked_.empty() || done_bytes_ != received_ || acked_sent_ != done_bytes_ || told_unsent_ != 0) return;
+  touch();
+  tell_sender(wire::ChannelEvent::noop, 0);  // the answer: the sender's watchdog sees this side alive
+}
 
 void Receiver::send_ack() {
   // A stream's end may be a whole block that says nothing: all that came is acknowledged once

@@ -83,6 +83,10 @@ struct Failure {
   std::optional<FileOffset> offset;      ///< the file offset it concerns, where one does
   bool from_peer = false;                ///< the peer reported it, or ended the channel
   bool peer_gone = false;                ///< the peer closed or reset the channel: nothing can be told to it
+  /// What the transfer moved cannot be moved again without repeating or losing some of it: its
+  /// source was a stream (read once), or its destination was written as the data came (standard
+  /// output, a device, a FIFO at either end). A new attempt would start over there: not retried.
+  bool once = false;
 
   Failure() = default;
   Failure(errc c, std::string m, bool peer = false) : code(c), message(std::move(m)), from_peer(peer) {}
@@ -105,9 +109,12 @@ public:
   std::optional<ChannelIndex> channel() const noexcept { return channel_; }
   std::optional<FileOffset> offset() const noexcept { return offset_; }
   Recovery recovery() const noexcept { return xdfs::recovery(code_); }
+  /// Failure::once: no new attempt, whatever the class.
+  bool once() const noexcept { return once_; }
 
 private:
   errc code_;
+  bool once_ = false;
   std::string context_;
   std::string operation_;
   std::optional<ChannelIndex> channel_;

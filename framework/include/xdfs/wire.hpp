@@ -161,6 +161,8 @@ struct NegotiationReply {
   /// not send (0: the whole file).
   std::uint64_t resume_offset = 0;
   std::int64_t mtime_ns = 0;  ///< download: the file's mtime, kept in the client's resume record
+  /// Upload: the server writes it as it comes (into a FIFO): never resumed, never tried again.
+  bool in_place = false;
   bool operator==(const NegotiationReply&) const = default;
 };
 

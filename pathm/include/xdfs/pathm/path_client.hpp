@@ -83,6 +83,9 @@ struct TreeResult {
   std::uint64_t large_files = 0, large_bytes = 0;
   double large_seconds = 0;
   std::vector<TreeFailure> failures;  ///< entries not copied (the copy went on without them)
+  /// What ended the session, when something did (the copy stopped there; a new session could go
+  /// on): the failure of the file it was copying, or of the end of a path operation.
+  std::optional<TreeFailure> session_failure;
 };
 
 /// A tree copy that finished with entries it could not copy (as rsync, it copies everything

@@ -173,6 +173,10 @@ protected:
   std::string unexpected(const xdsi::Channel& ch, const wire::FrameHeader& h) const;
   /// Handles a control frame every side may get (EXCEPTION, NOOP); false if it was not one.
   bool handle_common(xdsi::Channel& ch, const wire::FrameHeader& h);
+  /// A stream's NOOP (TransferParams::open_ended): the sender sends one a second while its
+  /// input is silent and everything is acknowledged; the receiver, if it owes nothing, counts it
+  /// as activity and answers it; the answer is the sender's sign that the receiver is alive.
+  virtual void on_noop() { touch(); }
   void channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec);
   void read_exception(xdsi::Channel& ch, std::uint32_t length);
 
@@ -228,8 +232,8 @@ private:
   /// resend_block: the spare slot reads the next block asked for again, when it is free.
   void resend();
   /// A stream whose writer is silent: once a second while everything it gave is sent and
-  /// acknowledged, a NOOP on channel 0 tells the receiver (and this side's watchdog) that the
-  /// session waits for its input, not for the network.
+  /// acknowledged, a NOOP on channel 0 tells the receiver that the session waits for its input,
+  /// not for the network (its answer keeps this side's watchdog from ending it).
   void keep_alive();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
@@ -334,6 +338,7 @@ private:
   std::size_t told_unsent_ = 0;          // ACKs and NACKs queued and not written yet
   /// send_nack: asks for the block at the arrival's offset again.
   void send_nack(const Arrival& a);
+  void on_noop() override;
   /// An ACK or a NACK on channel 0 (told_unsent_ counts it until it has left).
   void tell_sender(wire::ChannelEvent event, std::uint64_t offset);
   bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
