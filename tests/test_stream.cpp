@@ -243,8 +243,20 @@ TEST_CASE("xdfsd --allow-fifo: a stream uploaded to a FIFO reaches its reader wh
   // One upload at a time: a second one while the first writes is refused, naming why.
   got.clear();
   t = reader(got, SIZE_MAX);
+  // (The first upload's log line is there already: wait for this one's.)
+  const std::string writing = "writing into the FIFO 'pipe'";
+  auto times_logged = [&] {
+    const std::string log = d.log();
+    std::size_t n = 0;
+    for (auto at = log.find(writing); at != std::string::npos; at = log.find(writing, at + 1)) ++n;
+    return n;
+  };
+  const std::size_t before = times_logged();
   std::thread first([&] { r = xduc_from("(cat '" + src + "'; sleep 3)", {"-q", "-", url(d.port(), "pipe")}); });
-  REQUIRE(d.wait_for_log("writing into the FIFO 'pipe'"));
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+       times_logged() == before && std::chrono::steady_clock::now() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(times_logged() == before + 1);  // (the thread is joined below whatever happens)
   auto second = xduc_from("echo hi", {"-q", "-", url(d.port(), "pipe")});
   first.join();
   t.join();
