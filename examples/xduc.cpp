@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
   bool quiet = false;
   bool json = false;
   bool plain_sha256 = false;
-  unsigned retries = 5;  // --retries: a lost session of a one-file copy is tried again
+  unsigned retries = 5;  // --retries: a copy whose session is lost goes on in a new one
   bool recursive = false;
   bool parents = false;
   xdfs::pathm::TreeOptions tree;
@@ -723,7 +723,7 @@ int main(int argc, char** argv) {
       // A lost session is opened again and the copy goes on, skipping (as --sync does) what is
       // already there whole; its large files resume where they were.
       std::optional<xdfs::pathm::TreeResult> done;
-      for (unsigned tried = 0; !done;) {
+      while (!done) {
         session.emplace(xdfs::Endpoint{url->host, url->port}, opt);
         std::optional<xdfs::TransferError> lost;
         try {
@@ -731,15 +731,14 @@ int main(int argc, char** argv) {
                     : xdfs::download_tree(*session, remote, local, tree, opt);
         } catch (const xdfs::pathm::TreeError& e) {
           lost = session_lost(e, *session);
-          if (!lost || !worth_retrying(*lost, tried, retries)) throw;
+          if (!lost || !worth_retrying(*lost, tree_retries, retries)) throw;
         } catch (const xdfs::TransferError& e) {
-          if (session->usable() || !worth_retrying(e, tried, retries)) throw;
+          if (session->usable() || !worth_retrying(e, tree_retries, retries)) throw;
           lost = e;
         }
         if (lost) {
           if (tty) fmt::print(stderr, "\n");
-          wait_to_retry(++tried, retries, *lost);
-          tree_retries = tried;
+          wait_to_retry(++tree_retries, retries, *lost);
           tree.sync = true;
         }
       }

@@ -393,6 +393,7 @@ void DiskReader::join() {
 
 void DiskReader::run() {
   try {
+    if (source_.manifest) hasher_.emplace();
     if (source_.stream)
       read_stream();
     else
@@ -404,9 +405,7 @@ void DiskReader::run() {
 
 void DiskReader::read_blocks() {
   const std::uint32_t bs = pipe_.block_size();
-  std::optional<manifest::BlockHasher> hasher;
-  if (source_.manifest) hasher.emplace();
-  DiskIo& io = source_.io ? *source_.io : DiskIo::system();
+  DiskIo& io = this->io();
   Block batch[max_iov];
   iovec iov[max_iov];
 
@@ -450,7 +449,7 @@ void DiskReader::read_blocks() {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;
     }
-    if (hasher) hasher->stamp(pipe_.slot_data(b.slot), b.length.value());
+    if (hasher_) hasher_->stamp(pipe_.slot_data(b.slot), b.length.value());
     pipe_.disk_push(b);
     pipe_.net_wake().notify();
     return true;
@@ -462,9 +461,7 @@ void DiskReader::read_blocks() {
     std::uint64_t off = next_;
     Block b;
     bool popped = false;
-    // With a sealer or digests, each read is at most crypto_group bytes, hashed and sealed
-    // while still in cache.
-    const std::size_t cap = source_.sealer || source_.manifest ? crypto_group(bs) : max_iov;
+    const std::size_t cap = batch_cap();
     while (n < cap && pipe_.disk_pop(b)) {
       popped = true;
       if (b.retry) {
@@ -490,17 +487,17 @@ void DiskReader::read_blocks() {
     }
     if (!source_.zero && !read_all(iov, static_cast<int>(n), next_)) return;
     next_ = off;
-    for (std::size_t i = 0; i < n; ++i) finish(batch[i], hasher ? &*hasher : nullptr);
+    for (std::size_t i = 0; i < n; ++i) finish(batch[i]);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
   }
 }
 
-void DiskReader::finish(Block& b, manifest::BlockHasher* hasher) {
+void DiskReader::finish(Block& b) {
   std::uint8_t* data = pipe_.slot_data(b.slot);
   std::uint32_t len = b.length.value();
   if (source_.manifest) {
-    const manifest::Digest d = hasher->digest(data, len);
+    const manifest::Digest d = hasher_->digest(data, len);
     manifest::BlockHasher::put(data + len, d);
     (void)source_.manifest->add(b.offset, d);  // read in order: always taken at once
     len += manifest::digest_size;
@@ -512,12 +509,10 @@ void DiskReader::finish(Block& b, manifest::BlockHasher* hasher) {
 // writer's data does not wait for a whole batch), the last one short or none at all.
 void DiskReader::read_stream() {
   const std::uint32_t bs = pipe_.block_size();
-  std::optional<manifest::BlockHasher> hasher;
-  if (source_.manifest) hasher.emplace();
-  DiskIo& io = source_.io ? *source_.io : DiskIo::system();
+  DiskIo& io = this->io();
   Block batch[max_iov];
   iovec iov[max_iov];
-  const std::size_t cap = source_.sealer || source_.manifest ? crypto_group(bs) : max_iov;
+  const std::size_t cap = batch_cap();
   // A larger pipe buffer means fewer, larger reads (best effort: not a pipe, or not allowed).
   (void)::fcntl(source_.fd, F_SETPIPE_SZ, 1 << 20);
 
@@ -577,7 +572,7 @@ void DiskReader::read_stream() {
         Block& blk = batch[i];
         blk.offset = FileOffset(next_ + std::uint64_t(i) * bs);
         blk.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, got - std::uint64_t(i) * bs)));
-        finish(blk, hasher ? &*hasher : nullptr);
+        finish(blk);
       }
       if (ended) {
         // The size is known: the manifest's, then the network thread's, before the last block.

@@ -83,10 +83,6 @@ public:
       // is known at its end (a FIFO without a writer yet is waited for, as cat would).
       stream_ = S_ISFIFO(sb.st_mode) || (std_in && !(S_ISREG(sb.st_mode) && ::lseek(fd, 0, SEEK_CUR) == 0));
       if (stream_) {
-        if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
-          if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
-          nego_.remote_path += basename_of(local);
-        }
         nego_.open_ended = true;
       } else {
         if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, what + " is not a regular file", false);
@@ -94,10 +90,10 @@ public:
         nego_.file_size = size_;
         nego_.source_mtime_ns = files::mtime_ns(sb);
         nego_.fresh = !opt_.resume;
-        if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
-          if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
-          nego_.remote_path += basename_of(local);
-        }
+      }
+      if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
+        if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
+        nego_.remote_path += basename_of(local);
       }
     } catch (...) {
       return refuse(std::current_exception());

@@ -134,7 +134,7 @@ private:
     reply.block_size = nego_.block_size;
     reply.resume_offset = p.start_offset;
     reply.mtime_ns = mtime_ns_;
-    reply.in_place = fifo_.get() >= 0;
+    reply.in_place = static_cast<bool>(fifo_);
     if (sink) {
       receiver_ = std::make_unique<Receiver>(env_.io, machine_, env_.channels, *this, p, *sink);
       reply.window = receiver_->window();
@@ -214,12 +214,13 @@ private:
         pending_.set_key(key);
       }
       // Without a size limit of its own the server takes what the file system can hold: an
-      // upload that cannot fit is refused now, not when the disk is full.
-      if (env_.config.max_file_size == 0 && !nego_.open_ended)
+      // upload that cannot fit is refused now, not when the disk is full; a stream stops there.
+      if (env_.config.max_file_size == 0 && !nego_.open_ended) {
         if (auto st = files::check_room(pending_.dir(), nego_.file_size - start, "'" + nego_.remote_path + "'"); !st)
           return refuse(st.code, st.message);
-      if (nego_.open_ended && env_.config.max_file_size == 0)
+      } else if (env_.config.max_file_size == 0) {
         if (const auto free = files::room(pending_.dir())) stream_limit = std::min(stream_limit, *free);
+      }
       p.file_size = nego_.open_ended ? stream_limit : nego_.file_size;
       p.data_event = wire::ChannelEvent::xftsmu;
       p.start_offset = start;

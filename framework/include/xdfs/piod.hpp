@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -290,6 +291,16 @@ private:
   std::string error_text_;
 };
 
+/// Largest number of slots one vectored call covers.
+inline constexpr std::size_t max_iov = 64;
+
+/// Slots a disk thread seals (or opens) and then reads (or writes) in one go when blocks are
+/// protected: about 2 MiB, so the bytes are still in cache between the cryptography and the copy.
+constexpr std::size_t crypto_group(std::uint32_t block_size) noexcept {
+  const std::size_t n = (std::size_t{2} << 20) / (block_size ? block_size : 1);
+  return n < 1 ? 1 : (n > max_iov ? max_iov : n);
+}
+
 /// The disk thread of a receiving side: writes filled blocks, coalescing contiguous ones into
 /// one pwritev; for a non-seekable sink it restores offset order and writes sequentially.
 /// Each written block goes back to the network thread as a free slot.
@@ -323,21 +334,19 @@ private:
   void read_stream();
   /// A block just read (its offset and length set): its digest after its data and into the
   /// manifest, then sealed, as the source says.
-  void finish(Block& b, manifest::BlockHasher* hasher);
+  void finish(Block& b);
+  DiskIo& io() const noexcept { return source_.io ? *source_.io : DiskIo::system(); }
+  /// Slots read in one go: with a sealer or digests at most crypto_group's bytes, hashed and
+  /// sealed while still in cache.
+  std::size_t batch_cap() const noexcept {
+    return source_.sealer || source_.manifest ? crypto_group(pipe_.block_size()) : max_iov;
+  }
   BlockPipe& pipe_;
   Source source_;
   std::uint64_t next_;
+  std::optional<manifest::BlockHasher> hasher_;  // with a manifest; made on the disk thread
   std::thread thread_;
 };
 
-/// Largest number of slots one vectored call covers.
-inline constexpr std::size_t max_iov = 64;
-
-/// Slots a disk thread seals (or opens) and then reads (or writes) in one go when blocks are
-/// protected: about 2 MiB, so the bytes are still in cache between the cryptography and the copy.
-constexpr std::size_t crypto_group(std::uint32_t block_size) noexcept {
-  const std::size_t n = (std::size_t{2} << 20) / (block_size ? block_size : 1);
-  return n < 1 ? 1 : (n > max_iov ? max_iov : n);
-}
 
 }  // namespace xdfs::piod
