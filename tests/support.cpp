@@ -658,6 +658,13 @@ xdfs::wire::FrameHeader upload_block(std::uint64_t offset, std::uint32_t length)
   return h;
 }
 
+xdfs::wire::FrameHeader eofr_header(std::uint64_t offset) {
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::ChannelEvent::eofr;
+  h.offset = offset;
+  return h;
+}
+
 Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std::uint64_t file_size) {
   Hello g;
   g.opening.session = xdfs::SessionId::random();

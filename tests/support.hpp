@@ -250,6 +250,8 @@ Hello make_hello(xdfs::Mode mode, const std::string& path, std::uint32_t n, std:
 
 /// The header of an upload's data frame (xFTSMU) of `length` bytes at `offset`.
 xdfs::wire::FrameHeader upload_block(std::uint64_t offset, std::uint32_t length);
+/// The header of a sender's EOFR (no digest) saying the file ends at `offset`.
+xdfs::wire::FrameHeader eofr_header(std::uint64_t offset);
 
 }  // namespace xt
 

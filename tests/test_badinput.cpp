@@ -324,9 +324,7 @@ TEST_CASE("bad frames mid-transfer end the session; no file appears; xdfsd keeps
     xt::RawChannel c(d.port());
     start_upload(c);
     c.send_frame(block(0, bs), xt::random_bytes(bs, 1));
-    FrameHeader e;
-    e.event = ChannelEvent::eofr;
-    c.send_frame(e);
+    c.send_frame(xt::eofr_header(0));
     auto ex = c.read_exception();
     REQUIRE(ex.has_value());
     CHECK(ex->code == errc::size_mismatch);

@@ -24,7 +24,6 @@
 using xdfs::Mode;
 using xdfs::errc;
 using xdfs::wire::ChannelEvent;
-using xdfs::wire::FrameHeader;
 
 namespace {
 
@@ -374,20 +373,14 @@ TEST_CASE("a hostile stream: a short block not at the end, blocks past it, an EO
     start_stream(c);
     c.send_frame(block(0, bs), xt::random_bytes(bs, 2));
     c.send_frame(block(bs, bs), xt::random_bytes(bs, 3));
-    FrameHeader e;
-    e.event = ChannelEvent::eofr;
-    e.offset = bs;
-    c.send_frame(e);
+    c.send_frame(xt::eofr_header(bs));
     expect(c, errc::protocol_error, "EOFR on channel 0 ends the stream at 65536");
   }
   SUBCASE("an EOFR that claims more than came") {
     xt::RawChannel c(d.port());
     start_stream(c);
     c.send_frame(block(0, bs), xt::random_bytes(bs, 2));
-    FrameHeader e;
-    e.event = ChannelEvent::eofr;
-    e.offset = 3 * bs;
-    c.send_frame(e);
+    c.send_frame(xt::eofr_header(3 * bs));
     expect(c, errc::size_mismatch, "sender ended after 65536 of 196608 bytes");
   }
   SUBCASE("blocks beyond the server's limit, and an EOFR beyond it") {
@@ -397,10 +390,7 @@ TEST_CASE("a hostile stream: a short block not at the end, blocks past it, an EO
     expect(c, errc::limit_exceeded, "the stream is longer than the 1048576 bytes this server takes for it");
     xt::RawChannel c2(d.port());
     start_stream(c2);
-    FrameHeader e;
-    e.event = ChannelEvent::eofr;
-    e.offset = std::uint64_t(1) << 61;
-    c2.send_frame(e);
+    c2.send_frame(xt::eofr_header(std::uint64_t(1) << 61));
     expect(c2, errc::limit_exceeded, "the stream is longer than the 1048576 bytes this server takes for it");
   }
   SUBCASE("an open-ended negotiation that declares a size, or is a download") {
