@@ -24,6 +24,9 @@ const char* usage =
     "  --state-dir DIR          server identity lives here (default ~/.local/state/xdfsd)\n"
     "  --authorized-keys FILE   client keys admitted (default STATE-DIR/authorized_keys), lines of\n"
     "                           'xdfs-x25519 KEY [rw|ro] [subdir=DIR]' (see xduc pubkey)\n"
+    "  --relay-peers FILE       xdfsd servers this one may forward a relay chain to (default\n"
+    "                           STATE-DIR/relay_peers): their keys, a line each, as --print-key\n"
+    "                           prints them; without it this server is only a chain's last host\n"
     "  --print-key              print the server's public key and exit\n"
     "  --max-sessions N         authenticated sessions at once (default 64)\n"
     "  --max-channels N         channels per session (default 256)\n"
@@ -54,7 +57,7 @@ const char* usage =
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
     "  --allow-fifo             an upload to an existing FIFO under the root writes into it, in\n"
     "                           order, for the process that has it open for reading\n"
-    "  --disable-mode MODE      refuse operations of MODE: upload, download or path (repeatable)\n"
+    "  --disable-mode MODE      refuse operations of MODE: upload, download, path or relay (repeatable)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
     "  -h, --help               this text\n";
 
@@ -96,6 +99,8 @@ int main(int argc, char** argv) {
       cfg.state_dir = value(i);
     } else if (a == "--authorized-keys") {
       cfg.authorized_keys = value(i);
+    } else if (a == "--relay-peers") {
+      cfg.relay_peers = value(i);
     } else if (a == "--print-key") {
       print_key = true;
     } else if (a == "--max-sessions") {
@@ -169,7 +174,8 @@ int main(int argc, char** argv) {
       cfg.allow_fifo = true;
     } else if (a == "--disable-mode") {
       const std::string& m = value(i);
-      if (m != "upload" && m != "download" && m != "path") bad("--disable-mode takes upload, download or path");
+      if (m != "upload" && m != "download" && m != "path" && m != "relay")
+        bad("--disable-mode takes upload, download, path or relay");
       disabled.push_back(m);
     } else {
       bad("unknown option '" + a + "' (see --help)");

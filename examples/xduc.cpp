@@ -32,6 +32,7 @@ namespace {
 const char* usage =
     "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
     "       xduc [OPTIONS] --files-from FILE DST\n"
+    "       xduc [OPTIONS] SRC xdfs://HOST1/PATH xdfs://HOST2/PATH ... | --hosts FILE\n"
     "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
     "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum [--sha256]  xdfs://HOST[:PORT]/PATH ...\n"
     "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
@@ -54,6 +55,13 @@ const char* usage =
     "  --max-listing SIZE     memory a tree copy may hold for the server's listing (default 2G)\n"
     "  --large-file SIZE      in a tree copy, files of at least SIZE go as transfers of their own\n"
     "                         on the same session, as a single file does (default 64M; 0: never)\n"
+    "One file to many hosts: SRC then two or more xdfs:// DSTs (or --hosts) go through a chain of\n"
+    "those xdfsd servers in the order given: each verifies every block, writes it and forwards it\n"
+    "at once, so the file leaves this machine about once and the last host has it about as soon as\n"
+    "the first. A host that fails is passed over and named; the others finish. A line per host.\n"
+    "  --hosts FILE           more DSTs for a chain, one xdfs:// URL a line (# comments skipped)\n"
+    "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
+    "                         (default: xduc-failed-hosts in the current directory)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
     "server. sum prints a file's manifest digest for the block size (what --json reports after\n"
@@ -205,10 +213,11 @@ int report_error(const xdfs::Error& e, bool remote, bool json = false) {
 
 
 // SRCs from a file, one a line ("-": standard input); empty lines and # comments are skipped.
-bool read_sources(const std::string& file, std::vector<std::string>& out, std::string& why) {
+bool read_sources(const std::string& file, std::vector<std::string>& out, std::string& why,
+                  const char* option = "--files-from") {
   std::FILE* f = file == "-" ? stdin : std::fopen(file.c_str(), "r");
   if (!f) {
-    why = "--files-from '" + shown(file) + "': " + std::strerror(errno);
+    why = std::string(option) + " '" + shown(file) + "': " + std::strerror(errno);
     return false;
   }
   char* line = nullptr;
@@ -220,7 +229,7 @@ bool read_sources(const std::string& file, std::vector<std::string>& out, std::s
     while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
     if (s.empty() || s[0] == '#') continue;
     if (++count > 10'000'000) {
-      why = "--files-from '" + shown(file) + "' names more than 10 million sources";
+      why = std::string(option) + " '" + shown(file) + "' names more than 10 million entries";
       break;
     }
     out.push_back(std::move(s));
@@ -228,6 +237,103 @@ bool read_sources(const std::string& file, std::vector<std::string>& out, std::s
   std::free(line);
   if (f != stdin) std::fclose(f);
   return why.empty();
+}
+
+// One file to many hosts through a chain of their xdfsd servers: a line per host (as mcp),
+// the failed ones listed in a file that --hosts takes back.
+int copy_to_hosts(const std::string& src, const std::vector<std::string>& urls, xdfs::TransferOptions opt,
+                  const std::string& failed_file, bool quiet, bool json) {
+  std::vector<xdfs::RelayTarget> targets;
+  for (const auto& u : urls) {
+    std::string why;
+    auto url = xdfs::cli::parse_url(u, why);
+    if (!url) bad(why);
+    targets.push_back({{url->host, url->port}, url->path});
+  }
+  const bool tty = !quiet && ::isatty(STDERR_FILENO);
+  auto last = std::chrono::steady_clock::now();
+  std::uint64_t size = 0;
+  struct stat sb {};
+  if (::stat(src.c_str(), &sb) == 0) size = static_cast<std::uint64_t>(sb.st_size);
+  auto progress = [&](const std::vector<xdfs::RelayHost>& hosts) {
+    if (!tty) return;
+    auto now = std::chrono::steady_clock::now();
+    if (now - last < std::chrono::milliseconds(200)) return;
+    last = now;
+    std::size_t whole = 0, failed = 0;
+    std::uint64_t least = size;
+    for (const auto& h : hosts) {
+      if (h.final && h.code == xdfs::errc::ok) ++whole;
+      else if (h.final) ++failed;
+      else least = std::min(least, h.verified);
+    }
+    fmt::print(stderr, "\r{} of {} hosts whole{}, slowest at {}   ", whole, hosts.size(),
+               failed ? fmt::format(", {} failed", failed) : std::string(),
+               xdfs::cli::human_bytes(static_cast<double>(least)));
+  };
+  xdfs::RelayResult r;
+  try {
+    r = xdfs::relay(src, targets, opt, progress);
+  } catch (const xdfs::TransferError& e) {
+    if (tty) fmt::print(stderr, "\n");
+    return report_error(e, e.remote(), json);
+  }
+  if (tty) fmt::print(stderr, "\n");
+  auto where = [](const xdfs::RelayHost& h) {
+    return fmt::format("xdfs://{}:{}/{}", h.target.server.host.find(':') != std::string::npos ? "[" + h.target.server.host + "]"
+                                                                                          : h.target.server.host,
+                       h.target.server.port, h.target.path);
+  };
+  std::string hosts_json;
+  std::vector<std::string> failed;
+  for (const auto& h : r.hosts) {
+    const double rate = h.seconds > 0 ? static_cast<double>(h.verified) / h.seconds : 0;
+    if (h.ok) {
+      if (!quiet && !json)
+        fmt::print(stderr, "xduc: {}  ok  {} in {:.2f} s ({}/s)\n", shown(where(h)),
+                   xdfs::cli::human_bytes(static_cast<double>(h.verified)), h.seconds, xdfs::cli::human_bytes(rate));
+    } else {
+      failed.push_back(where(h));
+      fmt::print(stderr, "xduc: {}  FAILED  {}: {}\n", shown(where(h)), xdfs::to_string(h.code), shown(h.message));
+    }
+    if (json)
+      hosts_json += fmt::format("{}{{\"host\":{},\"ok\":{},\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},"
+                                "\"digest\":\"{}\"{}}}",
+                                hosts_json.empty() ? "" : ",", "\"" + json_escape(shown(where(h))) + "\"", h.ok ? "true" : "false", h.verified,
+                                h.seconds, rate, h.digest,
+                                h.ok ? std::string()
+                                     : fmt::format(",\"error\":{{\"code\":\"{}\",\"message\":{}}}",
+                                                   xdfs::to_string(h.code), "\"" + json_escape(shown(h.message)) + "\""));
+  }
+  std::string notes_json;
+  for (const auto& n : r.notes) {
+    notes_json += (notes_json.empty() ? "\"" : ",\"") + json_escape(shown(n)) + "\"";
+    if (!quiet && !json) fmt::print(stderr, "xduc: {}\n", shown(n));
+  }
+  if (!failed.empty()) {
+    std::FILE* f = std::fopen(failed_file.c_str(), "w");
+    if (f) {
+      for (const auto& u : failed) fmt::print(f, "{}\n", u);
+      std::fclose(f);
+      fmt::print(stderr, "xduc: {} of {} hosts failed; they are listed in {} (give it back with --hosts)\n",
+                 failed.size(), r.hosts.size(), shown(failed_file));
+    } else {
+      fmt::print(stderr, "xduc: {} of {} hosts failed; cannot list them in {}: {}\n", failed.size(), r.hosts.size(),
+                 shown(failed_file), std::strerror(errno));
+    }
+  } else if (!quiet && !json) {
+    fmt::print(stderr, "xduc: {} to {} hosts in {:.2f} s, {} sent from here\n",
+               xdfs::cli::human_bytes(static_cast<double>(r.size)), r.hosts.size(), r.seconds,
+               xdfs::cli::human_bytes(static_cast<double>(r.source_bytes)));
+  }
+  if (json)
+    fmt::print("{{\"direction\":\"relay\",\"bytes\":{},\"seconds\":{:.6f},\"source_bytes\":{},\"channels\":{},"
+               "\"block_size\":{},\"digest_algorithm\":\"{}\",\"digest\":\"{}\",\"failed\":{},\"hosts\":[{}],"
+               "\"notes\":[{}]}}\n",
+               r.size, r.seconds, r.source_bytes, opt.channels, opt.block_size, xdfs::manifest::algorithm, r.digest,
+               failed.size(), hosts_json, notes_json);
+  if (g_cancel.load()) return 130;
+  return failed.empty() ? 0 : 1;
 }
 
 // xduc sum FILE...: the manifest digest of local files (every one a local path).
@@ -457,6 +563,8 @@ int main(int argc, char** argv) {
   xdfs::pathm::TreeOptions tree;
   std::vector<std::string> positional;
   std::string files_from;
+  std::string hosts_file;
+  std::string failed_hosts = "xduc-failed-hosts";
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -535,6 +643,10 @@ int main(int argc, char** argv) {
       tree.large_file = *v;
     } else if (a == "--files-from") {
       files_from = value(i);
+    } else if (a == "--hosts") {
+      hosts_file = value(i);
+    } else if (a == "--failed-hosts") {
+      failed_hosts = value(i);
     } else if (a == "-q" || a == "--quiet") {
       quiet = true;
     } else if (a == "--json") {
@@ -639,6 +751,27 @@ int main(int argc, char** argv) {
     }
   }
 
+  // SRC and two or more remote DSTs (or --hosts): one file to many hosts, through a chain.
+  {
+    std::size_t urls = 0;
+    while (urls < positional.size() && xdfs::cli::is_url(positional[positional.size() - 1 - urls])) ++urls;
+    if (!hosts_file.empty() || (urls >= 2 && urls < positional.size())) {
+      std::vector<std::string> hosts(positional.end() - static_cast<std::ptrdiff_t>(urls), positional.end());
+      if (!hosts_file.empty()) {
+        std::string why;
+        if (!read_sources(hosts_file, hosts, why, "--hosts")) bad(why);
+      }
+      const std::size_t srcs = positional.size() - urls;
+      if (srcs != 1 || !files_from.empty() || recursive)
+        bad("a chain to several hosts takes one file (not a tree, not several sources)");
+      if (hosts.empty()) bad("--hosts " + shown(hosts_file) + " names no host");
+      for (const auto& h : hosts)
+        if (!xdfs::cli::is_url(h)) bad("'" + shown(h) + "' is not an xdfs:// URL (a chain's hosts are remote)");
+      if (positional[0] == "-") bad("a chain to several hosts takes a file, not standard input");
+      if (opt.memory) bad("--memory does not go with several hosts");
+      return copy_to_hosts(positional[0], hosts, opt, failed_hosts, quiet, json);
+    }
+  }
   if (positional.empty() || (positional.size() < 2 && files_from.empty()))
     bad("expected SRC... DST (see --help)");
   std::vector<std::string> sources(positional.begin(), positional.end() - 1);

@@ -9,6 +9,51 @@ enum Mode {
   upload @0;     # client sends a file (xFTSMU)
   download @1;   # server sends a file (xFTSMD)
   path @2;       # path operations (xPathM)
+  relay @3;      # one file to many hosts: the master registers this host's place in a chain
+}
+
+# Relay: a host the chain's data goes on to from this one (its upstream forwards to it).
+struct RelayHop {
+  address @0 :Text;              # "host:port" as the master reached it
+  serverKey @1 :Data;            # 32 bytes: its xdfsd's public key, as the master saw it
+  ticket @2 :Data;               # 32 bytes: what the master registered there for this file
+}
+
+# Relay: what the master tells a host of its place in a chain (Negotiation.relayPlan).
+struct RelayPlan {
+  ticket @0 :Data;               # 32 random bytes: an upload carrying it feeds this host's copy
+  next @1 :List(RelayHop);       # where this host forwards, in order: the first that answers
+  protect @2 :UInt8;             # protection of the sessions it opens downstream (xsec::Protect)
+  channels @3 :UInt32;           # n of the sessions it opens downstream
+}
+
+# Relay: a host's progress, sent by it to the master (event REPORT) at least once a second.
+struct RelayReport {
+  verified @0 :UInt64;           # bytes of the file written here, every block checked
+  forwarded @1 :UInt64;          # bytes the host downstream has acknowledged
+  state @2 :UInt8;               # 0 waiting for data, 1 receiving, 2 the file is whole here, 3 failed
+  final @3 :Bool;                # the last report: EOFR follows
+  code @4 :UInt32;               # failed: the errc
+  message @5 :Text;              # failed: why, one line
+  digest @6 :Data;               # whole: the whole-file digest (32 bytes)
+  next @7 :UInt32;               # the hop of RelayPlan.next it forwards to now (its count: none)
+  skipped @8 :List(RelaySkip);   # hops it gave up on, and why
+  forwarding @9 :Bool;           # its forwarder runs (it has a hop to feed and has not fed it whole)
+  upstream @10 :Data;            # 32 bytes: the key of who fed it last (empty: nobody yet)
+  upstreamCode @11 :UInt32;      # how the last upload into it ended, if it failed (errc; 0: it did not)
+  upstreamMessage @12 :Text;
+}
+
+# Relay: the master gives a host new hops to forward to (event RELINK), replacing the plan's;
+# its forwarder drops the hop it feeds and starts again from the first of these.
+struct RelayRelink {
+  next @0 :List(RelayHop);
+}
+
+struct RelaySkip {
+  hop @0 :UInt32;                # index into RelayPlan.next
+  code @1 :UInt32;
+  message @2 :Text;
 }
 
 # Sent first on every channel, in the clear: only what the server needs to run the channel's
@@ -45,7 +90,11 @@ struct Negotiation {
   fresh @11 :Bool;               # upload: start at byte 0 even if a partial copy was kept
   openEnded @12 :Bool;           # upload of a stream: its size is unknown (fileSize 0); blocks come
                                  # until a short one or the EOFRs, whose offset is the size
+  relayTicket @13 :Data;         # upload: 32 bytes; the file feeds the relay registered with it
+                                 # (its path is the relay's; the uploader may be another xdfsd)
+  relayPlan @14 :RelayPlan;      # relay: this host's place in the chain
 }
+
 
 # The server's answer on each channel once all n have joined.
 struct NegotiationReply {

@@ -47,6 +47,7 @@ struct Session::Impl {
   wire::Negotiation base;  // the session's part of every operation's negotiation
   wire::Negotiation nego;  // the operation being negotiated
   xsec::KeyPair identity;
+  xsec::Key32 server_static{};
   std::string known_hosts_path;
   xsec::Key32 secret{};
   xdsi::ChannelList channels;
@@ -275,7 +276,8 @@ struct Session::Impl {
     known_hosts_path = opt.known_hosts_file.empty() ? dir + "/known_hosts" : opt.known_hosts_file;
     try {
       bool created = false;
-      identity = xsec::load_or_create_key(id_path, &created);
+      identity = opt.identity_secret ? xsec::KeyPair::from_secret(*opt.identity_secret)
+                                     : xsec::load_or_create_key(id_path, &created);
       if (created && opt.notice)
         opt.notice("made a new client key " + xsec::fingerprint(identity.public_key) + " in " + id_path);
     } catch (const Error& e) {
@@ -371,6 +373,14 @@ struct Session::Impl {
   xsec::HandshakeResult check_server(const xsec::Key32& key) {
     xsec::HandshakeResult r;
     const std::string where = endpoint.host + ":" + std::to_string(endpoint.port);
+    server_static = key;
+    if (opt.server_key) {
+      if (*opt.server_key == key) return r;
+      r.code = errc::auth_failed;
+      r.message = "the server at " + where + " offered key " + xsec::fingerprint(key) + ", not the expected " +
+                  xsec::fingerprint(*opt.server_key);
+      return r;
+    }
     xsec::KnownHosts hosts(known_hosts_path);
     auto pinned = hosts.lookup(where);
     if (pinned && *pinned == key) return r;
@@ -525,6 +535,7 @@ xsec::Key32 Session::data_key(bool client_to_server) const {
   return xsec::data_key(impl_->secret, client_to_server, impl_->nego.transfer);
 }
 std::uint64_t Session::transfer() const noexcept { return impl_->nego.transfer; }
+const xsec::Key32& Session::server_key() const noexcept { return impl_->server_static; }
 double Session::setup_seconds() const noexcept { return impl_->setup; }
 std::uint64_t Session::operations() const noexcept { return impl_->ops; }
 std::string Session::tag() const {

@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <map>
 #include <new>
 #include <optional>
@@ -185,6 +186,15 @@ DiskWriter::~DiskWriter() {
   join();
 }
 
+namespace {
+// Raises a watermark that other threads read (never lowers it).
+void raise(std::atomic<std::uint64_t>& mark, std::uint64_t to) noexcept {
+  std::uint64_t was = mark.load(std::memory_order_relaxed);
+  while (was < to && !mark.compare_exchange_weak(was, to, std::memory_order_release, std::memory_order_relaxed)) {
+  }
+}
+}  // namespace
+
 void DiskWriter::join() {
   if (thread_.joinable()) thread_.join();
 }
@@ -270,6 +280,8 @@ void DiskWriter::write_blocks() {
         return false;
       }
       const auto added = sink_.manifest->add(blocks[k].offset, d);
+      if (added == manifest::FileDigest::Added::ok && sink_.digests)
+        sink_.digests->put(blocks[k].offset.value() / pipe_.block_size(), d);
       if (added != manifest::FileDigest::Added::ok) {
         pipe_.set_error(errc::protocol_error,
                         added == manifest::FileDigest::Added::too_far_ahead
@@ -295,6 +307,7 @@ void DiskWriter::write_blocks() {
   }
   // The verified prefix (every block below it checked and written), told to the checkpoint
   // while it grows and once more whichever way this ends.
+  if (sink_.written && sink_.manifest && sink_.seekable) raise(*sink_.written, sink_.prefix);
   std::uint64_t written = sink_.prefix, saved = sink_.prefix;
   auto last_save = std::chrono::steady_clock::now();
   struct FinalSave {
@@ -343,6 +356,7 @@ void DiskWriter::write_blocks() {
         for (const auto& blk : batch) pipe_.disk_push(blk);
         pipe_.net_wake().notify();
       }
+      if (sink_.written && sink_.manifest && sink_.seekable) raise(*sink_.written, sink_.manifest->next_offset());
       if (final_save.c && sink_.manifest->next_offset() != written) {
         written = sink_.manifest->next_offset();
         const auto now = std::chrono::steady_clock::now();
@@ -409,6 +423,11 @@ void DiskReader::read_blocks() {
   Block batch[max_iov];
   iovec iov[max_iov];
 
+  // A file still being written: the part the receiver has must be here before it is hashed.
+  while (source_.available && next_ > 0 && source_.available->load(std::memory_order_acquire) < next_) {
+    if (pipe_.stopping()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   // A resumed transfer: the blocks before the start go into the manifest, read but not sent.
   if (source_.manifest && next_ > 0 && !source_.zero) {
     const auto st = manifest::add_file(source_.fd, *source_.manifest, next_, &pipe_.stop_flag(), &pipe_.prefix_hashed());
@@ -449,12 +468,21 @@ void DiskReader::read_blocks() {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;
     }
-    if (hasher_) hasher_->stamp(pipe_.slot_data(b.slot), b.length.value());
+    if (hasher_) {
+      std::uint8_t* data = pipe_.slot_data(b.slot);
+      manifest::Digest d;
+      if (!source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
+        d = hasher_->digest(data, b.length.value());
+      manifest::BlockHasher::put(data + b.length.value(), d);
+      if (source_.test_corrupt) data[0] ^= 1;
+    }
     pipe_.disk_push(b);
     pipe_.net_wake().notify();
     return true;
   };
 
+  Block held_block{};  // a slot for a block that is not in the file yet (Source::available)
+  bool held = false;
   while (true) {
     const std::uint32_t seen = pipe_.disk_seq();
     std::size_t n = 0;
@@ -462,13 +490,30 @@ void DiskReader::read_blocks() {
     Block b;
     bool popped = false;
     const std::size_t cap = batch_cap();
-    while (n < cap && pipe_.disk_pop(b)) {
+    // A file still being written: only whole blocks below what is there now (or its tail).
+    std::uint64_t limit = source_.size;
+    if (source_.available) {
+      const std::uint64_t there = std::min(source_.available->load(std::memory_order_acquire), source_.size);
+      limit = there == source_.size ? there : there - there % bs;
+    }
+    auto next_slot = [&](Block& out) {
+      if (!held) return pipe_.disk_pop(out);
+      out = held_block;
+      held = false;
+      return true;
+    };
+    while (n < cap && next_slot(b)) {
       popped = true;
       if (b.retry) {
         if (pipe_.stopping() || !read_again(b)) return;
         continue;
       }
       if (off >= source_.size) continue;  // a slot after the last block: nothing to read into it
+      if (off >= limit) {                  // not there yet: the slot waits for it
+        held_block = b;
+        held = true;
+        break;
+      }
       b.offset = FileOffset(off);
       b.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, source_.size - off)));
       off += b.length.value();
@@ -478,6 +523,10 @@ void DiskReader::read_blocks() {
       ++n;
     }
     if (pipe_.stopping()) return;
+    if (n == 0 && held) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
     if (n == 0) {
       if (popped) continue;
       // Every block is out: done, unless the network thread may still ask for one again.
@@ -497,8 +546,11 @@ void DiskReader::finish(Block& b) {
   std::uint8_t* data = pipe_.slot_data(b.slot);
   std::uint32_t len = b.length.value();
   if (source_.manifest) {
-    const manifest::Digest d = hasher_->digest(data, len);
+    manifest::Digest d;
+    if (!source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
+      d = hasher_->digest(data, len);
     manifest::BlockHasher::put(data + len, d);
+    if (source_.test_corrupt) data[0] ^= 1;
     (void)source_.manifest->add(b.offset, d);  // read in order: always taken at once
     len += manifest::digest_size;
   }

@@ -31,6 +31,7 @@
 #include <unordered_map>
 
 #include "xdfs/files.hpp"
+#include "xdfs/relay_registry.hpp"
 #include "xdfs/text.hpp"
 
 namespace xdfs {
@@ -188,6 +189,7 @@ struct Server::Impl {
   runtime::HandlerFactory factory;
   files::Fd root;
   xsec::KeyPair key;
+  std::unique_ptr<runtime::RelayRegistry> relays;  // places in relay chains, by ticket
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   asio::signal_set signals{io};
@@ -315,19 +317,22 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
     else c.state_dir = std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") + "/.local/state/xdfsd";
   }
   if (c.authorized_keys.empty()) c.authorized_keys = c.state_dir + "/authorized_keys";
+  if (c.relay_peers.empty()) c.relay_peers = c.state_dir + "/relay_peers";
   // The server's secrets must not be reachable through the root: a read-only client could fetch
   // the private key, a read-write one rewrite who may log in. Checked before a key is made.
   const std::string root_real = real(c.root);
   for (const auto& [what, path] : {std::pair<const char*, std::string>{"state directory", c.state_dir},
-                                   {"authorized keys file", c.authorized_keys}}) {
+                                   {"authorized keys file", c.authorized_keys},
+                                   {"relay peers file", c.relay_peers}}) {
     const std::string r = real_or_planned(path);
     if (!root_real.empty() && !r.empty() && within(root_real, r))
       throw Error(errc::bad_argument, fmt::format("the {} '{}' lies inside the served root '{}': clients could reach it; "
-                                                  "keep it outside (--state-dir, --authorized-keys)",
+                                                  "keep it outside (--state-dir, --authorized-keys, --relay-peers)",
                                                   what, path, c.root));
   }
   bool created = false;
   impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
+  impl_->relays = std::make_unique<runtime::RelayRegistry>(impl_->key);
   if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
   // A malformed authorized-keys file is an error now rather than at the first client.
   if (::access(c.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(c.authorized_keys);
@@ -803,10 +808,31 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
     return refuse(c, errc::auth_failed, std::string("the server cannot check client keys: ") + e.what());
   }
   const xsec::Permission* perm = keys->find(r.remote_static);
-  if (!perm) return refuse(c, errc::auth_failed, who + " is not in the server's authorized keys");
-  if (!perm->write && nego->mode == Mode::upload) return refuse(c, errc::permission_denied, who + " may only download (read-only)");
   files::Fd confined;
-  if (!perm->subdir.empty())
+  if (!nego->relay_ticket.empty()) {
+    // An upload that feeds a place in a relay chain: registered here by its master, whose rights
+    // it writes with, whoever sends it (the master, or the xdfsd upstream it gave the ticket).
+    auto slot = relays->find(nego->relay_ticket);
+    if (!slot || slot->cancel.load())
+      return refuse(c, errc::auth_failed, who + " offers a relay ticket that no relay here holds");
+    if (nego->block_size != slot->block_size)
+      return refuse(c, errc::bad_argument,
+                    fmt::format("the relay's blocks are {} bytes, not {}", slot->block_size, nego->block_size));
+    perm = keys->find(slot->master);
+    if (!perm) return refuse(c, errc::auth_failed, "the relay's master key is no longer in the server's authorized keys");
+    if (!perm->write) return refuse(c, errc::permission_denied, "the relay's master key may only download (read-only)");
+    nego->remote_path = slot->path;
+    nego->file_size = slot->size;
+    nego->source_mtime_ns = slot->mtime_ns;
+    nego->fresh = false;
+    int fd = ::fcntl(slot->root.get(), F_DUPFD_CLOEXEC, 3);
+    if (fd < 0) return refuse(c, errc_from_errno(errno), std::string("relay root: ") + std::strerror(errno));
+    confined = files::Fd(fd);
+  }
+  if (!perm) return refuse(c, errc::auth_failed, who + " is not in the server's authorized keys");
+  if (!perm->write && (nego->mode == Mode::upload || nego->mode == Mode::relay))
+    return refuse(c, errc::permission_denied, who + " may only download (read-only)");
+  if (!confined && !perm->subdir.empty())
     if (auto st = files::open_beneath(root.get(), perm->subdir, O_PATH | O_DIRECTORY, 0, confined); !st)
       return refuse(c, st.code, who + " is confined to " + st.message);
   Admission a{c, std::move(*nego), std::move(r), *perm, std::move(confined), Clock::now()};
@@ -901,7 +927,7 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
       sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
       nego, client,
-      r.session_secret, *budget, *total_rate,
+      r.session_secret, *budget, *total_rate, relays.get(),
       [this, sp](SessionReport rep) {
         // Session thread: log the end line and let the loop run dry (lingering closes last).
         if (sp->reported) return;

@@ -134,6 +134,8 @@ private:
         n.tcp_window != first.tcp_window || n.extended_flags != first.extended_flags)
       return "channel count, block size, TCP window and flags are the session's and cannot change";
     if (auto why = check_operation(env_.config, n, env_.client.write, code); !why.empty()) return why;
+    // The ticket was checked with the session's first operation: a later one cannot bring one.
+    if (!n.relay_ticket.empty() && ops_ > 0) return "a relayed upload opens a session of its own";
     code = errc::not_supported;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) return {};
@@ -156,7 +158,7 @@ private:
     op_start_ = Clock::now();
     op_env_.emplace(OperationEnv{env_.io, env_.config, env_.root_fd, env_.id, env_.peer, env_.tag, env_.opening, n,
                                  env_.client, env_.session_secret, env_.budget, channels_, env_.log,
-                                 made_, &session_rate_, &env_.total_rate});
+                                 made_, &session_rate_, &env_.total_rate, env_.relays});
     const ModeEntry* mode = nullptr;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) mode = &m;
@@ -457,8 +459,9 @@ std::string check_operation(const ServerConfig& config, const wire::Negotiation&
   if (n.extended_flags & ~wire::known_flags) return fmt::format("unknown extended flags {:#x}", n.extended_flags);
   const bool memory = (n.extended_flags & wire::flag_memory) != 0;
   if (memory && !config.allow_memory_mode) return "memory mode is disabled on this server (xdfsd --allow-memory-mode)";
-  if (memory && n.mode == Mode::path) return "memory mode does not apply to path sessions";
-  if (n.mode == Mode::upload && config.max_file_size && n.file_size > config.max_file_size) {
+  if (memory && (n.mode == Mode::path || n.mode == Mode::relay))
+    return fmt::format("memory mode does not apply to {} sessions", to_string(n.mode));
+  if ((n.mode == Mode::upload || n.mode == Mode::relay) && config.max_file_size && n.file_size > config.max_file_size) {
     code = errc::limit_exceeded;
     return fmt::format("file size {} exceeds this server's limit of {} bytes", n.file_size, config.max_file_size);
   }
@@ -466,7 +469,7 @@ std::string check_operation(const ServerConfig& config, const wire::Negotiation&
     code = s.code;
     return s.message;
   }
-  if (!write && n.mode == Mode::upload) {
+  if (!write && (n.mode == Mode::upload || n.mode == Mode::relay)) {
     code = errc::permission_denied;
     return "this client key may only download (read-only)";
   }

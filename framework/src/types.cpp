@@ -26,6 +26,7 @@ const char* to_string(Mode m) noexcept {
     case Mode::upload: return "upload";
     case Mode::download: return "download";
     case Mode::path: return "path";
+    case Mode::relay: return "relay";
   }
   return "?";
 }

@@ -87,12 +87,14 @@ const char* to_string(ChannelEvent e) noexcept {
     case ChannelEvent::exception: return "EXCEPTION";
     case ChannelEvent::handshake: return "HANDSHAKE";
     case ChannelEvent::nack: return "NACK";
+    case ChannelEvent::report: return "REPORT";
+    case ChannelEvent::relink: return "RELINK";
   }
   return "?";
 }
 
 bool is_known(std::uint8_t raw) noexcept {
-  return raw >= static_cast<std::uint8_t>(ChannelEvent::nego) && raw <= static_cast<std::uint8_t>(ChannelEvent::nack);
+  return raw >= static_cast<std::uint8_t>(ChannelEvent::nego) && raw <= static_cast<std::uint8_t>(ChannelEvent::relink);
 }
 
 HeaderBytes encode(const FrameHeader& h) noexcept {
@@ -168,6 +170,42 @@ std::vector<std::uint8_t> encode(const Opening& o) {
   return to_bytes(msg);
 }
 
+// A relay's hops, both ways (a plan's and a RELINK's).
+static void put_hops(capnp::List<schema::RelayHop>::Builder out, const std::vector<RelayHop>& hops) {
+  for (unsigned i = 0; i < out.size(); ++i) {
+    const auto& h = hops[i];
+    out[i].setAddress(h.address);
+    out[i].setServerKey(kj::arrayPtr(h.server_key.data(), h.server_key.size()));
+    out[i].setTicket(kj::arrayPtr(h.ticket.data(), h.ticket.size()));
+  }
+}
+
+static std::optional<std::vector<RelayHop>> get_hops(capnp::List<schema::RelayHop>::Reader hops, std::string* why) {
+  if (hops.size() > max_relay_hops) {
+    set_why(why, "relay plan names " + std::to_string(hops.size()) + " hops, at most " + std::to_string(max_relay_hops));
+    return std::nullopt;
+  }
+  std::vector<RelayHop> out;
+  for (auto h : hops) {
+    RelayHop hop;
+    auto a = h.getAddress();
+    auto k = h.getServerKey();
+    auto ht = h.getTicket();
+    if (a.size() == 0 || a.size() > max_relay_address ||
+        std::string_view(a.cStr(), a.size()).find('\0') != std::string_view::npos || k.size() != hop.server_key.size() ||
+        ht.size() != hop.ticket.size()) {
+      set_why(why, "a relay hop needs an address of 1.." + std::to_string(max_relay_address) +
+                       " bytes, a 32-byte server key and a 32-byte ticket");
+      return std::nullopt;
+    }
+    hop.address.assign(a.cStr(), a.size());
+    std::memcpy(hop.server_key.data(), k.begin(), k.size());
+    std::memcpy(hop.ticket.data(), ht.begin(), ht.size());
+    out.push_back(std::move(hop));
+  }
+  return out;
+}
+
 std::vector<std::uint8_t> encode(const Negotiation& n) {
   capnp::MallocMessageBuilder msg;
   auto r = msg.initRoot<schema::Negotiation>();
@@ -184,6 +222,14 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   r.setSourceMtime(n.source_mtime_ns);
   r.setFresh(n.fresh);
   r.setOpenEnded(n.open_ended);
+  r.setRelayTicket(kj::arrayPtr(n.relay_ticket.data(), n.relay_ticket.size()));
+  if (n.mode == Mode::relay) {
+    auto plan = r.initRelayPlan();
+    plan.setTicket(kj::arrayPtr(n.relay_plan.ticket.data(), n.relay_plan.ticket.size()));
+    plan.setProtect(n.relay_plan.protect);
+    plan.setChannels(n.relay_plan.channels);
+    put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
+  }
   return to_bytes(msg);
 }
 
@@ -207,6 +253,30 @@ std::vector<std::uint8_t> encode(const ExceptionHeader& e) {
   r.setChannelIndex(e.channel_index);
   r.setOffset(e.offset);
   r.setRefused(e.refused);
+  return to_bytes(msg);
+}
+
+std::vector<std::uint8_t> encode(const RelayReport& rep) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::RelayReport>();
+  r.setVerified(rep.verified);
+  r.setForwarded(rep.forwarded);
+  r.setState(static_cast<std::uint8_t>(rep.state));
+  r.setFinal(rep.final);
+  r.setCode(static_cast<std::uint32_t>(rep.code));
+  r.setMessage(rep.message);
+  r.setDigest(kj::arrayPtr(rep.digest.data(), rep.digest.size()));
+  r.setNext(rep.next);
+  r.setForwarding(rep.forwarding);
+  r.setUpstream(kj::arrayPtr(rep.upstream.data(), rep.upstream.size()));
+  r.setUpstreamCode(static_cast<std::uint32_t>(rep.upstream_code));
+  r.setUpstreamMessage(rep.upstream_message);
+  auto sk = r.initSkipped(static_cast<unsigned>(rep.skipped.size()));
+  for (unsigned i = 0; i < sk.size(); ++i) {
+    sk[i].setHop(rep.skipped[i].hop);
+    sk[i].setCode(static_cast<std::uint32_t>(rep.skipped[i].code));
+    sk[i].setMessage(rep.skipped[i].message);
+  }
   return to_bytes(msg);
 }
 
@@ -258,7 +328,7 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     Negotiation n;
     n.channel_count = r.getChannelCount();
     auto mode = static_cast<unsigned>(r.getMode());
-    if (mode > static_cast<unsigned>(Mode::path)) {
+    if (mode > static_cast<unsigned>(Mode::relay)) {
       set_why(why, "unknown mode " + std::to_string(mode));
       return std::nullopt;
     }
@@ -278,6 +348,37 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     n.open_ended = r.getOpenEnded();
     if (n.open_ended && (n.mode != Mode::upload || n.file_size != 0)) {
       set_why(why, n.mode != Mode::upload ? "only an upload is open-ended" : "an open-ended upload declares a size");
+      return std::nullopt;
+    }
+    auto ticket = r.getRelayTicket();
+    if (ticket.size() != 0 && (ticket.size() != 32 || n.mode != Mode::upload || n.open_ended)) {
+      set_why(why, "a relay ticket is 32 bytes and goes with an upload of a file");
+      return std::nullopt;
+    }
+    n.relay_ticket.assign(ticket.begin(), ticket.end());
+    if (n.mode == Mode::relay) {
+      if (!r.hasRelayPlan()) {
+        set_why(why, "a relay operation without its plan");
+        return std::nullopt;
+      }
+      auto plan = r.getRelayPlan();
+      auto t = plan.getTicket();
+      if (t.size() != n.relay_plan.ticket.size()) {
+        set_why(why, "relay ticket of " + std::to_string(t.size()) + " bytes");
+        return std::nullopt;
+      }
+      std::memcpy(n.relay_plan.ticket.data(), t.begin(), t.size());
+      n.relay_plan.protect = plan.getProtect();
+      n.relay_plan.channels = plan.getChannels();
+      if (n.relay_plan.protect > 2) {
+        set_why(why, "unknown protection " + std::to_string(n.relay_plan.protect) + " for the relay's next hop");
+        return std::nullopt;
+      }
+      auto hops = get_hops(plan.getNext(), why);
+      if (!hops) return std::nullopt;
+      n.relay_plan.next = std::move(*hops);
+    } else if (r.hasRelayPlan()) {
+      set_why(why, "a relay plan goes only with a relay operation");
       return std::nullopt;
     }
     if (n.resume_offset > n.file_size) {
@@ -323,6 +424,65 @@ std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b,
     e.offset = r.getOffset();
     e.refused = r.getRefused();
     return e;
+  });
+}
+
+std::optional<RelayReport> decode_report(std::span<const std::uint8_t> b, std::string* why) {
+  return read_message<schema::RelayReport>(b, why, [&](schema::RelayReport::Reader r) -> std::optional<RelayReport> {
+    RelayReport rep;
+    rep.verified = r.getVerified();
+    rep.forwarded = r.getForwarded();
+    if (r.getState() > static_cast<std::uint8_t>(RelayReport::State::failed)) {
+      set_why(why, "unknown relay state " + std::to_string(r.getState()));
+      return std::nullopt;
+    }
+    rep.state = static_cast<RelayReport::State>(r.getState());
+    rep.final = r.getFinal();
+    // 0 is "no failure" here (an exception's code never is).
+    rep.code = r.getCode() == 0 ? errc::ok : errc_from_wire(r.getCode());
+    auto one_line = [](capnp::Text::Reader t) {
+      std::size_t len = std::min<std::size_t>(t.size(), 512);
+      if (len < t.size())
+        while (len > 0 && (static_cast<unsigned char>(t.cStr()[len]) & 0xC0) == 0x80) --len;
+      return text::escape({t.cStr(), len});
+    };
+    rep.message = one_line(r.getMessage());
+    auto d = r.getDigest();
+    if (d.size() != 0 && d.size() != 32) {
+      set_why(why, "relay digest of " + std::to_string(d.size()) + " bytes");
+      return std::nullopt;
+    }
+    rep.digest.assign(d.begin(), d.end());
+    rep.next = r.getNext();
+    auto sk = r.getSkipped();
+    if (sk.size() > max_relay_hops) {
+      set_why(why, std::to_string(sk.size()) + " skipped relay hops, at most " + std::to_string(max_relay_hops));
+      return std::nullopt;
+    }
+    for (auto s : sk) rep.skipped.push_back({s.getHop(), errc_from_wire(s.getCode()), one_line(s.getMessage())});
+    rep.forwarding = r.getForwarding();
+    auto up = r.getUpstream();
+    if (up.size() != 0 && up.size() != 32) {
+      set_why(why, "relay upstream key of " + std::to_string(up.size()) + " bytes");
+      return std::nullopt;
+    }
+    rep.upstream.assign(up.begin(), up.end());
+    rep.upstream_code = r.getUpstreamCode() == 0 ? errc::ok : errc_from_wire(r.getUpstreamCode());
+    rep.upstream_message = one_line(r.getUpstreamMessage());
+    return rep;
+  });
+}
+
+std::vector<std::uint8_t> encode_relink(const std::vector<RelayHop>& next) {
+  capnp::MallocMessageBuilder msg;
+  auto r = msg.initRoot<schema::RelayRelink>();
+  put_hops(r.initNext(static_cast<unsigned>(next.size())), next);
+  return to_bytes(msg);
+}
+
+std::optional<std::vector<RelayHop>> decode_relink(std::span<const std::uint8_t> b, std::string* why) {
+  return read_message<schema::RelayRelink>(b, why, [&](schema::RelayRelink::Reader r) {
+    return get_hops(r.getNext(), why);
   });
 }
 

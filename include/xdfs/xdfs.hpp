@@ -5,6 +5,7 @@
 #include "xdfs/client.hpp"
 #include "xdfs/manifest.hpp"
 #include "xdfs/pathm/server_mode.hpp"
+#include "xdfs/relay.hpp"
 #include "xdfs/remote_fs.hpp"
 #include "xdfs/server.hpp"
 #include "xdfs/session.hpp"
@@ -14,10 +15,12 @@
 
 namespace xdfs {
 
-/// The modes xdfsd offers: file upload and download (xFTSM) and path operations (xPathM).
+/// The modes xdfsd offers: file upload and download (xFTSM), path operations (xPathM) and
+/// places in relay chains (one file to many hosts).
 inline runtime::Modes standard_modes() {
   auto modes = xftsm::server_modes();
   modes.push_back(pathm::server_mode());
+  modes.push_back(relay_mode::server_mode());
   return modes;
 }
 

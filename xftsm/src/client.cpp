@@ -86,11 +86,12 @@ public:
         nego_.open_ended = true;
       } else {
         if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, what + " is not a regular file", false);
-        size_ = static_cast<std::uint64_t>(sb.st_size);
+        size_ = opt_.available ? opt_.relay_size : static_cast<std::uint64_t>(sb.st_size);
         nego_.file_size = size_;
-        nego_.source_mtime_ns = files::mtime_ns(sb);
+        nego_.source_mtime_ns = opt_.available ? opt_.relay_mtime_ns : files::mtime_ns(sb);
         nego_.fresh = !opt_.resume;
       }
+      nego_.relay_ticket = opt_.relay_ticket;
       if (nego_.remote_path.empty() || nego_.remote_path.back() == '/') {
         if (std_in) throw TransferError(errc::bad_argument, "uploading standard input needs a remote file name, not a directory", false);
         nego_.remote_path += basename_of(local);
@@ -317,8 +318,11 @@ private:
       p.open_ended = stream_;
       p.window = reply.window;
       p.data_event = wire::ChannelEvent::xftsmu;
-      sender_ = std::make_unique<Sender>(io, machine_, channels, *this, p,
-                                         piod::Source{source_.get(), p.file_size, memory_source_, crypto(true)});
+      piod::Source source{source_.get(), p.file_size, memory_source_, crypto(true)};
+      source.available = opt_.available;
+      source.digests = opt_.relay_digests;
+      source.test_corrupt = opt_.relay_test_corrupt;
+      sender_ = std::make_unique<Sender>(io, machine_, channels, *this, p, source);
       sender_->start();
     } else if (action == TransferAction::start_receiving) {
       size_ = reply.file_size;

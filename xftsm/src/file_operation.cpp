@@ -13,6 +13,7 @@
 #include <map>
 
 #include "xdfs/files.hpp"
+#include "xdfs/relay_registry.hpp"
 #include "xdfs/xsec.hpp"
 #include "xdfs/detail/xftsm_fsm.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
@@ -53,6 +54,10 @@ public:
     (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
     (void)pending_.keep();  // a resumable upload's partial file stays for its client
+    if (relay_) {
+      std::lock_guard lock(relay_->m);
+      relay_->feeding = false;
+    }
     tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger(), std::chrono::milliseconds(2000));
     done_(runtime::OperationResult{code, message, false, false, false});
   }
@@ -73,7 +78,23 @@ public:
   }
 
   void finished(const Failure& f) override {
-    if (f) settle_partial(pending_, f);
+    if (relay_) {
+      // Every block written was checked first: what is here stays for the next upstream.
+      std::lock_guard lock(relay_->m);
+      relay_->feeding = false;
+      relay_->upstream_code = f ? f.code : errc::ok;
+      relay_->upstream_message = f ? f.message : std::string();
+      if (!f) {
+        relay_->whole = true;
+        if (auto d = receiver_ ? receiver_->digest() : std::nullopt) relay_->digest.assign(d->begin(), d->end());
+      } else if (!relay_->cancel.load()) {
+        (void)pending_.keep();
+      } else {
+        settle_partial(pending_, f);
+      }
+    } else if (f) {
+      settle_partial(pending_, f);
+    }
     // Success leaves every channel clear (EOFR both ways); a failure told the peer and closes them.
     done_(runtime::OperationResult{f.code, f.message, f.from_peer, false, !f});
   }
@@ -199,8 +220,13 @@ private:
                                              pending_, found, notice);
           !st)
         return refuse(st.code, st.message);
+      if (!nego_.relay_ticket.empty()) {
+        if (auto st = attach_relay(p); !st) return refuse(st.code, st.message);
+      }
       if (pending_.resumable()) {
-        const files::ResumeKey key{"upload from " + env_.client.fingerprint + " to " + nego_.remote_path,
+        // A relay's file goes on from where it is whichever upstream feeds it.
+        const files::ResumeKey key{relay_ ? "relay from " + relay_->master_fingerprint + " to " + nego_.remote_path
+                                          : "upload from " + env_.client.fingerprint + " to " + nego_.remote_path,
                                    nego_.file_size, nego_.source_mtime_ns, nego_.block_size};
         if (found && nego_.fresh) {
           pending_.restart();  // the client asked to start over
@@ -226,6 +252,10 @@ private:
       p.start_offset = start;
       piod::Sink sink{pending_.fd(), true, false, crypto()};
       if (pending_.resumable()) sink.checkpoint = &checkpoint_;
+      if (relay_) {
+        sink.written = &relay_->written;
+        sink.digests = &relay_->digests;
+      }
       start_engine(p, sink, std::nullopt);
     } else {
       if (auto st = files::open_beneath(root_fd(), nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, source_); !st)
@@ -256,6 +286,44 @@ private:
       }
       start_engine(p, std::nullopt, piod::Source{source_.get(), p.file_size, false, crypto()});
     }
+  }
+
+  // An upload that carries a relay ticket feeds the place a master registered under it (the
+  // listener checked the ticket and gave it the place's file): one upload at a time, with the
+  // manifest, into one file that the place's forwarder reads as it grows.
+  files::Status attach_relay(const TransferParams& p) {
+    auto slot = env_.relays ? env_.relays->find(nego_.relay_ticket) : nullptr;
+    if (!slot || slot->cancel.load()) return files::Status{errc::auth_failed, "no relay here holds that ticket"};
+    if (!p.manifest) return files::Status{errc::bad_argument, "a relayed upload needs the content manifest"};
+    std::lock_guard lock(slot->m);
+    if (slot->whole) return files::Status{errc::bad_argument, "the relay's file is whole here already"};
+    if (slot->feeding) return files::Status{errc::limit_exceeded, "another upload feeds this relay now"};
+    struct stat mine {}, kept {};
+    if (::fstat(pending_.fd(), &mine) != 0) return files::Status{errc_from_errno(errno), "stat of the relay's file"};
+    // Its forwarder reads the file the uploads write: a later upload goes on in the same one,
+    // unless nothing of it was verified yet (then none was kept, and this one is new).
+    const bool same = slot->file && ::fstat(slot->file.get(), &kept) == 0 && kept.st_ino == mine.st_ino &&
+                      kept.st_dev == mine.st_dev;
+    if (slot->file && !same && slot->written.load() > 0)
+      return files::Status{errc::not_supported,
+                           "the relay's partial file was not kept (xdfsd --partial-expiry 0): it cannot go on here"};
+    if (slot->file && !same) {
+      ++slot->relinks;  // the forwarder reads the old one: it starts again with this one
+      slot->hop_cancel.store(true);
+    }
+    if (!same) {
+      const int fd = ::open(("/proc/self/fd/" + std::to_string(pending_.fd())).c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return files::Status{errc_from_errno(errno), std::string("the relay's file: ") + std::strerror(errno)};
+      slot->file = files::Fd(fd);
+    }
+    slot->feeding = true;
+    slot->upstream.assign(env_.client.key.begin(), env_.client.key.end());
+    slot->upstream_code = errc::ok;
+    slot->upstream_message.clear();
+    relay_ = std::move(slot);
+    env_.log(fmt::format("session {}: feeds the relay of '{}' for {}", env_.id.short_hex(), nego_.remote_path,
+                         relay_->master_fingerprint));
+    return files::Status::ok();
   }
 
   // With --allow-fifo: whether the upload's path is an existing FIFO (opened for writing into
@@ -297,6 +365,10 @@ private:
   // refuses it on every channel and stays ready for the next operation.
   void refuse(errc code, const std::string& message) {
     if (machine_.finished()) return;
+    if (relay_) {
+      std::lock_guard lock(relay_->m);
+      relay_->feeding = false;
+    }
     (void)machine_.fire(TransferEvent::local_error);
     ring_wait_.cancel();
     (void)pending_.keep();  // what an earlier attempt recorded stays; a new partial file goes
@@ -324,6 +396,7 @@ private:
   Reservation ring_;                                 // the engine's pool, in the server's memory budget
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
+  std::shared_ptr<runtime::RelaySlot> relay_;  // the place in a relay chain this upload feeds
 };
 
 }  // namespace

@@ -152,6 +152,17 @@ public:
   std::uint64_t bytes = std::uint64_t(16) << 20;
 };
 
+/// Per-block digests a receiver keeps for a reader of the same file: a relay forwards every
+/// block with the digest its source gave, not one made from its own copy, so a copy damaged
+/// here is caught at the next host. Thread-safe: written by one disk thread, read by another.
+class DigestLog {
+public:
+  virtual ~DigestLog() = default;
+  virtual void put(std::uint64_t block, const manifest::Digest& d) noexcept = 0;
+  /// False if the block's digest is not known here (it came before this process kept them).
+  virtual bool get(std::uint64_t block, manifest::Digest& d) const noexcept = 0;
+};
+
 /// Where received bytes go.
 struct Sink {
   int fd = -1;             ///< not owned
@@ -173,6 +184,11 @@ struct Sink {
   std::uint64_t prefix = 0;
   /// If set (seekable, with a manifest): told the verified prefix as it grows.
   Checkpoint* checkpoint = nullptr;
+  /// If set (seekable, with a manifest): raised to the verified prefix after every batch is
+  /// written (never lowered), for a reader of the same file (a relay forwards what is here).
+  std::atomic<std::uint64_t>* written = nullptr;
+  /// If set (with a manifest): every verified block's digest is put here.
+  DigestLog* digests = nullptr;
 };
 
 /// Where sent bytes come from.
@@ -193,6 +209,15 @@ struct Source {
   /// `size` bytes (more fails the transfer). Blocks are whole but the last; the end, once met,
   /// is BlockPipe::stream_end(), and the manifest's size is set then. Never with resends.
   bool stream = false;
+  /// A file still being written (a relay's copy): a block is read only once every byte of it
+  /// lies below *available; until then the reader waits (seeing a stop within 5 ms).
+  const std::atomic<std::uint64_t>* available = nullptr;
+  /// If set (with a manifest): a block goes with the digest kept here for it, where there is
+  /// one, instead of one made from what was read (which is then not hashed at all).
+  const DigestLog* digests = nullptr;
+  /// Test hook (a relay host whose copy is damaged): every block's first byte is flipped after
+  /// its digest is taken.
+  bool test_corrupt = false;
 };
 
 /// Bytes after a block's data in its slot and its frame: its digest, then its tag.

@@ -41,6 +41,11 @@ struct ServerConfig {
   /// Client keys admitted, with their permissions. Empty: <state_dir>/authorized_keys.
   /// Read at each session start, so edits apply without a restart.
   std::string authorized_keys;
+  /// The xdfsd servers this one may forward a relay to (the next hosts of a chain): their keys,
+  /// a line each, as `xdfsd --print-key` prints them. Empty: <state_dir>/relay_peers. Read at
+  /// each relay's start and at each change of its hops. Without it, this server takes relays
+  /// only as the last host of a chain.
+  std::string relay_peers;
   std::string listen = "127.0.0.1:7721";  ///< HOST:PORT; port 0 picks a free one
   unsigned max_sessions = 64;             ///< authenticated sessions at once; more are refused
   unsigned max_channels = 256;            ///< n per session; more is refused
@@ -100,6 +105,8 @@ struct SessionReport {
 
 namespace runtime {
 
+class RelayRegistry;
+
 /// Who a session's client is, as its authentication established.
 struct Client {
   xsec::Key32 key{};
@@ -123,6 +130,7 @@ struct SessionEnv {
   xsec::Key32 session_secret{};  ///< the block keys of the session derive from it
   MemoryBudget& budget;          ///< server-wide: reserve before allocating for a peer
   RateLimiter& total_rate;       ///< server-wide: ServerConfig::max_total_rate
+  RelayRegistry* relays;         ///< server-wide: places in relay chains (null: no relays)
   /// The mode calls this once when the session ends (on the session thread).
   std::function<void(SessionReport)> done;
   /// One log line (escaped by the runtime).
@@ -172,6 +180,7 @@ struct OperationEnv {
   /// and the server's (max_total_rate); either may be unlimited.
   RateLimiter* session_rate = nullptr;
   RateLimiter* total_rate = nullptr;
+  RelayRegistry* relays = nullptr;  ///< places in relay chains (null: no relays)
 };
 
 /// How an operation ended.

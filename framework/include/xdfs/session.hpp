@@ -24,6 +24,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "xdfs/completion.hpp"
@@ -55,8 +56,13 @@ struct SessionOptions {
   /// This client's private key; empty: <config>/id_x25519, made on first use (mode 0600).
   /// <config> is $XDFS_CONFIG_DIR, else $XDG_CONFIG_HOME/xdfs, else ~/.config/xdfs.
   std::string identity_file;
+  /// This client's key itself, instead of identity_file (an xdfsd relaying with its own key).
+  std::optional<xsec::Key32> identity_secret;
   /// Pinned server keys; empty: <config>/known_hosts.
   std::string known_hosts_file;
+  /// The server's key, if known already (a relay's next hop, as its master saw it): any other
+  /// is refused, and known_hosts is neither read nor written.
+  std::optional<xsec::Key32> server_key;
   /// Refuse a server whose key is not pinned yet (default: pin it on first use, with a notice).
   bool strict_host_key = false;
   /// One-line notices for the user (a new key made, a server key pinned).
@@ -128,6 +134,8 @@ public:
   xsec::Key32 data_key(bool client_to_server) const;
   /// The number of the current (or last) operation.
   std::uint64_t transfer() const noexcept;
+  /// The server's public key, as its handshake proved it (zero before the first operation).
+  const xsec::Key32& server_key() const noexcept;
   /// Seconds from the first connect until the first operation was accepted on every channel.
   double setup_seconds() const noexcept;
   /// Operations begun so far (accepted or refused).

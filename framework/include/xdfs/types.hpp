@@ -10,8 +10,9 @@
 namespace xdfs {
 
 /// Protocol version spoken by this build (2: the negotiation travels inside the handshake; 4:
-/// manifest format 2, open-ended uploads). A peer of another version is refused at its preamble.
-inline constexpr std::uint16_t protocol_version = 4;
+/// manifest format 2, open-ended uploads; 5: relay chains). A peer of another version is
+/// refused at its preamble.
+inline constexpr std::uint16_t protocol_version = 5;
 
 /// A session's 16-byte random identifier, the same on all of its channels.
 struct SessionId {
@@ -87,7 +88,7 @@ constexpr std::optional<DataLength> block_at(FileOffset at, std::uint64_t size, 
 }
 
 /// Which way the file moves, seen from the client.
-enum class Mode : std::uint8_t { upload = 0, download = 1, path = 2 };
+enum class Mode : std::uint8_t { upload = 0, download = 1, path = 2, relay = 3 };
 
 const char* to_string(Mode m) noexcept;
 

@@ -57,6 +57,8 @@ enum class ChannelEvent : std::uint8_t {
   exception = 12, ///< error for the peer (Cap'n Proto ExceptionHeader)
   handshake = 13, ///< xSec handshake message (Noise XX or join proof)
   nack = 14,      ///< receiver, clear mode with the manifest: the block at `offset` failed its digest; send it again
+  report = 15,    ///< relay: a host's progress for the master (Cap'n Proto RelayReport)
+  relink = 16,    ///< relay: the master gives a host new hops to forward to (Cap'n Proto RelayRelink)
 };
 
 const char* to_string(ChannelEvent e) noexcept;
@@ -113,6 +115,28 @@ struct Opening {
 /// Largest opening payload: the fields above encode in about 100 bytes.
 inline constexpr std::uint32_t max_opening_payload = 512;
 
+/// Relay: a host the chain's data goes on to (RelayPlan::next).
+struct RelayHop {
+  std::string address;          ///< "host:port"
+  std::array<std::uint8_t, 32> server_key{};
+  std::array<std::uint8_t, 32> ticket{};
+  bool operator==(const RelayHop&) const = default;
+};
+
+/// Relay: a host's place in a chain, registered by the master (Mode::relay).
+struct RelayPlan {
+  std::array<std::uint8_t, 32> ticket{};
+  std::vector<RelayHop> next;   ///< at most max_relay_hops, tried in order
+  std::uint8_t protect = 2;     ///< xsec::Protect of the sessions the host opens downstream
+  std::uint32_t channels = 1;   ///< n of those sessions (the server bounds it by its max_channels)
+  bool operator==(const RelayPlan&) const = default;
+};
+
+/// Hops a plan may name (with a 4096-byte path, a plan still fits one negotiation).
+inline constexpr std::size_t max_relay_hops = 8;
+/// Longest "host:port" of a hop.
+inline constexpr std::size_t max_relay_address = 300;
+
 /// An operation of the session (the paper's Table 2 without the opening's fields). The first is
 /// the payload of the client's last Noise XX message: encrypted, and bound into the handshake's
 /// transcript. Each later one is a NEGO frame sent on every channel once the previous operation
@@ -143,6 +167,12 @@ struct Negotiation {
   /// carry the size. Never resumed, and with the manifest no block is sent twice (a stream is
   /// read once): one that fails its digest fails the transfer.
   bool open_ended = false;
+  /// Upload: feeds the relay registered at the server under this ticket (RelayPlan::ticket):
+  /// the file, its size and its mtime are the relay's. Empty: an ordinary upload.
+  std::vector<std::uint8_t> relay_ticket;
+  /// Mode::relay: this host's place in the chain (remote_path, file_size and source_mtime_ns
+  /// name the file it receives).
+  RelayPlan relay_plan;
   bool operator==(const Negotiation&) const = default;
 };
 
@@ -177,11 +207,41 @@ struct ExceptionHeader {
   bool operator==(const ExceptionHeader&) const = default;
 };
 
+/// Relay: a host's progress for the master (event REPORT).
+struct RelayReport {
+  enum class State : std::uint8_t { waiting = 0, receiving = 1, whole = 2, failed = 3 };
+  struct Skip {
+    std::uint32_t hop = 0;
+    errc code = errc::internal;
+    std::string message;
+    bool operator==(const Skip&) const = default;
+  };
+  std::uint64_t verified = 0;
+  std::uint64_t forwarded = 0;
+  State state = State::waiting;
+  bool final = false;
+  errc code = errc::ok;
+  std::string message;
+  std::vector<std::uint8_t> digest;  ///< whole: 32 bytes
+  std::uint32_t next = 0;            ///< index into the plan's hops it forwards to (their count: none)
+  std::vector<Skip> skipped;         ///< at most max_relay_hops
+  bool forwarding = false;           ///< its forwarder runs
+  std::vector<std::uint8_t> upstream;  ///< 32 bytes: the key of who fed it last (empty: nobody yet)
+  errc upstream_code = errc::ok;     ///< the last upload into it failed so (ok: it did not)
+  std::string upstream_message;
+  bool operator==(const RelayReport&) const = default;
+};
+
+std::vector<std::uint8_t> encode_relink(const std::vector<RelayHop>& next);
+/// A RELINK's hops: at most max_relay_hops, each checked as a plan's are.
+std::optional<std::vector<RelayHop>> decode_relink(std::span<const std::uint8_t> b, std::string* why = nullptr);
+
 /// Cap'n Proto encodings of the control messages (flat array of words, unpacked).
 std::vector<std::uint8_t> encode(const Opening& o);
 std::vector<std::uint8_t> encode(const Negotiation& n);
 std::vector<std::uint8_t> encode(const NegotiationReply& r);
 std::vector<std::uint8_t> encode(const ExceptionHeader& e);
+std::vector<std::uint8_t> encode(const RelayReport& r);
 
 /// Decoders treat the input as hostile: size limits, traversal limits and field checks apply,
 /// and any failure returns nullopt with the reason in `why`.
@@ -189,5 +249,6 @@ std::optional<Opening> decode_opening(std::span<const std::uint8_t> b, std::stri
 std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, std::string* why = nullptr);
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why = nullptr);
 std::optional<ExceptionHeader> decode_exception(std::span<const std::uint8_t> b, std::string* why = nullptr);
+std::optional<RelayReport> decode_report(std::span<const std::uint8_t> b, std::string* why = nullptr);
 
 }  // namespace xdfs::wire

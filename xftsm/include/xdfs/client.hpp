@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "xdfs/error.hpp"
 #include "xdfs/session.hpp"
@@ -50,6 +51,19 @@ struct TransferOptions : SessionOptions {
   /// continued by the next download of the same file to the same name. Uploads resume at the
   /// server's side likewise (xdfsd --partial-expiry). false: every transfer starts at byte 0.
   bool resume = true;
+  /// Upload: feed the relay registered at the server under this ticket (32 bytes; empty: an
+  /// ordinary upload). The server takes the path, size and mtime from the relay.
+  std::vector<std::uint8_t> relay_ticket;
+  /// Upload of a file that is still being written (an xdfsd forwarding its relay's copy): only
+  /// bytes below *available are read, the rest waited for. relay_size and relay_mtime_ns then
+  /// stand for the file's own (the relay's size, and the source's mtime).
+  const std::atomic<std::uint64_t>* available = nullptr;
+  std::uint64_t relay_size = 0;
+  std::int64_t relay_mtime_ns = 0;
+  /// With `available`: the digests the blocks came with, sent instead of ones made here
+  /// (piod::Source::digests), and the test hook that damages what is read (Source::test_corrupt).
+  const piod::DigestLog* relay_digests = nullptr;
+  bool relay_test_corrupt = false;
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};

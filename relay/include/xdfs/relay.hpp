@@ -1,0 +1,72 @@
+// One file to many hosts through a pipelined chain of xdfsd servers (the relay mode).
+//
+//   std::vector<xdfs::RelayTarget> hosts{{{"h1", 7721}, "in/"}, {{"h2", 7721}, "in/"}};
+//   auto r = xdfs::relay("big.iso", hosts, opt);
+//   for (auto& h : r.hosts) if (!h.ok) ...
+//
+// The caller is the chain's master. It registers each host's place over a session of its own
+// (Mode::relay: the file, a fresh ticket, and the hosts that come after it), then uploads the
+// file once, to the first host that answers. Each host verifies every block, writes it and
+// forwards it as soon as it is written to the first of its successors that answers, with the
+// ticket the master registered there; so the file crosses the source's link about once and the
+// k-th host finishes about k blocks after the first. Every host reports its verified bytes to
+// the master once a second; a host that dies is passed over by its predecessor, and its
+// successor goes on from the bytes it verified (the upload resumes). A host's copy counts only
+// when its whole-file digest equals the source's.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "xdfs/client.hpp"
+#include "xdfs/server.hpp"
+
+namespace xdfs {
+
+struct RelayTarget {
+  Endpoint server;
+  std::string path;  ///< on that server; ending in '/' (or empty): the file's own name in that directory
+};
+
+/// One host's part, as its reports (and the sessions to it) told it.
+struct RelayHost {
+  RelayTarget target;
+  bool ok = false;               ///< whole there, its digest the source's
+  errc code = errc::ok;          ///< otherwise why
+  std::string message;
+  std::uint64_t verified = 0;    ///< bytes verified there
+  double seconds = 0;            ///< from the start until it was whole (or gave up)
+  std::string digest;            ///< hex, as that host computed it
+  bool final = false;            ///< its last report came
+};
+
+struct RelayResult {
+  std::vector<RelayHost> hosts;  ///< in the order given
+  std::uint64_t size = 0;
+  double seconds = 0;            ///< until the last host was done
+  std::string digest;            ///< the source's whole-file digest (hex)
+  std::uint64_t source_bytes = 0;  ///< bytes the source sent (over all its uploads)
+  std::vector<std::string> notes;  ///< what the master changed on the way (a host moved, passed over), one line each
+  std::size_t failed() const noexcept {
+    std::size_t n = 0;
+    for (const auto& h : hosts) n += !h.ok;
+    return n;
+  }
+};
+
+/// Sends the regular file `local` to every target through a relay chain in the given order.
+/// `options` are the sessions' (channels, block size, protection, identity) and the upload's;
+/// verify must be on. `progress`, if set, is called about every 200 ms with the hosts as they
+/// stand. Throws TransferError only when nothing could start (no such file, ...); a host that
+/// fails is reported in the result, and the others go on.
+RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
+                  const std::function<void(const std::vector<RelayHost>&)>& progress = {});
+
+namespace relay_mode {
+/// The server's side: a master's relay operation (register, forward, report).
+runtime::ModeEntry server_mode();
+}  // namespace relay_mode
+
+}  // namespace xdfs

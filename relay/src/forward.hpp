@@ -1,0 +1,20 @@
+// A relay place's forwarder: sends the place's file on, as it grows, to the first of its hops
+// that takes it whole, and goes where the master's RELINKs send it next.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "xdfs/client.hpp"
+#include "xdfs/relay_registry.hpp"
+
+namespace xdfs::relay_detail {
+
+/// Runs on a thread of its own until slot->cancel. `base` carries what every session downstream
+/// shares (identity, protection, channels, block size, timeouts); the rest comes from the slot.
+/// `digest`, if set, receives the whole-file digest of each upload that ended well.
+void forward(const std::shared_ptr<runtime::RelaySlot>& slot, TransferOptions base,
+             const std::function<void(const std::string&)>& log);
+
+}  // namespace xdfs::relay_detail

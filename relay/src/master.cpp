@@ -1,0 +1,508 @@
+// The relay's master: registers every host's place, feeds the chain, watches the reports, and
+// routes around what fails: a lost or stalled host is dropped, a host whose copy turns out
+// damaged (the next host's digests caught it) is dropped, a host far slower than its upstream
+// is moved to the end of the chain, where it delays nobody. Each change is a RELINK to the
+// hosts whose next hop it changes; the host after the one dropped goes on from what it has.
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <boost/asio/post.hpp>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "xdfs/files.hpp"
+#include "xdfs/manifest.hpp"
+#include "xdfs/relay.hpp"
+#include "xdfs/relay_registry.hpp"
+#include "xdfs/session.hpp"
+#include "xdfs/text.hpp"
+
+#include "forward.hpp"
+
+namespace xdfs {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using State = wire::RelayReport::State;
+
+std::string hex(const std::vector<std::uint8_t>& b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (auto c : b) {
+    s += d[c >> 4];
+    s += d[c & 15];
+  }
+  return s;
+}
+
+std::string base_name(const std::string& p) {
+  auto s = p;
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  auto i = s.find_last_of('/');
+  return i == std::string::npos ? s : s.substr(i + 1);
+}
+
+// One host: its control session (read on a thread of its own) and what it said last.
+struct Place {
+  std::size_t index = 0;  // in the targets given
+  std::string name;       // for messages
+  RelayTarget target;
+  std::string path;
+  wire::RelayHop hop;     // how its upstream reaches it
+  std::unique_ptr<Session> session;
+  std::thread reader;
+  // Under Chain::m.
+  RelayHost host;
+  wire::RelayReport last;
+  bool reported = false;
+  bool gone = false;      // its session ended (host.code says why, unless it was released)
+  bool dropped = false;   // out of the chain (failed)
+  bool moved = false;     // moved to the end once already
+  bool released = false;  // EOFR sent: the chain is done
+  Clock::time_point whole_at{}, moved_at{};
+  Clock::time_point progress_at{};  // when its verified bytes last grew
+  Clock::time_point slow_since{};   // since when it has looked too slow for its place
+  std::deque<std::pair<Clock::time_point, std::uint64_t>> samples;  // verified over the last seconds
+  std::vector<wire::RelayHop> sent_next;
+  double peak = 0;        // its best rate over a window, bytes/s
+  unsigned passed = 0;    // times the host before it passed it over and was sent back to it
+  std::size_t skips_seen = 0;  // of its own report's skipped list, those acted on
+};
+
+struct Chain {
+  std::mutex m;
+  std::vector<std::unique_ptr<Place>> places;
+  Clock::time_point t0 = Clock::now();
+  std::uint64_t size = 0;
+};
+
+// Bytes per second over the samples of the last second and a half.
+double rate_of(const Place& p) {
+  if (p.samples.size() < 2) return 0;
+  const auto& [t1, b1] = p.samples.front();
+  const auto& [t2, b2] = p.samples.back();
+  const double s = std::chrono::duration<double>(t2 - t1).count();
+  return s > 0.5 && b2 >= b1 ? static_cast<double>(b2 - b1) / s : 0;
+}
+
+// Reads a place's reports until its EOFR (after the master's) or a failure.
+void read_reports(Chain& chain, Place& p) {
+  auto& s = *p.session;
+  auto& ch = *s.channels()[0];
+  std::vector<std::uint8_t> buf;
+  bool over = false;
+  auto lost = [&](errc code, const std::string& why) {
+    std::lock_guard lock(chain.m);
+    if (!p.gone && !p.released) {
+      p.host.code = code;
+      p.host.message = why;
+    }
+    p.gone = true;
+    over = true;
+  };
+  std::function<void()> next = [&] {
+    ch.async_read_header([&](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+      if (ec) {
+        auto f = ch.failure(ec, "server");
+        return lost(f.code, "lost: " + f.message);
+      }
+      if (h.event == wire::ChannelEvent::eofr && h.length == 0) {
+        s.end_operation(true);
+        std::lock_guard lock(chain.m);
+        p.gone = true;
+        over = true;
+        return;
+      }
+      if (h.event != wire::ChannelEvent::report && h.event != wire::ChannelEvent::exception)
+        return lost(errc::protocol_error, fmt::format("{} in a relay's reports", wire::to_string(h.event)));
+      buf.resize(h.length);
+      ch.async_read_payload(buf, [&, event = h.event](const xdsi::ErrorCode& e) {
+        if (e) {
+          auto f = ch.failure(e, "server");
+          return lost(f.code, "lost: " + f.message);
+        }
+        if (event == wire::ChannelEvent::exception) {
+          auto ex = wire::decode_exception(buf);
+          return lost(ex ? ex->code : errc::protocol_error, ex ? ex->message : std::string("a malformed exception"));
+        }
+        std::string why;
+        auto r = wire::decode_report(buf, &why);
+        if (!r) return lost(errc::protocol_error, "report: " + why);
+        {
+          std::lock_guard lock(chain.m);
+          const auto now = Clock::now();
+          r->verified = std::min(r->verified, chain.size);
+          if (!p.reported || r->verified != p.last.verified) p.progress_at = now;
+          p.last = *r;
+          p.reported = true;
+          p.host.verified = r->verified;
+          p.samples.emplace_back(now, r->verified);
+          while (p.samples.size() > 2 && now - p.samples.front().first > std::chrono::milliseconds(1500)) p.samples.pop_front();
+          p.peak = std::max(p.peak, rate_of(p));
+          if (r->state == State::whole && p.whole_at == Clock::time_point{}) {
+            p.whole_at = now;
+            p.host.digest = hex(r->digest);
+          }
+        }
+        next();
+      });
+    });
+  };
+  next();
+  try {
+    while (!over && !s.io().stopped()) s.io().run_one();
+  } catch (const std::exception& e) {
+    lost(errc::internal, e.what());
+  }
+  s.close();
+}
+
+// Sends a control frame to a place's server, on its session's thread.
+void tell(Place& p, wire::ChannelEvent ev, std::vector<std::uint8_t> payload) {
+  boost::asio::post(p.session->io(), [s = p.session.get(), ev, payload = std::move(payload)]() mutable {
+    if (s->channels().empty() || !s->channels()[0]) return;
+    if (ev == wire::ChannelEvent::eofr) {
+      wire::FrameHeader h;
+      h.event = ev;
+      s->channels()[0]->send(h, std::vector<std::uint8_t>{});
+    } else {
+      s->channels()[0]->send_control(ev, std::move(payload));
+    }
+  });
+}
+
+}  // namespace
+
+RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
+                  const std::function<void(const std::vector<RelayHost>&)>& progress) {
+  if (!options.verify) throw TransferError(errc::bad_argument, "a relay verifies every block: not with --no-verify", false);
+  if (options.memory) throw TransferError(errc::bad_argument, "a relay moves a file, not memory", false);
+  const int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + local + "': " + std::strerror(errno), false);
+  files::Fd source(fd);
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0) throw TransferError(errc_from_errno(errno), "stat '" + local + "'", false);
+  if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + local + "' is not a regular file", false);
+  const auto size = static_cast<std::uint64_t>(sb.st_size);
+  const auto mtime = files::mtime_ns(sb);
+  const auto bs = options.block_size;
+
+  Chain chain;
+  chain.size = size;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    auto p = std::make_unique<Place>();
+    p->index = i;
+    p->target = targets[i];
+    p->host.target = targets[i];
+    const auto& h = targets[i].server.host;
+    p->name = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(targets[i].server.port);
+    p->path = targets[i].path.empty() || targets[i].path.back() == '/' ? targets[i].path + base_name(local) : targets[i].path;
+    chain.places.push_back(std::move(p));
+  }
+  // The same host and file twice would be one copy fed twice: the second is left out.
+  for (std::size_t i = 0; i < chain.places.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j) {
+      auto& a = *chain.places[i];
+      auto& b = *chain.places[j];
+      if (!a.dropped && a.target.server.host == b.target.server.host && a.target.server.port == b.target.server.port &&
+          a.path == b.path) {
+        a.host.code = errc::bad_argument;
+        a.host.message = "the same host and file as host " + std::to_string(j + 1) + " of the list";
+        a.dropped = true;
+      }
+    }
+
+  // Places from the last to the first: each plan names the registered hosts after it, with
+  // their server keys as their handshakes proved them.
+  SessionOptions control = options;
+  control.channels = 1;
+  std::vector<Place*> order;  // the chain: registered places, in order
+  for (std::size_t k = chain.places.size(); k-- > 0;) {
+    auto& p = *chain.places[k];
+    if (p.dropped) continue;
+    wire::Negotiation n;
+    n.mode = Mode::relay;
+    n.remote_path = p.path;
+    n.file_size = size;
+    n.source_mtime_ns = mtime;
+    xsec::random_fill(n.relay_plan.ticket);
+    n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
+    n.relay_plan.channels = options.channels;
+    for (std::size_t i = 0; i < order.size() && i < wire::max_relay_hops; ++i) n.relay_plan.next.push_back(order[i]->hop);
+    try {
+      p.session = std::make_unique<Session>(p.target.server, control);
+      p.session->begin(n);
+    } catch (const TransferError& e) {
+      p.host.code = e.code();
+      p.host.message = e.what();
+      p.dropped = true;
+      p.session.reset();
+      continue;
+    }
+    p.hop.address = p.name;
+    p.hop.server_key = p.session->server_key();
+    p.hop.ticket = n.relay_plan.ticket;
+    p.sent_next = n.relay_plan.next;
+    order.insert(order.begin(), &p);
+  }
+  // A host that is this machine's own source... is simply a host: it gets its copy like the rest.
+  chain.t0 = Clock::now();
+  for (auto* p : order) p->progress_at = chain.t0;
+  for (auto* p : order) p->reader = std::thread([&chain, p] { read_reports(chain, *p); });
+
+  // The source's own forwarder: the whole file is there, to the first host that takes it.
+  auto feeder = std::make_shared<runtime::RelaySlot>();
+  feeder->path = local;
+  feeder->size = size;
+  feeder->mtime_ns = mtime;
+  feeder->block_size = bs;
+  feeder->written.store(size);
+  feeder->file = std::move(source);
+  auto hops_after = [&](std::size_t from) {
+    std::vector<wire::RelayHop> v;
+    for (std::size_t i = from; i < order.size() && v.size() < wire::max_relay_hops; ++i) v.push_back(order[i]->hop);
+    return v;
+  };
+  feeder->next_hops = hops_after(0);
+  TransferOptions base = options;
+  base.progress = nullptr;
+  std::vector<std::string> notes;
+  std::thread feeding([feeder, base, &chain, &notes] {
+    try {
+      relay_detail::forward(feeder, base, [&](const std::string& line) {
+        std::lock_guard lock(chain.m);
+        notes.push_back(line);
+      });
+    } catch (...) {
+    }
+    std::lock_guard lock(feeder->m);
+    feeder->forward_done = true;
+  });
+  // However this ends (an exception too), the threads are stopped and joined first.
+  struct Joiner {
+    std::shared_ptr<runtime::RelaySlot>& feeder;
+    std::thread& feeding;
+    Chain& chain;
+    ~Joiner() { stop(); }
+    void stop() {
+      feeder->cancel.store(true);
+      feeder->hop_cancel.store(true);
+      if (feeding.joinable()) feeding.join();
+      for (auto& p : chain.places) {
+        if (!p->session) continue;
+        if (p->reader.joinable()) {
+          boost::asio::post(p->session->io(), [s = p->session.get()] {
+            for (auto& ch : s->channels())
+              if (ch) ch->close();
+          });
+          p->reader.join();
+        }
+      }
+    }
+  } joiner{feeder, feeding, chain};
+
+  std::size_t feeder_skips_seen = 0;
+  // Routes every host to what follows it in `order` now; only those whose next hops changed hear it.
+  auto relink_all = [&] {
+    for (std::size_t i = 0; i <= order.size(); ++i) {
+      auto next = hops_after(i);
+      if (i == 0) {
+        std::lock_guard lock(feeder->m);
+        if (feeder->next_hops == next) continue;
+        const bool same_head = !feeder->next_hops.empty() && !next.empty() && feeder->next_hops[0] == next[0];
+        feeder->next_hops = next;
+        ++feeder->relinks;
+        feeder->skipped.clear();
+        feeder_skips_seen = 0;
+        if (!same_head) feeder->hop_cancel.store(true);
+        continue;
+      }
+      auto& p = *order[i - 1];
+      if (p.sent_next == next) continue;
+      p.sent_next = next;
+      p.skips_seen = 0;
+      tell(p, wire::ChannelEvent::relink, wire::encode_relink(next));
+    }
+  };
+  auto drop = [&](Place& p, errc code, const std::string& why) {
+    p.dropped = true;
+    if (p.host.code == errc::ok) {
+      p.host.code = code;
+      p.host.message = why;
+    }
+    if (!p.gone) tell(p, wire::ChannelEvent::exception, wire::encode(wire::ExceptionHeader{code, why, 0, 0}));
+    std::erase(order, &p);
+  };
+
+  const bool cancelled_at_start = options.cancel && options.cancel->load();
+  bool released = false;
+  auto released_at = Clock::now();
+  auto last_change = chain.t0;
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto now = Clock::now();
+    const bool cancel = cancelled_at_start || (options.cancel && options.cancel->load());
+    {
+      std::lock_guard lock(chain.m);
+      bool changed = false;
+      for (auto* p : released ? std::vector<Place*>{} : std::vector<Place*>(order)) {
+        if (cancel) {
+          drop(*p, errc::cancelled, "cancelled");
+          continue;
+        }
+        // Lost: its session ended.
+        if (p->gone) {
+          drop(*p, p->host.code == errc::ok ? errc::peer_aborted : p->host.code,
+               p->host.message.empty() ? "its session ended" : p->host.message);
+          changed = true;
+          continue;
+        }
+        // Stalled, by its own word (nothing fed it for the server's idle timeout) or by ours.
+        const bool stuck = p->reported && p->last.state == State::failed;
+        const bool still = p->last.state != State::whole && now - p->progress_at >= options.idle_timeout;
+        if (stuck || still) {
+          drop(*p, stuck ? p->last.code : errc::timeout,
+               stuck ? p->last.message : fmt::format("no progress for {} s", options.idle_timeout.count() / 1000));
+          changed = true;
+        }
+      }
+      // A host whose copy is damaged: the host after it says its blocks failed their digests.
+      // Only the host the master itself routed to feed it can be blamed: a host cannot get any
+      // other dropped by naming it.
+      for (std::size_t i = 1; !released && i < order.size(); ++i) {
+        auto* p = order[i];
+        auto* q = order[i - 1];
+        if (!p->reported || p->last.upstream_code != errc::integrity_error) continue;
+        if (p->last.upstream.size() == q->hop.server_key.size() &&
+            std::equal(q->hop.server_key.begin(), q->hop.server_key.end(), p->last.upstream.begin())) {
+          drop(*q, errc::integrity_error,
+               "its copy is damaged: blocks it sent failed their digests at " + p->name + " (" +
+                   p->last.upstream_message + ")");
+          changed = true;
+          break;
+        }
+      }
+      // A host passed over by the one before it (that one could not feed it) while it still
+      // answers here: the one before goes back to it, three times; then it is dropped.
+      auto passed_over = [&](const std::vector<wire::RelayReport::Skip>& skipped, const std::vector<wire::RelayHop>& hops,
+                             std::size_t& seen) {
+        for (; seen < skipped.size(); ++seen) {
+          const auto& sk = skipped[seen];
+          if (sk.hop >= hops.size()) continue;
+          for (auto* q : std::vector<Place*>(order))
+            if (q->hop == hops[sk.hop] && !q->dropped && q->last.state != State::whole) {
+              if (++q->passed > 3) {
+                drop(*q, sk.code, "the host before it could not feed it: " + sk.message);
+              }
+              changed = true;
+              return true;
+            }
+        }
+        return false;
+      };
+      for (std::size_t i = 0; !released && i < order.size(); ++i) {
+        auto& u = *order[i];
+        if (u.reported && passed_over(u.last.skipped, u.sent_next, u.skips_seen)) u.sent_next.clear();
+      }
+      if (!released) {
+        std::lock_guard f(feeder->m);
+        if (passed_over(feeder->skipped, feeder->next_hops, feeder_skips_seen)) feeder->next_hops.clear();
+      }
+      // A host far slower than the one feeding it (which has blocks waiting for it) goes to the
+      // end of the chain, where it delays nobody.
+      for (std::size_t i = 1; !released && i + 1 < order.size(); ++i) {
+        auto& u = *order[i - 1];
+        auto& p = *order[i];
+        if (p.moved || !p.reported || p.last.state == State::whole || now - last_change < std::chrono::seconds(2)) continue;
+        const double r = rate_of(p);
+        const bool waiting = u.last.verified >= p.last.verified + 8ull * bs;
+        const bool slow = waiting && u.peak > 0 && r < 0.4 * u.peak && p.samples.size() >= 5;
+        if (!slow) p.slow_since = Clock::time_point{};
+        else if (p.slow_since == Clock::time_point{}) p.slow_since = now;
+        // Slow for a second on end, not a moment's dip (a reconnect, a resumed prefix hashed).
+        if (slow && now - p.slow_since >= std::chrono::seconds(1)) {
+          p.moved = true;
+          p.moved_at = now;
+          notes.push_back(fmt::format("{} gets {:.1f} MB/s where {} sends up to {:.1f} MB/s: it goes to the end of the chain",
+                                      p.name, r / 1e6, u.name, u.peak / 1e6));
+          order.erase(order.begin() + static_cast<std::ptrdiff_t>(i));
+          order.push_back(&p);
+          changed = true;
+          break;
+        }
+      }
+      if (changed) {
+        relink_all();
+        // Rates from before the chain changed say nothing of it now.
+        last_change = now;
+        for (auto* p : order) p->samples.clear();
+      }
+      // Done: every host of the chain whole and none still forwarding; then each is released.
+      bool done = true;
+      for (auto* p : order)
+        done = done && p->reported && p->last.state == State::whole && !p->last.forwarding;
+      {
+        std::lock_guard f(feeder->m);
+        done = done && (feeder->forward_done || order.empty());
+      }
+      if (done && !released) {
+        released = true;
+        released_at = now;
+        for (auto& p : chain.places)
+          if (p->session && !p->gone) {
+            p->released = true;
+            tell(*p, wire::ChannelEvent::eofr, {});
+          }
+      }
+      bool all_gone = true;
+      for (auto& p : chain.places) all_gone = all_gone && (!p->session || p->gone);
+      if (released && (all_gone || now - released_at > std::chrono::seconds(10))) break;
+    }
+    if (progress) {
+      std::vector<RelayHost> v;
+      {
+        std::lock_guard lock(chain.m);
+        for (auto& p : chain.places) {
+          v.push_back(p->host);
+          v.back().final = p->dropped || p->whole_at != Clock::time_point{};
+          v.back().ok = !p->dropped && p->whole_at != Clock::time_point{};
+        }
+      }
+      progress(v);
+    }
+  }
+  joiner.stop();
+
+  RelayResult result;
+  result.size = size;
+  result.seconds = std::chrono::duration<double>(Clock::now() - chain.t0).count();
+  result.digest = feeder->sent_digest;
+  result.source_bytes = feeder->sent;
+  result.notes = notes;
+  for (auto& p : chain.places) {
+    auto h = p->host;
+    h.final = true;
+    if (p->whole_at != Clock::time_point{}) h.seconds = std::chrono::duration<double>(p->whole_at - chain.t0).count();
+    h.ok = !p->dropped && h.code == errc::ok && p->whole_at != Clock::time_point{} && !result.digest.empty() &&
+           h.digest == result.digest;
+    if (!h.ok && h.code == errc::ok) {
+      h.code = result.digest.empty() ? errc::peer_aborted
+               : p->whole_at == Clock::time_point{} ? errc::timeout
+                                                    : errc::integrity_error;
+      h.message = result.digest.empty()                  ? "the source could feed no host of the chain"
+                  : p->whole_at == Clock::time_point{} ? "it never had the whole file"
+                                                       : "its whole-file digest " + h.digest + " is not the source's";
+    }
+    result.hosts.push_back(std::move(h));
+  }
+  return result;
+}
+
+}  // namespace xdfs

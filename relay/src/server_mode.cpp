@@ -1,0 +1,302 @@
+// The relay mode on the server: a master registers this host's place in a chain; the uploads
+// that carry its ticket feed it (xftsm's FileOperation attaches them), a forwarder thread sends
+// what they wrote on to the next host that answers, and this operation reports to the master
+// once a second until the file is whole here and handed on (or given up), then ends with EOFR.
+//
+//   master                         this xdfsd
+//   NEGO(relay, plan)      ──▶     register the place under plan.ticket
+//                          ◀──     NEGO_REPLY
+//                          ◀──     REPORT (four times a second: verified, forwarded, state)
+//   RELINK(hops)           ──▶     the forwarder drops its hop and feeds these instead
+//   EOFR                   ──▶     (the whole chain is done) the forwarder stops
+//                          ◀──     REPORT(final), EOFR; the place is removed, the session is
+//                                  ready for its next operation
+//
+// The master may end it early with an EXCEPTION (it gives up on this host); a lost channel ends
+// it too. Either way the place is removed and the forwarder stopped; what was verified here
+// stays as a partial file that a later relay of the same file goes on from.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <boost/asio/steady_timer.hpp>
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "xdfs/client.hpp"
+#include "xdfs/files.hpp"
+#include "xdfs/manifest.hpp"
+#include "xdfs/relay.hpp"
+#include "xdfs/relay_registry.hpp"
+#include "xdfs/text.hpp"
+
+#include "forward.hpp"
+
+namespace xdfs::relay_mode {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using runtime::RelaySlot;
+
+class RelayOperation final : public runtime::Operation {
+public:
+  RelayOperation(runtime::OperationEnv& env, runtime::OperationDone done)
+      : env_(env), nego_(env.nego), done_(std::move(done)), tick_(env.io), linger_(env.io) {}
+
+  ~RelayOperation() override { stop(); }
+
+  void start() override {
+    const auto& plan = nego_.relay_plan;
+    if (!env_.relays) return refuse(errc::not_supported, "relays are disabled on this server");
+    if (!(nego_.extended_flags & wire::flag_manifest))
+      return refuse(errc::bad_argument, "a relay verifies every block: not without the content manifest (--no-verify)");
+    if (nego_.channel_count != 1 || env_.channels.size() != 1)
+      return refuse(errc::bad_argument, "a relay's own session has one channel");
+    if (plan.channels == 0 || plan.channels > env_.config.max_channels)
+      return refuse(errc::limit_exceeded, fmt::format("n = {} channels downstream (this server allows 1..{})",
+                                                      plan.channels, env_.config.max_channels));
+    std::string why;
+    if (!plan.next.empty() && !peers_allowed(plan.next, why)) return refuse(errc::permission_denied, why);
+    auto [dir, name] = files::split_parent(nego_.remote_path);
+    if (name.empty()) return refuse(errc::bad_argument, "a relay names its file, not a directory");
+    files::Fd dirfd;
+    if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
+      return refuse(st.code, st.message);
+    if (env_.config.max_file_size == 0)
+      if (auto st = files::check_room(dirfd.get(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
+        return refuse(st.code, st.message);
+    auto slot = std::make_shared<RelaySlot>();
+    slot->plan = plan;
+    slot->path = nego_.remote_path;
+    slot->size = nego_.file_size;
+    slot->mtime_ns = nego_.source_mtime_ns;
+    slot->block_size = nego_.block_size;
+    slot->master = env_.client.key;
+    slot->master_fingerprint = env_.client.fingerprint;
+    slot->next_hops = plan.next;
+    const int root = ::fcntl(env_.root_fd, F_DUPFD_CLOEXEC, 3);
+    if (root < 0) return refuse(errc_from_errno(errno), std::string("root: ") + std::strerror(errno));
+    slot->root = files::Fd(root);
+    if (!env_.relays->add(slot)) return refuse(errc::bad_argument, "that relay ticket is in use here");
+    slot_ = slot;
+    started_ = Clock::now();
+    last_move_ = started_;
+    env_.log(fmt::format("session {} relay of '{}' ({} bytes) for {}, {} hop{} after this one", env_.id.short_hex(),
+                         nego_.remote_path, nego_.file_size, env_.client.fingerprint, plan.next.size(),
+                         plan.next.size() == 1 ? "" : "s"));
+    wire::NegotiationReply reply;
+    reply.block_size = nego_.block_size;
+    reply.file_size = nego_.file_size;
+    env_.channels[0]->send_control(wire::ChannelEvent::nego_reply, wire::encode(reply));
+    TransferOptions base;
+    base.channels = plan.channels;
+    base.block_size = nego_.block_size;
+    base.protect = static_cast<xsec::Protect>(plan.protect);
+    base.identity_secret = env_.relays->server_key().secret;
+    base.idle_timeout = env_.config.idle_timeout;
+    try {
+      // A failure in the forwarder ends its forwarding, never the process.
+      forwarder_ = std::thread([slot, base, log = env_.log] {
+        try {
+          relay_detail::forward(slot, base, log);
+        } catch (const std::exception& e) {
+          log(std::string("relay forwarder: ") + e.what());
+        } catch (...) {
+          log("relay forwarder: unknown exception");
+        }
+        slot->forwarding.store(false);
+        std::lock_guard lock(slot->m);
+        slot->forward_done = true;
+      });
+    } catch (const std::system_error& e) {
+      return fail(errc::limit_exceeded, std::string("cannot start the relay's forwarder: ") + e.what());
+    }
+    read();
+    tick();
+  }
+
+  void abort(errc code, const std::string& message) override { fail(code, message); }
+
+  std::uint64_t bytes() const noexcept override { return slot_ ? slot_->written.load() : 0; }
+
+private:
+  // What the master hears now.
+  wire::RelayReport report() {
+    wire::RelayReport r;
+    auto& s = *slot_;
+    r.verified = std::min(s.written.load(), s.size);
+    r.forwarded = s.forwarded.load();
+    r.next = s.next.load();
+    r.forwarding = s.forwarding.load();
+    std::lock_guard lock(s.m);
+    r.skipped = s.skipped;
+    r.state = s.whole ? wire::RelayReport::State::whole
+              : s.feeding ? wire::RelayReport::State::receiving
+                          : wire::RelayReport::State::waiting;
+    if (s.whole) r.digest = s.digest;
+    r.upstream = s.upstream;
+    r.upstream_code = s.upstream_code;
+    r.upstream_message = s.upstream_message;
+    if (r.verified != seen_ || s.feeding || s.whole) {
+      seen_ = r.verified;
+      last_move_ = Clock::now();
+    }
+    // Nothing fed it for a whole idle timeout: the master hears it will not be whole by itself.
+    if (!s.whole && Clock::now() - last_move_ > env_.config.idle_timeout) {
+      r.state = wire::RelayReport::State::failed;
+      r.code = errc::timeout;
+      r.message = fmt::format("no upstream fed it for {} s", env_.config.idle_timeout.count() / 1000);
+    }
+    return r;
+  }
+
+  void tick() {
+    if (ended_ || final_sent_) return;
+    env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(report()));
+    tick_.expires_after(std::chrono::milliseconds(250));
+    tick_.async_wait([this](const xdsi::ErrorCode& ec) {
+      if (!ec) tick();
+    });
+  }
+
+  // The master's EOFR ends it: the forwarder stops, the last report goes, then our EOFR.
+  void release() {
+    tick_.cancel();
+    stop();
+    auto r = report();
+    r.final = true;
+    final_sent_ = true;
+    auto& ch = *env_.channels[0];
+    ch.send_control(wire::ChannelEvent::report, wire::encode(r));
+    wire::FrameHeader h;
+    h.event = wire::ChannelEvent::eofr;
+    h.offset = r.verified;
+    ch.send(h, std::vector<std::uint8_t>{});
+    env_.log(fmt::format("session {} relay of '{}': {}, {} sent on", env_.id.short_hex(), text::escape(nego_.remote_path),
+                         r.state == wire::RelayReport::State::whole ? "whole here" : "not whole here",
+                         slot_->sent));
+    finish();
+  }
+
+  // RELINK: new hops for the forwarder, which drops the one it feeds.
+  // Whether every hop is one of this server's relay peers (ServerConfig::relay_peers): a client
+  // must not make it connect wherever it likes. `why` names the first that is not.
+  bool peers_allowed(const std::vector<wire::RelayHop>& hops, std::string& why) const {
+    const auto& file = env_.config.relay_peers;
+    xsec::AuthorizedKeys peers;
+    try {
+      if (::access(file.c_str(), F_OK) == 0) peers = xsec::AuthorizedKeys::load(file);
+    } catch (const Error& e) {
+      why = std::string("this server's relay peers: ") + e.what();
+      return false;
+    }
+    for (const auto& h : hops)
+      if (!peers.find(h.server_key)) {
+        why = "this server may not forward to " + text::escape(h.address) + " (key " + xsec::fingerprint(h.server_key) +
+              "): it is not among its relay peers in " + file;
+        return false;
+      }
+    return true;
+  }
+
+  // The hop it feeds now stays fed if it is still the first of the new ones.
+  void relink(std::vector<wire::RelayHop> hops) {
+    std::lock_guard lock(slot_->m);
+    const auto now = slot_->next.load();
+    const bool same_head = slot_->forwarding.load() && now < slot_->next_hops.size() && !hops.empty() &&
+                           slot_->next_hops[now] == hops[0];
+    slot_->next_hops = std::move(hops);
+    ++slot_->relinks;
+    slot_->skipped.clear();
+    slot_->forward_done = false;
+    if (!same_head) slot_->hop_cancel.store(true);
+  }
+
+  // The master says RELINK, EOFR (the chain is done) or EXCEPTION (it gives up on this host).
+  void read() {
+    auto& ch = *env_.channels[0];
+    ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+      if (ended_) return;
+      if (ec) {
+        auto f = ch.failure(ec, "master");
+        return fail(f.code, f.message);
+      }
+      if (h.event == wire::ChannelEvent::eofr && h.length == 0) return release();
+      if (h.event != wire::ChannelEvent::exception && h.event != wire::ChannelEvent::relink)
+        return fail(errc::protocol_error, fmt::format("{} from the master in a relay", wire::to_string(h.event)));
+      in_.resize(h.length);
+      ch.async_read_payload(in_, [this, &ch, event = h.event](const xdsi::ErrorCode& e) {
+        if (ended_) return;
+        if (e) {
+          auto f = ch.failure(e, "master");
+          return fail(f.code, f.message);
+        }
+        if (event == wire::ChannelEvent::exception) {
+          auto ex = wire::decode_exception(in_);
+          return fail(errc::cancelled, "the master gave up on this host" + (ex ? ": " + ex->message : std::string()), true);
+        }
+        std::string why;
+        auto hops = wire::decode_relink(in_, &why);
+        if (!hops) return fail(errc::protocol_error, "RELINK: " + why);
+        if (!peers_allowed(*hops, why)) return fail(errc::permission_denied, why);
+        relink(std::move(*hops));
+        read();
+      });
+    });
+  }
+
+  void stop() {
+    if (slot_) {
+      slot_->cancel.store(true);
+      slot_->hop_cancel.store(true);
+      env_.relays->remove(slot_->plan.ticket);
+    }
+    if (forwarder_.joinable()) forwarder_.join();
+  }
+
+  void finish() {
+    ended_ = true;
+    tick_.cancel();
+    stop();
+    done_(runtime::OperationResult{errc::ok, {}, false, false, true});
+  }
+
+  void fail(errc code, const std::string& message, bool from_peer = false) {
+    if (ended_) return;
+    ended_ = true;
+    tick_.cancel();
+    stop();
+    xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));
+    done_(runtime::OperationResult{code, message, from_peer, false, false});
+  }
+
+  void refuse(errc code, const std::string& message) {
+    ended_ = true;
+    done_(runtime::OperationResult{code, message, false, true, true});
+  }
+
+  runtime::OperationEnv& env_;
+  wire::Negotiation nego_;
+  runtime::OperationDone done_;
+  boost::asio::steady_timer tick_;
+  boost::asio::steady_timer linger_;
+  std::shared_ptr<RelaySlot> slot_;
+  std::thread forwarder_;
+  std::vector<std::uint8_t> in_;
+  Clock::time_point started_{}, last_move_{};
+  std::uint64_t seen_ = 0;
+  bool final_sent_ = false;
+  bool ended_ = false;
+};
+
+}  // namespace
+
+runtime::ModeEntry server_mode() {
+  return runtime::ModeEntry{Mode::relay, [](runtime::OperationEnv& env, runtime::OperationDone done) {
+                              return std::unique_ptr<runtime::Operation>(new RelayOperation(env, std::move(done)));
+                            }};
+}
+
+}  // namespace xdfs::relay_mode
