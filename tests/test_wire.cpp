@@ -112,6 +112,16 @@ std::vector<std::size_t> find_byte_list_pointers(const std::vector<std::uint8_t>
 
 }  // namespace
 
+namespace {
+w::RelayHop sample_hop(std::uint8_t seed) {
+  w::RelayHop h;
+  h.address = "10.0.0." + std::to_string(seed) + ":7721";
+  h.server_key.fill(seed);
+  h.ticket.fill(static_cast<std::uint8_t>(seed + 100));
+  return h;
+}
+}  // namespace
+
 TEST_SUITE("wire") {
 
 TEST_CASE("frame header round trip for every event") {
@@ -168,7 +178,7 @@ TEST_CASE("frame header byte layout is little-endian and fixed") {
 }
 
 TEST_CASE("frame header decode refuses unknown events") {
-  for (int raw : {0, 15, 16, 100, 255}) {
+  for (int raw : {0, 17, 18, 100, 255}) {
     CAPTURE(raw);
     CHECK_FALSE(w::is_known(static_cast<std::uint8_t>(raw)));
     w::FrameHeader h;
@@ -550,7 +560,7 @@ TEST_CASE("unknown mode is refused") {
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i] != b[i]) diff.push_back(i);
   REQUIRE(diff.size() == 1);  // the mode field, nothing else
-  for (std::uint8_t bad : {std::uint8_t{3}, std::uint8_t{7}, std::uint8_t{0xFF}}) {
+  for (std::uint8_t bad : {std::uint8_t{4}, std::uint8_t{7}, std::uint8_t{0xFF}}) {
     auto m = a;
     m[diff[0]] = bad;
     std::string why;
@@ -692,6 +702,122 @@ TEST_CASE("check_relative_path") {
   {
     auto s = files::check_relative_path(std::string(w::max_path_bytes, 'a'));
     CHECK(static_cast<bool>(s));
+  }
+}
+
+TEST_CASE("relay: a plan, a report and a relink travel whole") {
+  auto n = sample_negotiation();
+  n.mode = Mode::relay;
+  n.relay_plan.ticket.fill(7);
+  n.relay_plan.protect = 1;
+  n.relay_plan.channels = 8;
+  for (std::uint8_t i = 1; i <= w::max_relay_hops; ++i) n.relay_plan.next.push_back(sample_hop(i));
+  n.remote_path = std::string(w::max_path_bytes, 'p');
+  auto bytes = w::encode(n);
+  CHECK(bytes.size() <= w::max_negotiation_payload);  // fits the handshake with the longest path
+  std::string why;
+  auto d = w::decode_negotiation(bytes, &why);
+  REQUIRE_MESSAGE(d.has_value(), why);
+  CHECK(*d == n);
+
+  auto up = sample_negotiation();
+  up.mode = Mode::upload;
+  up.relay_ticket.assign(32, 9);
+  auto du = w::decode_negotiation(w::encode(up), &why);
+  REQUIRE(du.has_value());
+  CHECK(du->relay_ticket == up.relay_ticket);
+
+  w::RelayReport r;
+  r.verified = 123456789;
+  r.forwarded = 1234;
+  r.state = w::RelayReport::State::whole;
+  r.code = errc::ok;
+  r.digest.assign(32, 0xAB);
+  r.next = 2;
+  r.skipped.push_back({1, errc::connection_refused, "refused"});
+  r.forwarding = true;
+  r.upstream.assign(32, 3);
+  r.upstream_code = errc::integrity_error;
+  r.upstream_message = "block at offset 0 does not match its digest";
+  auto dr = w::decode_report(w::encode(r), &why);
+  REQUIRE_MESSAGE(dr.has_value(), why);
+  CHECK(*dr == r);
+
+  std::vector<w::RelayHop> hops{sample_hop(4), sample_hop(5)};
+  auto dl = w::decode_relink(w::encode_relink(hops), &why);
+  REQUIRE_MESSAGE(dl.has_value(), why);
+  CHECK(*dl == hops);
+}
+
+TEST_CASE("relay: malformed plans, tickets, reports and relinks are refused with their cause") {
+  std::string why;
+  auto relay = sample_negotiation();
+  relay.mode = Mode::relay;
+  relay.relay_plan.next.push_back(sample_hop(1));
+
+  SUBCASE("more hops than a plan may name") {
+    auto n = relay;
+    for (std::uint8_t i = 0; i < w::max_relay_hops; ++i) n.relay_plan.next.push_back(sample_hop(i));
+    CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+    CHECK(why.find("hops") != std::string::npos);
+    CHECK_FALSE(w::decode_relink(w::encode_relink(n.relay_plan.next), &why).has_value());
+  }
+  SUBCASE("a hop without an address, or with an address too long") {
+    for (std::string a : {std::string(), std::string(w::max_relay_address + 1, 'a')}) {
+      auto n = relay;
+      n.relay_plan.next[0].address = a;
+      CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+      CHECK(why.find("address") != std::string::npos);
+    }
+  }
+  SUBCASE("an unknown protection for the hops downstream") {
+    auto n = relay;
+    n.relay_plan.protect = 3;
+    CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+    CHECK(why.find("protection") != std::string::npos);
+  }
+  SUBCASE("a relay ticket with a download, a stream, or of the wrong size") {
+    auto n = sample_negotiation();
+    n.mode = Mode::download;
+    n.relay_ticket.assign(32, 1);
+    CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+    n.mode = Mode::upload;
+    n.relay_ticket.assign(31, 1);
+    CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+    n.relay_ticket.assign(32, 1);
+    n.open_ended = true;
+    n.file_size = 0;
+    CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+    CHECK(why.find("ticket") != std::string::npos);
+  }
+  SUBCASE("a report with an unknown state, a digest or key of the wrong size, too many skips") {
+    w::RelayReport r;
+    r.digest.assign(31, 1);
+    CHECK_FALSE(w::decode_report(w::encode(r), &why).has_value());
+    r.digest.clear();
+    r.upstream.assign(33, 1);
+    CHECK_FALSE(w::decode_report(w::encode(r), &why).has_value());
+    r.upstream.clear();
+    for (std::uint32_t i = 0; i <= w::max_relay_hops; ++i) r.skipped.push_back({i, errc::timeout, "x"});
+    CHECK_FALSE(w::decode_report(w::encode(r), &why).has_value());
+    r.skipped.clear();
+    auto bytes = w::encode(r);
+    auto ok = w::decode_report(bytes, &why);
+    REQUIRE(ok.has_value());
+    r.state = static_cast<w::RelayReport::State>(9);
+    CHECK_FALSE(w::decode_report(w::encode(r), &why).has_value());
+    CHECK(why.find("state") != std::string::npos);
+  }
+  SUBCASE("a report's messages come out as one bounded, escaped line") {
+    w::RelayReport r;
+    r.message = "line\nforged\x1b[2J" + std::string(2000, 'x');
+    r.upstream_message = "a\rb";
+    auto d = w::decode_report(w::encode(r), &why);
+    REQUIRE(d.has_value());
+    CHECK(d->message.find('\n') == std::string::npos);
+    CHECK(d->message.find('\x1b') == std::string::npos);
+    CHECK(d->message.size() < 600);
+    CHECK(d->upstream_message.find('\r') == std::string::npos);
   }
 }
 

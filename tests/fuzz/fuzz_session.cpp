@@ -41,6 +41,7 @@
 #include "xdfs/files.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/server.hpp"
+#include "xdfs/relay_registry.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdfs.hpp"
 #include "xdfs/xsec.hpp"
@@ -256,8 +257,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   config.allow_memory_mode = true;
   config.idle_timeout = std::chrono::milliseconds(60000);
   config.join_timeout = std::chrono::milliseconds(60000);
+  xdfs::runtime::RelayRegistry relays(xs::KeyPair::generate());
   xdfs::runtime::SessionEnv env{io, config, root_fd.get(), xdfs::SessionId::random(), "fuzz", "sfuzz0000-00000000",
                                 w::Opening{}, w::Negotiation{}, xdfs::runtime::Client{}, xs::Key32{}, budget, total_rate,
+                                &relays,
                                 [&](xdfs::SessionReport) { ++reports; }, [](const std::string&) {}};
   env.opening.protect = static_cast<std::uint8_t>(protect);
   env.nego.channel_count = n;

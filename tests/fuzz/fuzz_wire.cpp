@@ -10,7 +10,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   namespace w = xdfs::wire;
-  const std::uint8_t which = data[0] % 6;
+  const std::uint8_t which = data[0] % 8;
   std::span<const std::uint8_t> rest(data + 1, size - 1);
   std::string why;
   switch (which) {
@@ -55,6 +55,24 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           __builtin_trap();
         auto again = w::decode_opening(w::encode(*o), &why);
         if (!again || !(*again == *o)) __builtin_trap();
+      }
+      break;
+    case 6:
+      if (auto r = w::decode_report(rest, &why)) {
+        // A relay host's report: bounded lists, keys and digests of their size, printable lines.
+        if (r->skipped.size() > w::max_relay_hops || (r->digest.size() != 0 && r->digest.size() != 32) ||
+            (r->upstream.size() != 0 && r->upstream.size() != 32) || !xdfs::text::is_clean(r->message) ||
+            !xdfs::text::is_clean(r->upstream_message))
+          __builtin_trap();
+        for (const auto& s : r->skipped)
+          if (!xdfs::text::is_clean(s.message) || s.code == xdfs::errc::ok) __builtin_trap();
+      }
+      break;
+    case 7:
+      if (auto hops = w::decode_relink(rest, &why)) {
+        if (hops->size() > w::max_relay_hops) __builtin_trap();
+        auto again = w::decode_relink(w::encode_relink(*hops), &why);
+        if (!again || !(*again == *hops)) __builtin_trap();
       }
       break;
     case 4:

@@ -25,7 +25,7 @@ mkdir -p "$work"
 cxx="$(command -v clang++-14 || command -v clang++)"
 flags=(-std=c++20 -O"${XDFS_FUZZ_OPT:-1}" -g -fsanitize=fuzzer,"${XDFS_FUZZ_SANITIZE:-address,undefined}" -fno-sanitize-recover=undefined
        -Wno-\#pragma-messages
-       -I"$src/include" -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include"
+       -I"$src/include" -I"$src/framework/include" -I"$src/xftsm/include" -I"$src/pathm/include" -I"$src/relay/include"
        -I"$build/framework/schema" -I"$build/pathm/schema" -I"$build/pathm" -I/usr/include/botan-2)
 parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/framework/src/types.cpp" "$src/framework/src/rate.cpp"
          "$src/framework/src/text.cpp" "$src/framework/src/budget.cpp" "$src/framework/src/ranges.cpp"
@@ -35,7 +35,9 @@ parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/fram
 session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/framework/src/files.cpp" "$src/framework/src/session.cpp" "$src/framework/src/session_fsm.cpp"
          "$src/xftsm/src/cfsm.cpp"
          "$src/xftsm/src/transfer.cpp" "$src/xftsm/src/file_operation.cpp" "$src/pathm/src/fsops.cpp"
-         "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp")
+         "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp"
+         "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp"
+         "$src/xftsm/src/client.cpp" "$src/framework/src/client_session.cpp")
 libs=(-lcapnp -lkj -lbotan-2 -lfmt -lpthread)
 status=0
 for name in "${harnesses[@]}"; do
