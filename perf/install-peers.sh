@@ -9,7 +9,9 @@ pkgs=(
   globus-gass-copy-progs       # globus-url-copy
   python3-matplotlib           # plots (for /usr/bin/python3)
   libbenchmark-dev             # Google Benchmark for perf/micro
-  iproute2                     # ip netns, veth, tc (link mode)
+  iproute2                     # ip netns, veth, tc (link mode, the relay test bed)
+  uftp                         # multicast file transfer (relay.py)
+  udpcast                      # multicast file transfer (relay.py)
   procps                       # ps, pkill-free process inspection helpers
   tar
 )

@@ -94,7 +94,7 @@ attach() {  # NAME ADDRESS
   ip link set "v-$name" netns "$ns"
   ip link set "b-$name" netns xtb-br
   ip -n "$ns" link set "v-$name" name eth0
-  ip -n "$ns" addr add "$addr/24" dev eth0
+  ip -n "$ns" addr add "$addr/24" brd + dev eth0
   ip -n "$ns" link set lo up
   ip -n "$ns" link set eth0 up
   ip -n xtb-br link set "b-$name" master br0

@@ -739,6 +739,7 @@ TEST_CASE("relay: a plan, a report and a relink travel whole") {
   r.upstream.assign(32, 3);
   r.upstream_code = errc::integrity_error;
   r.upstream_message = "block at offset 0 does not match its digest";
+  r.relinks = 5;
   auto dr = w::decode_report(w::encode(r), &why);
   REQUIRE_MESSAGE(dr.has_value(), why);
   CHECK(*dr == r);

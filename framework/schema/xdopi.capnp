@@ -42,6 +42,7 @@ struct RelayReport {
   upstream @10 :Data;            # 32 bytes: the key of who fed it last (empty: nobody yet)
   upstreamCode @11 :UInt32;      # how the last upload into it ended, if it failed (errc; 0: it did not)
   upstreamMessage @12 :Text;
+  relinks @13 :UInt64;           # RELINKs it has heard so far (skipped counts hops of the last)
 }
 
 # Relay: the master gives a host new hops to forward to (event RELINK), replacing the plan's;

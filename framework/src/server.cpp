@@ -797,6 +797,18 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
   std::string why;
   auto nego = wire::decode_negotiation(r.payload, &why);
   if (!nego) return refuse(c, errc::protocol_error, "negotiation: " + why);
+  // An upload that feeds a place in a relay chain writes the place's file: what it names itself
+  // does not count.
+  std::shared_ptr<runtime::RelaySlot> slot;
+  if (!nego->relay_ticket.empty()) {
+    slot = relays->find(nego->relay_ticket);
+    if (slot) {
+      nego->remote_path = slot->path;
+      nego->file_size = slot->size;
+      nego->source_mtime_ns = slot->mtime_ns;
+      nego->fresh = false;
+    }
+  }
   errc code = errc::ok;
   if (auto bad = check(*nego, code); !bad.empty()) return refuse(c, code, bad);
   // Who it is and what it may do.
@@ -812,7 +824,6 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
   if (!nego->relay_ticket.empty()) {
     // An upload that feeds a place in a relay chain: registered here by its master, whose rights
     // it writes with, whoever sends it (the master, or the xdfsd upstream it gave the ticket).
-    auto slot = relays->find(nego->relay_ticket);
     if (!slot || slot->cancel.load())
       return refuse(c, errc::auth_failed, who + " offers a relay ticket that no relay here holds");
     if (nego->block_size != slot->block_size)
@@ -821,10 +832,6 @@ void Server::Impl::on_established(const ConnPtr& c, xsec::HandshakeResult r) {
     perm = keys->find(slot->master);
     if (!perm) return refuse(c, errc::auth_failed, "the relay's master key is no longer in the server's authorized keys");
     if (!perm->write) return refuse(c, errc::permission_denied, "the relay's master key may only download (read-only)");
-    nego->remote_path = slot->path;
-    nego->file_size = slot->size;
-    nego->source_mtime_ns = slot->mtime_ns;
-    nego->fresh = false;
     int fd = ::fcntl(slot->root.get(), F_DUPFD_CLOEXEC, 3);
     if (fd < 0) return refuse(c, errc_from_errno(errno), std::string("relay root: ") + std::strerror(errno));
     confined = files::Fd(fd);

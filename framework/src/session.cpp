@@ -122,6 +122,7 @@ private:
   // Every operation, refused ones too, takes its transfer number: a later one must be above it.
   std::string check(const wire::Negotiation& n, errc& code) {
     code = errc::bad_argument;
+    const bool later = numbered_;  // not the session's first operation (which came in its handshake)
     // The session's own parameters were checked against the server's limits when the session
     // was admitted (the first negotiation, env_.nego); no operation may change them.
     if (numbered_ && n.transfer <= last_transfer_)
@@ -134,8 +135,14 @@ private:
         n.tcp_window != first.tcp_window || n.extended_flags != first.extended_flags)
       return "channel count, block size, TCP window and flags are the session's and cannot change";
     if (auto why = check_operation(env_.config, n, env_.client.write, code); !why.empty()) return why;
-    // The ticket was checked with the session's first operation: a later one cannot bring one.
-    if (!n.relay_ticket.empty() && ops_ > 0) return "a relayed upload opens a session of its own";
+    // A ticket is checked when a session is admitted, with its first operation: a later one
+    // cannot bring one, and a session admitted by one carries that upload and nothing else (it
+    // holds the relay's master's rights only for the place's file).
+    if (later && !n.relay_ticket.empty()) return "a relayed upload opens a session of its own";
+    if (later && !env_.nego.relay_ticket.empty()) {
+      code = errc::permission_denied;
+      return "a session that feeds a relay carries that upload and nothing else";
+    }
     code = errc::not_supported;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) return {};

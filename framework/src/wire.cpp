@@ -271,6 +271,7 @@ std::vector<std::uint8_t> encode(const RelayReport& rep) {
   r.setUpstream(kj::arrayPtr(rep.upstream.data(), rep.upstream.size()));
   r.setUpstreamCode(static_cast<std::uint32_t>(rep.upstream_code));
   r.setUpstreamMessage(rep.upstream_message);
+  r.setRelinks(rep.relinks);
   auto sk = r.initSkipped(static_cast<unsigned>(rep.skipped.size()));
   for (unsigned i = 0; i < sk.size(); ++i) {
     sk[i].setHop(rep.skipped[i].hop);
@@ -469,6 +470,7 @@ std::optional<RelayReport> decode_report(std::span<const std::uint8_t> b, std::s
     rep.upstream.assign(up.begin(), up.end());
     rep.upstream_code = r.getUpstreamCode() == 0 ? errc::ok : errc_from_wire(r.getUpstreamCode());
     rep.upstream_message = one_line(r.getUpstreamMessage());
+    rep.relinks = r.getRelinks();
     return rep;
   });
 }

@@ -114,7 +114,7 @@ void forward(const std::shared_ptr<RelaySlot>& slot, TransferOptions base,
       log(fmt::format("relay of '{}': passing over {} ({}): {}", text::escape(slot->path), text::escape(hop.address),
                       to_string(code), text::escape(why)));
       std::lock_guard lock(slot->m);
-      slot->skipped.push_back({i, code, why});
+      if (slot->skipped.size() < wire::max_relay_hops) slot->skipped.push_back({i, code, why});
     }
     slot->forwarding.store(false);
     {

@@ -67,7 +67,9 @@ struct Place {
   bool moved = false;     // moved to the end once already
   bool released = false;  // EOFR sent: the chain is done
   Clock::time_point whole_at{}, moved_at{};
-  Clock::time_point progress_at{};  // when its verified bytes last grew
+  Clock::time_point progress_at{};  // when its verified bytes last grew past `most`
+  std::uint64_t most = 0;
+  std::uint64_t relinks_sent = 0;   // RELINKs sent to it: its reports' skips count from the last
   Clock::time_point slow_since{};   // since when it has looked too slow for its place
   std::deque<std::pair<Clock::time_point, std::uint64_t>> samples;  // verified over the last seconds
   std::vector<wire::RelayHop> sent_next;
@@ -139,7 +141,10 @@ void read_reports(Chain& chain, Place& p) {
           std::lock_guard lock(chain.m);
           const auto now = Clock::now();
           r->verified = std::min(r->verified, chain.size);
-          if (!p.reported || r->verified != p.last.verified) p.progress_at = now;
+          if (!p.reported || r->verified > p.most) {
+            p.progress_at = now;
+            p.most = r->verified;
+          }
           p.last = *r;
           p.reported = true;
           p.host.verified = r->verified;
@@ -255,7 +260,6 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
   // A host that is this machine's own source... is simply a host: it gets its copy like the rest.
   chain.t0 = Clock::now();
   for (auto* p : order) p->progress_at = chain.t0;
-  for (auto* p : order) p->reader = std::thread([&chain, p] { read_reports(chain, *p); });
 
   // The source's own forwarder: the whole file is there, to the first host that takes it.
   auto feeder = std::make_shared<runtime::RelaySlot>();
@@ -307,6 +311,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       }
     }
   } joiner{feeder, feeding, chain};
+  for (auto* p : order) p->reader = std::thread([&chain, p] { read_reports(chain, *p); });
 
   std::size_t feeder_skips_seen = 0;
   // Routes every host to what follows it in `order` now; only those whose next hops changed hear it.
@@ -328,6 +333,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       if (p.sent_next == next) continue;
       p.sent_next = next;
       p.skips_seen = 0;
+      ++p.relinks_sent;
       tell(p, wire::ChannelEvent::relink, wire::encode_relink(next));
     }
   };
@@ -364,15 +370,32 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
           changed = true;
           continue;
         }
-        // Stalled, by its own word (nothing fed it for the server's idle timeout) or by ours.
+      }
+      // Stalled, by its own word (nothing fed it for the server's idle timeout) or by ours: only
+      // the first such host whose upstream has more than it (those after it wait on it), one at
+      // a time (the chain changes, and every clock starts again).
+      for (std::size_t i = 0; !released && !cancel && !changed && i < order.size(); ++i) {
+        auto* p = order[i];
         const bool stuck = p->reported && p->last.state == State::failed;
         const bool still = p->last.state != State::whole && now - p->progress_at >= options.idle_timeout;
-        if (stuck || still) {
+        const bool ahead = i == 0 || order[i - 1]->last.verified > p->last.verified;
+        if ((stuck || still) && ahead) {
           drop(*p, stuck ? p->last.code : errc::timeout,
                stuck ? p->last.message : fmt::format("no progress for {} s", options.idle_timeout.count() / 1000));
           changed = true;
         }
       }
+      // Whole, but not the source's file: dropped at once.
+      std::string source_digest;
+      {
+        std::lock_guard f(feeder->m);
+        source_digest = feeder->sent_digest;
+      }
+      for (auto* p : released || source_digest.empty() ? std::vector<Place*>{} : std::vector<Place*>(order))
+        if (p->reported && p->last.state == State::whole && hex(p->last.digest) != source_digest) {
+          drop(*p, errc::integrity_error, "its whole-file digest " + hex(p->last.digest) + " is not the source's");
+          changed = true;
+        }
       // A host whose copy is damaged: the host after it says its blocks failed their digests.
       // Only the host the master itself routed to feed it can be blamed: a host cannot get any
       // other dropped by naming it.
@@ -391,16 +414,16 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       }
       // A host passed over by the one before it (that one could not feed it) while it still
       // answers here: the one before goes back to it, three times; then it is dropped.
+      // (A hop still fed by the upstream it is leaving, or left because the chain changed, says
+      // nothing against it.)
       auto passed_over = [&](const std::vector<wire::RelayReport::Skip>& skipped, const std::vector<wire::RelayHop>& hops,
                              std::size_t& seen) {
-        for (; seen < skipped.size(); ++seen) {
-          const auto& sk = skipped[seen];
-          if (sk.hop >= hops.size()) continue;
+        while (seen < skipped.size()) {
+          const auto& sk = skipped[seen++];
+          if (sk.hop >= hops.size() || sk.code == errc::limit_exceeded || sk.code == errc::cancelled) continue;
           for (auto* q : std::vector<Place*>(order))
             if (q->hop == hops[sk.hop] && !q->dropped && q->last.state != State::whole) {
-              if (++q->passed > 3) {
-                drop(*q, sk.code, "the host before it could not feed it: " + sk.message);
-              }
+              if (++q->passed > 3) drop(*q, sk.code, "the host before it could not feed it: " + sk.message);
               changed = true;
               return true;
             }
@@ -409,7 +432,9 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       };
       for (std::size_t i = 0; !released && i < order.size(); ++i) {
         auto& u = *order[i];
-        if (u.reported && passed_over(u.last.skipped, u.sent_next, u.skips_seen)) u.sent_next.clear();
+        // Its skips count hops of the list it heard last: one it has not heard yet says nothing.
+        if (u.reported && u.last.relinks == u.relinks_sent && passed_over(u.last.skipped, u.sent_next, u.skips_seen))
+          u.sent_next.clear();
       }
       if (!released) {
         std::lock_guard f(feeder->m);
@@ -440,9 +465,12 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       }
       if (changed) {
         relink_all();
-        // Rates from before the chain changed say nothing of it now.
+        // Rates and stalls from before the chain changed say nothing of it now.
         last_change = now;
-        for (auto* p : order) p->samples.clear();
+        for (auto* p : order) {
+          p->samples.clear();
+          p->progress_at = now;
+        }
       }
       // Done: every host of the chain whole and none still forwarding; then each is released.
       bool done = true;

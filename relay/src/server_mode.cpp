@@ -21,8 +21,12 @@
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "xdfs/client.hpp"
@@ -67,6 +71,14 @@ public:
     if (env_.config.max_file_size == 0)
       if (auto st = files::check_room(dirfd.get(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
         return refuse(st.code, st.message);
+    // The digests of the blocks it receives stay while the place does (32 bytes a block).
+    const std::uint64_t blocks = nego_.file_size / nego_.block_size + 1;
+    auto held = Reservation::take(&env_.budget, static_cast<std::size_t>(blocks * manifest::digest_size));
+    if (!held)
+      return refuse(errc::limit_exceeded, fmt::format("the server's memory for sessions cannot hold the {} block digests "
+                                                      "of this relay now; try again later",
+                                                      blocks));
+    digests_ = std::move(*held);
     auto slot = std::make_shared<RelaySlot>();
     slot->plan = plan;
     slot->path = nego_.remote_path;
@@ -139,6 +151,7 @@ private:
     r.upstream = s.upstream;
     r.upstream_code = s.upstream_code;
     r.upstream_message = s.upstream_message;
+    r.relinks = s.relinks_heard;
     if (r.verified != seen_ || s.feeding || s.whole) {
       seen_ = r.verified;
       last_move_ = Clock::now();
@@ -154,7 +167,20 @@ private:
 
   void tick() {
     if (ended_ || final_sent_) return;
-    env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(report()));
+    // One report in flight at a time: a master that does not read gets no pile of them, and one
+    // that reads nothing for the idle timeout loses its place.
+    const auto now = Clock::now();
+    if (!report_out_) {
+      report_out_ = true;
+      sent_at_ = now;
+      env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(report()),
+                                     [this](const xdsi::ErrorCode& ec) {
+                                       if (ended_ || ec) return;
+                                       report_out_ = false;
+                                     });
+    } else if (now - sent_at_ > env_.config.idle_timeout) {
+      return fail(errc::timeout, fmt::format("the master read no report for {} s", env_.config.idle_timeout.count() / 1000));
+    }
     tick_.expires_after(std::chrono::milliseconds(250));
     tick_.async_wait([this](const xdsi::ErrorCode& ec) {
       if (!ec) tick();
@@ -183,21 +209,36 @@ private:
   // RELINK: new hops for the forwarder, which drops the one it feeds.
   // Whether every hop is one of this server's relay peers (ServerConfig::relay_peers): a client
   // must not make it connect wherever it likes. `why` names the first that is not.
+  // A peer is a key at the addresses its line names: nothing else is ever connected to.
   bool peers_allowed(const std::vector<wire::RelayHop>& hops, std::string& why) const {
     const auto& file = env_.config.relay_peers;
-    xsec::AuthorizedKeys peers;
-    try {
-      if (::access(file.c_str(), F_OK) == 0) peers = xsec::AuthorizedKeys::load(file);
-    } catch (const Error& e) {
-      why = std::string("this server's relay peers: ") + e.what();
-      return false;
+    std::map<xsec::Key32, std::vector<std::string>> peers;
+    if (::access(file.c_str(), F_OK) == 0) {
+      std::ifstream in(file);
+      std::string line;
+      for (int n = 1; std::getline(in, line); ++n) {
+        std::istringstream words(line);
+        std::string kind, key, at;
+        if (!(words >> kind) || kind[0] == '#') continue;
+        auto pub = (words >> key) ? xsec::parse_public(kind + " " + key) : std::nullopt;
+        std::vector<std::string> where;
+        while (words >> at) where.push_back(at);
+        if (!pub || where.empty()) {
+          why = fmt::format("this server's relay peers {}:{}: expected 'xdfs-x25519 KEY HOST:PORT...'", file, n);
+          return false;
+        }
+        auto& list = peers[*pub];
+        list.insert(list.end(), where.begin(), where.end());
+      }
     }
-    for (const auto& h : hops)
-      if (!peers.find(h.server_key)) {
+    for (const auto& h : hops) {
+      auto it = peers.find(h.server_key);
+      if (it == peers.end() || std::find(it->second.begin(), it->second.end(), h.address) == it->second.end()) {
         why = "this server may not forward to " + text::escape(h.address) + " (key " + xsec::fingerprint(h.server_key) +
-              "): it is not among its relay peers in " + file;
+              "): that key at that address is not among its relay peers in " + file;
         return false;
       }
+    }
     return true;
   }
 
@@ -209,6 +250,7 @@ private:
                            slot_->next_hops[now] == hops[0];
     slot_->next_hops = std::move(hops);
     ++slot_->relinks;
+    ++slot_->relinks_heard;
     slot_->skipped.clear();
     slot_->forward_done = false;
     if (!same_head) slot_->hop_cancel.store(true);
@@ -288,6 +330,9 @@ private:
   Clock::time_point started_{}, last_move_{};
   std::uint64_t seen_ = 0;
   bool final_sent_ = false;
+  bool report_out_ = false;       // a report is queued and not yet on the wire
+  Clock::time_point sent_at_{};
+  Reservation digests_;           // the block digests the place keeps, in the server's memory budget
   bool ended_ = false;
 };
 

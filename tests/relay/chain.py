@@ -37,6 +37,10 @@ pub = subprocess.run([XDUC, "keygen"], env=env, check=True, capture_output=True,
 failures: list[str] = []
 
 
+def addr(i: int) -> str:
+    return os.environ[f"XTB_ADDR_{i}"]
+
+
 def state_dir(i: int) -> str:
     return os.path.join(work, f"state-h{i}")  # one key per host for every case (pinned once)
 
@@ -50,7 +54,7 @@ def make_peers() -> None:
     for i in range(1, K + 1):
         os.makedirs(state_dir(i), exist_ok=True)
         keys.append(subprocess.run([XDFSD, "--root", empty, "--state-dir", state_dir(i), "--print-key"],
-                                   check=True, capture_output=True, text=True).stdout.strip())
+                                   check=True, capture_output=True, text=True).stdout.strip() + f" {addr(i)}:7721")
     for i in range(1, K + 1):
         with open(os.path.join(state_dir(i), "relay_peers"), "w") as f:
             f.write("".join(k + "\n" for k in keys))
@@ -71,10 +75,6 @@ def sha(path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-def addr(i: int) -> str:
-    return os.environ[f"XTB_ADDR_{i}"]
 
 
 def url(i: int, path: str = "in/") -> str:

@@ -295,6 +295,10 @@ private:
     auto slot = env_.relays ? env_.relays->find(nego_.relay_ticket) : nullptr;
     if (!slot || slot->cancel.load()) return files::Status{errc::auth_failed, "no relay here holds that ticket"};
     if (!p.manifest) return files::Status{errc::bad_argument, "a relayed upload needs the content manifest"};
+    // The listener gave it the place's file; anything else is not this relay.
+    if (nego_.remote_path != slot->path || nego_.file_size != slot->size || nego_.source_mtime_ns != slot->mtime_ns ||
+        nego_.open_ended)
+      return files::Status{errc::permission_denied, "a relayed upload writes its relay's file and nothing else"};
     std::lock_guard lock(slot->m);
     if (slot->whole) return files::Status{errc::bad_argument, "the relay's file is whole here already"};
     if (slot->feeding) return files::Status{errc::limit_exceeded, "another upload feeds this relay now"};
@@ -309,6 +313,7 @@ private:
                            "the relay's partial file was not kept (xdfsd --partial-expiry 0): it cannot go on here"};
     if (slot->file && !same) {
       ++slot->relinks;  // the forwarder reads the old one: it starts again with this one
+      slot->skipped.clear();
       slot->hop_cancel.store(true);
     }
     if (!same) {

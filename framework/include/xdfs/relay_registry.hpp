@@ -97,7 +97,8 @@ struct RelaySlot {
   std::string sent_digest;       ///< hex: the whole-file digest of its last upload that ended well
   files::Fd file;                ///< the file the uploads write, for the forwarder (read only)
   std::vector<wire::RelayHop> next_hops;  ///< where the forwarder goes (the plan's, then RELINKs')
-  std::uint64_t relinks = 0;          ///< RELINKs so far: the forwarder starts over when it moves
+  std::uint64_t relinks = 0;          ///< changes of hops or file: the forwarder starts over when it moves
+  std::uint64_t relinks_heard = 0;    ///< RELINKs from the master (for its reports)
   std::vector<std::uint8_t> upstream; ///< the key of who fed it last
   errc upstream_code = errc::ok;      ///< how the last upload into it failed (ok: it did not)
   std::string upstream_message;

@@ -229,6 +229,7 @@ struct RelayReport {
   std::vector<std::uint8_t> upstream;  ///< 32 bytes: the key of who fed it last (empty: nobody yet)
   errc upstream_code = errc::ok;     ///< the last upload into it failed so (ok: it did not)
   std::string upstream_message;
+  std::uint64_t relinks = 0;         ///< RELINKs heard so far: `skipped` counts the hops of the last
   bool operator==(const RelayReport&) const = default;
 };
 
