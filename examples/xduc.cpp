@@ -59,6 +59,7 @@ const char* usage =
     "those xdfsd servers in the order given: each verifies every block, writes it and forwards it\n"
     "at once, so the file leaves this machine about once and the last host has it about as soon as\n"
     "the first. A host that fails is passed over and named; the others finish. A line per host.\n"
+    "Blocks are 256K there unless --block-size says otherwise (a host forwards a block once whole).\n"
     "  --hosts FILE           more DSTs for a chain, one xdfs:// URL a line (# comments skipped)\n"
     "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
     "                         (default: xduc-failed-hosts in the current directory)\n"
@@ -564,6 +565,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> positional;
   std::string files_from;
   std::string hosts_file;
+  bool block_size_given = false;
   std::string failed_hosts = "xduc-failed-hosts";
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
@@ -584,6 +586,7 @@ int main(int argc, char** argv) {
       if (!v || *v < xdfs::wire::min_block_size || *v > xdfs::wire::max_block_size)
         bad("--block-size takes a size from 4K to 64M, e.g. 1M");
       opt.block_size = static_cast<std::uint32_t>(*v);
+      block_size_given = true;
     } else if (a == "--tcp-window") {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v || *v < 4096 || *v > (1ull << 30)) bad("--tcp-window takes a size from 4K to 1G");
@@ -769,6 +772,8 @@ int main(int argc, char** argv) {
         if (!xdfs::cli::is_url(h)) bad("'" + shown(h) + "' is not an xdfs:// URL (a chain's hosts are remote)");
       if (positional[0] == "-") bad("a chain to several hosts takes a file, not standard input");
       if (opt.memory) bad("--memory does not go with several hosts");
+      // Every host forwards a block once it has it whole: smaller blocks fill the chain sooner.
+      if (!block_size_given) opt.block_size = 256 * 1024;
       return copy_to_hosts(positional[0], hosts, opt, failed_hosts, quiet, json);
     }
   }

@@ -352,7 +352,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
   auto released_at = Clock::now();
   auto last_change = chain.t0;
   for (;;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     const auto now = Clock::now();
     const bool cancel = cancelled_at_start || (options.cancel && options.cancel->load());
     {

@@ -6,7 +6,7 @@
 //   master                         this xdfsd
 //   NEGO(relay, plan)      ──▶     register the place under plan.ticket
 //                          ◀──     NEGO_REPLY
-//                          ◀──     REPORT (four times a second: verified, forwarded, state)
+//                          ◀──     REPORT (ten times a second: verified, forwarded, state)
 //   RELINK(hops)           ──▶     the forwarder drops its hop and feeds these instead
 //   EOFR                   ──▶     (the whole chain is done) the forwarder stops
 //                          ◀──     REPORT(final), EOFR; the place is removed, the session is
@@ -181,7 +181,7 @@ private:
     } else if (now - sent_at_ > env_.config.idle_timeout) {
       return fail(errc::timeout, fmt::format("the master read no report for {} s", env_.config.idle_timeout.count() / 1000));
     }
-    tick_.expires_after(std::chrono::milliseconds(250));
+    tick_.expires_after(std::chrono::milliseconds(100));
     tick_.async_wait([this](const xdsi::ErrorCode& ec) {
       if (!ec) tick();
     });

@@ -1,0 +1,304 @@
+#!/usr/bin/python3
+"""One file to many hosts, side by side on the namespace test bed (scripts/testbed.sh: one source
+and K hosts on a bridge, each link tbf-limited to the same rate both ways, an xdfsd on each host):
+
+    perf/relay.py [--xdfs-bin DIR] [--hosts 8] [--rate 200mbit] [--size 256M] [--reps 3]
+                  [--tools one,chain,star,serial,uftp,udpcast] [--protect clear] [--smoke]
+
+Per tool, the time until the last host has the file (byte for byte, checked) and the bytes that
+left the source on its link, medians over the runs, the tools taking turns:
+  one     xduc to the first host only (what "time to one host" means)
+  chain   xduc SRC to all K hosts through the relay chain
+  star    K xduc copies at once, one to each host
+  serial  K xduc copies, one after another
+  uftp    uftp multicast to K uftpd (closed group, at 95% of the link rate)
+  udpcast udp-sender multicast to K udp-receiver (at 95% of the link rate)
+xDFS runs in --protect clear by default (the multicast tools neither encrypt nor authenticate);
+every xDFS block is still checked against its digest. Results go to perf/results/relay.json and,
+with matplotlib, perf/plots/relay.png. Timings are printed, never judged: --smoke (4 hosts,
+4 MiB, 1 run, xDFS only) fails only when a copy fails or differs. Run it with nothing else busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BED = os.path.join(HERE, "..", "scripts", "testbed.sh")
+
+
+def fail(msg: str) -> None:
+    print(f"relay.py: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.upper().rstrip("B").rstrip("I")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def rate_bits(rate: str) -> int:
+    r = rate.lower()
+    for unit, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if r.endswith(unit):
+            return int(float(r[: -len(unit)]) * mult)
+    fail(f"--rate {rate}: give it as tc does, e.g. 200mbit")
+    return 0
+
+
+def sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def netns(i: int | None) -> list[str]:
+    return ["ip", "netns", "exec", os.environ["XTB_SRC"] if i is None else os.environ[f"XTB_NS_{i}"]]
+
+
+def addr(i: int) -> str:
+    return os.environ[f"XTB_ADDR_{i}"]
+
+
+def src_tx() -> int:
+    out = subprocess.run([BED, "bytes", "src"], check=True, capture_output=True, text=True).stdout.split()
+    return int(out[0])
+
+
+class Bed:
+    """The hosts' xdfsd servers and directories, inside the test bed."""
+
+    def __init__(self, a: argparse.Namespace, work: str) -> None:
+        self.a = a
+        self.k = int(os.environ["XTB_HOSTS"])
+        self.work = work
+        self.xduc = os.path.join(a.xdfs_bin, "xduc")
+        self.xdfsd = os.path.join(a.xdfs_bin, "xdfsd")
+        self.env = dict(os.environ, XDFS_CONFIG_DIR=os.path.join(work, "cfg"))
+        pub = subprocess.run([self.xduc, "keygen"], env=self.env, check=True, capture_output=True, text=True).stdout.strip()
+        empty = os.path.join(work, "empty")
+        os.makedirs(empty)
+        keys = []
+        for i in range(1, self.k + 1):
+            st = self.state(i)
+            os.makedirs(st)
+            os.makedirs(self.dest(i))
+            with open(os.path.join(st, "authorized_keys"), "w") as f:
+                f.write(f"{pub} rw\n")
+            keys.append(subprocess.run([self.xdfsd, "--root", empty, "--state-dir", st, "--print-key"], check=True,
+                                       capture_output=True, text=True).stdout.strip() + f" {addr(i)}:7721")
+        self.servers = []
+        for i in range(1, self.k + 1):
+            with open(os.path.join(self.state(i), "relay_peers"), "w") as f:
+                f.write("".join(k + "\n" for k in keys))
+            log = open(os.path.join(work, f"h{i}.log"), "ab")
+            self.servers.append(subprocess.Popen(
+                netns(i) + [self.xdfsd, "--root", self.root(i), "--state-dir", self.state(i), "--listen",
+                            f"{addr(i)}:7721"], stdout=log, stderr=log))
+        for i in range(1, self.k + 1):
+            for _ in range(100):
+                if subprocess.run(netns(None) + ["python3", "-c", f"import socket; socket.create_connection(('{addr(i)}', 7721), 0.2)"],
+                                  capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.05)
+
+    def root(self, i: int) -> str:
+        return os.path.join(self.work, f"h{i}", "root")
+
+    def dest(self, i: int) -> str:
+        return os.path.join(self.root(i), "in")
+
+    def state(self, i: int) -> str:
+        return os.path.join(self.work, f"h{i}", "state")
+
+    def url(self, i: int) -> str:
+        return f"xdfs://{addr(i)}:7721/in/"
+
+    def clear(self) -> None:
+        for i in range(1, self.k + 1):
+            shutil.rmtree(self.dest(i))
+            os.makedirs(self.dest(i))
+
+    def xduc_cmd(self, *args: str) -> list[str]:
+        return netns(None) + [self.xduc, "-q", "-p", str(self.a.streams), "--protect", self.a.protect, "--retries", "0",
+                              "--no-resume", *args]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.terminate()
+        for s in self.servers:
+            try:
+                s.wait(10)
+            except subprocess.TimeoutExpired:
+                s.kill()
+
+
+def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
+    """Runs one copy; returns (seconds until the last host has it, bytes the source sent, hosts reached)."""
+    k = 1 if tool == "one" else bed.k
+    rate_kbps = int(rate_bits(bed.a.rate) * 0.95 / 1000)
+    bed.clear()
+    before = src_tx()
+    t0 = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if tool in ("one", "chain"):
+        cmd = bed.xduc_cmd(src, *[bed.url(i) for i in range(1, k + 1)])
+        subprocess.run(cmd, env=bed.env, cwd=bed.work, **quiet)
+    elif tool == "star":
+        procs = [subprocess.Popen(bed.xduc_cmd(src, bed.url(i)), env=bed.env, **quiet) for i in range(1, k + 1)]
+        for p in procs:
+            p.wait()
+    elif tool == "serial":
+        for i in range(1, k + 1):
+            subprocess.run(bed.xduc_cmd(src, bed.url(i)), env=bed.env, **quiet)
+    elif tool == "uftp":
+        rx = [subprocess.Popen(netns(i) + ["uftpd", "-d", "-x", "0", "-D", bed.dest(i), "-I", "eth0"], **quiet)
+              for i in range(1, k + 1)]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        before = src_tx()
+        subprocess.run(netns(None) + ["uftp", "-I", "eth0", "-R", str(rate_kbps), "-x", "0", "-C", "none",
+                                      "-H", ",".join(addr(i) for i in range(1, k + 1)), src], **quiet)
+        for p in rx:
+            p.terminate()
+            p.wait()
+    elif tool == "udpcast":
+        rx = [subprocess.Popen(netns(i) + ["udp-receiver", "--interface", "eth0", "--nokbd", "--no-progress",
+                                          "--file", os.path.join(bed.dest(i), os.path.basename(src))], **quiet)
+              for i in range(1, k + 1)]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        before = src_tx()
+        subprocess.run(netns(None) + ["udp-sender", "--interface", "eth0", "--nokbd", "--no-progress", "--min-receivers",
+                                      str(k), "--max-bitrate", f"{rate_kbps // 1000}m", "--file", src], **quiet)
+        for p in rx:
+            p.wait(60)
+    else:
+        fail(f"unknown tool {tool}")
+    seconds = time.monotonic() - t0
+    sent = src_tx() - before
+    want = sha(src)
+    reached = sum(1 for i in range(1, k + 1)
+                  if os.path.exists(f := os.path.join(bed.dest(i), os.path.basename(src))) and sha(f) == want)
+    return seconds, sent, reached
+
+
+def inside(a: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="xdfs-relay-perf-", dir=a.dir)
+    bed = Bed(a, work)
+    size = parse_size(a.size)
+    src = os.path.join(work, "src.bin")
+    with open(src, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 1 << 24)
+            f.write(os.urandom(n))
+            left -= n
+    tools = a.tools.split(",")
+    results: dict[str, list[tuple[float, int, int]]] = {t: [] for t in tools}
+    try:
+        for rep in range(a.reps):
+            for tool in tools:
+                r = run_tool(bed, tool, src)
+                results[tool].append(r)
+                print(f"# run {rep + 1} {tool}: {r[0]:.2f} s, {r[1] / size:.3f} x the data from the source, "
+                      f"{r[2]} hosts whole", flush=True)
+    finally:
+        bed.stop()
+    one = statistics.median(r[0] for r in results["one"]) if "one" in results else None
+    print(f"\n# One file ({a.size}) to {bed.k} hosts, {a.rate} links both ways, -p {a.streams}, xDFS --protect "
+          f"{a.protect}; medians of {a.reps} runs taking turns; {os.cpu_count()} CPUs\n")
+    print("| tool | hosts whole | time to the last host (s) | x time to one host | source link bytes / data |")
+    print("|---|---|---|---|---|")
+    table = {}
+    bad = False
+    for tool in tools:
+        rs = results[tool]
+        t = statistics.median(r[0] for r in rs)
+        b = statistics.median(r[1] for r in rs) / size
+        whole = min(r[2] for r in rs)
+        k = 1 if tool == "one" else bed.k
+        bad |= tool in ("one", "chain", "star", "serial") and whole != k
+        table[tool] = {"seconds": t, "source_bytes_per_data": b, "hosts_whole": whole, "hosts": k,
+                       "runs": [list(r) for r in rs]}
+        print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {b:.3f} |" if one else
+              f"| {tool} | {whole}/{k} | {t:.2f} | - | {b:.3f} |")
+    out = {"hosts": bed.k, "rate": a.rate, "size": size, "streams": a.streams, "protect": a.protect, "reps": a.reps,
+           "tools": table}
+    if not a.smoke:
+        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+        with open(os.path.join(HERE, "results", "relay.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        plot(out)
+    shutil.rmtree(work, ignore_errors=True)
+    if bad:
+        fail("an xDFS copy did not reach every host whole")
+
+
+def plot(out: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    tools = list(out["tools"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(tools, [out["tools"][t]["seconds"] for t in tools])
+    ax1.set_ylabel("seconds until the last host has the file")
+    ax2.bar(tools, [out["tools"][t]["source_bytes_per_data"] for t in tools])
+    ax2.set_ylabel("bytes on the source's link / file size")
+    fig.suptitle(f"{out['size'] >> 20} MiB to {out['hosts']} hosts, {out['rate']} links")
+    fig.tight_layout()
+    os.makedirs(os.path.join(HERE, "plots"), exist_ok=True)
+    fig.savefig(os.path.join(HERE, "plots", "relay.png"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--xdfs-bin", default=os.path.join(HERE, "..", "build-perf", "examples"))
+    p.add_argument("--hosts", type=int, default=8)
+    p.add_argument("--rate", default="200mbit")
+    p.add_argument("--size", default="256M")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--protect", default="clear")
+    p.add_argument("--tools", default="one,chain,star,serial,uftp,udpcast")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.xdfs_bin = os.path.abspath(a.xdfs_bin)
+    if a.smoke:
+        a.hosts, a.size, a.reps, a.tools = 4, "4M", 1, "one,chain"
+    if a.inside:
+        return inside(a)
+    for tool in a.tools.split(","):
+        need = {"uftp": "uftp", "udpcast": "udp-sender"}.get(tool)
+        if need and not shutil.which(need):
+            fail(f"{need} is missing: perf/install-peers.sh installs it")
+    args = [sys.executable, os.path.abspath(__file__), "--inside", "--xdfs-bin", a.xdfs_bin, "--size", a.size, "--reps",
+            str(a.reps), "--streams", str(a.streams), "--protect", a.protect, "--tools", a.tools, "--rate", a.rate]
+    if a.dir:
+        args += ["--dir", a.dir]
+    if a.smoke:
+        args.append("--smoke")
+    r = subprocess.run([BED, "--quiet", "--hosts", str(a.hosts), "--rate", a.rate, "--", *args])
+    sys.exit(r.returncode)
+
+
+if __name__ == "__main__":
+    main()
