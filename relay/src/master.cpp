@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -76,6 +77,11 @@ struct Place {
   double peak = 0;        // its best rate over a window, bytes/s
   unsigned passed = 0;    // times the host before it passed it over and was sent back to it
   std::size_t skips_seen = 0;  // of its own report's skipped list, those acted on
+  // Lost or stalled, it may come back: registered again, at the end of the chain.
+  bool rejoinable = false;
+  std::future<std::unique_ptr<Session>> coming;
+  std::array<std::uint8_t, 32> coming_ticket{};
+  Clock::time_point tried_at{};
 };
 
 struct Chain {
@@ -337,6 +343,28 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       tell(p, wire::ChannelEvent::relink, wire::encode_relink(next));
     }
   };
+  // Registers a place again, on a thread of its own (a host that is down takes a connect
+  // timeout to say so): as the chain's last host, fed by the one before it.
+  auto try_rejoin = [&](Place& p, Clock::time_point now) {
+    wire::Negotiation n;
+    n.mode = Mode::relay;
+    n.remote_path = p.path;
+    n.file_size = size;
+    n.source_mtime_ns = mtime;
+    xsec::random_fill(n.relay_plan.ticket);
+    n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
+    n.relay_plan.channels = options.channels;
+    SessionOptions o = control;
+    o.connect_timeout = std::chrono::milliseconds(3000);
+    o.notice = nullptr;
+    p.coming_ticket = n.relay_plan.ticket;
+    p.tried_at = now;
+    p.coming = std::async(std::launch::async, [o, n, where = p.target.server]() {
+      auto s = std::make_unique<Session>(where, o);
+      (void)s->begin(n);
+      return s;
+    });
+  };
   auto drop = [&](Place& p, errc code, const std::string& why) {
     p.dropped = true;
     if (p.host.code == errc::ok) {
@@ -367,6 +395,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
         if (p->gone) {
           drop(*p, p->host.code == errc::ok ? errc::peer_aborted : p->host.code,
                p->host.message.empty() ? "its session ended" : p->host.message);
+          p->rejoinable = true;
           changed = true;
           continue;
         }
@@ -382,8 +411,44 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
         if ((stuck || still) && ahead) {
           drop(*p, stuck ? p->last.code : errc::timeout,
                stuck ? p->last.message : fmt::format("no progress for {} s", options.idle_timeout.count() / 1000));
+          p->rejoinable = true;
           changed = true;
         }
+      }
+      // A host that was lost and answers again is fed from what it has, at the end of the chain.
+      for (auto& pp : chain.places) {
+        auto& p = *pp;
+        if (released || cancel || !p.rejoinable || !p.dropped) continue;
+        if (!p.coming.valid()) {
+          if (now - p.tried_at >= std::chrono::seconds(1)) try_rejoin(p, now);
+          continue;
+        }
+        if (p.coming.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+        std::unique_ptr<Session> back;
+        try {
+          back = p.coming.get();
+        } catch (const std::exception&) {
+          continue;  // not yet: tried again in a second
+        }
+        if (p.reader.joinable()) p.reader.join();  // the old session's, which ended
+        p.session = std::move(back);
+        p.hop.ticket = p.coming_ticket;
+        p.hop.server_key = p.session->server_key();
+        p.sent_next.clear();
+        p.relinks_sent = 0;
+        p.skips_seen = 0;
+        p.last = {};
+        p.reported = p.gone = p.dropped = p.released = false;
+        p.host.code = errc::ok;
+        p.host.message.clear();
+        p.progress_at = now;
+        p.samples.clear();
+        p.most = 0;
+        p.passed = 0;
+        order.push_back(&p);
+        notes.push_back(p.name + " answers again: it goes on from what it has, at the end of the chain");
+        p.reader = std::thread([&chain, pp = &p] { read_reports(chain, *pp); });
+        changed = true;
       }
       // Whole, but not the source's file: dropped at once.
       std::string source_digest;

@@ -5,7 +5,7 @@ source. Run as the test suite does:
 
     scripts/testbed.sh --hosts 4 --rate 200mbit -- tests/relay/chain.py BUILD_DIR [CASE...]
 
-Cases: identical, kill, slow, corrupt, bad, peers. Each starts its own servers and checks what arrived
+Cases: identical, kill, rejoin, slow, corrupt, bad, peers. Each starts its own servers and checks what arrived
 byte by byte; nothing here judges a timing (the slow host's case checks the order in which the
 hosts finished, and that the master says it moved that host).
 """
@@ -154,8 +154,9 @@ def source(case: str, size: int) -> str:
     return path
 
 
-def manifest_digest(path: str) -> str:
-    r = subprocess.run([XDUC, "sum", path], capture_output=True, text=True, env=env, check=True)
+def manifest_digest(path: str, block_size: int) -> str:
+    r = subprocess.run([XDUC, "sum", "--block-size", str(block_size), path], capture_output=True, text=True, env=env,
+                       check=True)
     return r.stdout.split()[0]
 
 
@@ -176,7 +177,9 @@ def identical() -> None:
         s = summary(out)
         check(rc == 0, f"identical: xduc exits 0 (got {rc}: {err.strip()})")
         check_copies("identical", hosts, src)
-        check(s.get("digest") == manifest_digest(src), "identical: the reported digest is the source's manifest digest")
+        check(s.get("block_size") == 256 * 1024, "identical: a chain's blocks are 256K by default")
+        check(s.get("digest") == manifest_digest(src, s.get("block_size", 0)),
+              "identical: the reported digest is the source's manifest digest")
         check(all(x["ok"] and x["digest"] == s.get("digest") for x in s.get("hosts", [])) and len(s.get("hosts", [])) == K,
               "identical: every host reports the source's digest")
         sent = s.get("source_bytes", 0)
@@ -220,6 +223,36 @@ def kill() -> None:
         check(rc == 0 and sha(victim.file("src.bin")) == want, f"kill: --hosts finishes host {victim.i} ({err.strip()})")
         check(0 < s2.get("source_bytes", size) < size,
               f"kill: and sends only what it lacked ({s2.get('source_bytes')} of {size} bytes)")
+    finally:
+        for h in hosts:
+            h.stop()
+
+
+def rejoin() -> None:
+    # A middle host killed at 40% and started again a moment later: the master registers it
+    # again, at the end of the chain, and it goes on from what it had; every host ends whole.
+    hosts = [Host(i, "rejoin") for i in range(1, K + 1)]
+    src = source("rejoin", 64 * MiB)
+    size = os.path.getsize(src)
+    victim = hosts[1]
+    partial = os.path.join(victim.root, "in", ".src.bin.xdfs-partial")
+    try:
+        p = master(["--limit-rate", "8M", src, *[url(i) for i in range(1, K + 1)]], wait=False)
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None:
+            if os.path.exists(partial) and os.path.getsize(partial) >= 0.4 * size:
+                break
+            time.sleep(0.05)
+        victim.kill()
+        time.sleep(0.5)
+        victim.start()
+        out, err = p.communicate(timeout=600)
+        s = summary(out)
+        check(p.returncode == 0, f"rejoin: xduc exits 0 ({err.strip()})")
+        check_copies("rejoin", hosts, src)
+        notes = " / ".join(s.get("notes", []))
+        check(f"{addr(victim.i)}:7721 answers again" in notes, f"rejoin: the master took host {victim.i} back ({notes})")
+        check(s.get("source_bytes", 0) <= 1.05 * size, f"rejoin: the source sent the file about once ({s.get('source_bytes')})")
     finally:
         for h in hosts:
             h.stop()
@@ -312,7 +345,7 @@ def peers() -> None:
             h.stop()
 
 
-CASES = {"identical": identical, "kill": kill, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers}
+CASES = {"identical": identical, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers}
 
 
 def main() -> int:
