@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
@@ -32,6 +33,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using State = wire::RelayReport::State;
+using relay_fsm::RelayAction;
+using relay_fsm::RelayEvent;
 
 std::string hex(const std::vector<std::uint8_t>& b) {
   static const char* d = "0123456789abcdef";
@@ -80,6 +83,8 @@ struct Place {
   // Lost or stalled, it may come back: registered again, at the end of the chain.
   bool rejoinable = false;
   std::future<std::unique_ptr<Session>> coming;
+  relay_fsm::RelayMachine machine{relay_fsm::RelaySide::master};  // on its reader's thread only
+  std::atomic<bool> reader_done{false};
   std::array<std::uint8_t, 32> coming_ticket{};
   Clock::time_point tried_at{};
 };
@@ -100,13 +105,17 @@ double rate_of(const Place& p) {
   return s > 0.5 && b2 >= b1 ? static_cast<double>(b2 - b1) / s : 0;
 }
 
-// Reads a place's reports until its EOFR (after the master's) or a failure.
+// Reads a place's reports until its EOFR (after the master's) or a failure, on its own thread,
+// which also runs what the master tells the place (tell()): the master's table for this place
+// lives here.
 void read_reports(Chain& chain, Place& p) {
   auto& s = *p.session;
   auto& ch = *s.channels()[0];
   std::vector<std::uint8_t> buf;
   bool over = false;
-  auto lost = [&](errc code, const std::string& why) {
+  (void)p.machine.fire(RelayEvent::accepted);
+  auto lost = [&](RelayEvent e, errc code, const std::string& why) {
+    if (!p.machine.finished()) (void)p.machine.fire(e);  // abort
     std::lock_guard lock(chain.m);
     if (!p.gone && !p.released) {
       p.host.code = code;
@@ -117,11 +126,17 @@ void read_reports(Chain& chain, Place& p) {
   };
   std::function<void()> next = [&] {
     ch.async_read_header([&](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+      if (p.machine.finished()) {
+        over = true;
+        return;
+      }
       if (ec) {
         auto f = ch.failure(ec, "server");
-        return lost(f.code, "lost: " + f.message);
+        return lost(RelayEvent::channel_lost, f.code, "lost: " + f.message);
       }
       if (h.event == wire::ChannelEvent::eofr && h.length == 0) {
+        if (!p.machine.fire(RelayEvent::ended))
+          return lost(RelayEvent::local_error, errc::protocol_error, "it ended its place before the chain was done");
         s.end_operation(true);
         std::lock_guard lock(chain.m);
         p.gone = true;
@@ -129,20 +144,27 @@ void read_reports(Chain& chain, Place& p) {
         return;
       }
       if (h.event != wire::ChannelEvent::report && h.event != wire::ChannelEvent::exception)
-        return lost(errc::protocol_error, fmt::format("{} in a relay's reports", wire::to_string(h.event)));
+        return lost(RelayEvent::local_error, errc::protocol_error,
+                    fmt::format("{} in a relay's reports", wire::to_string(h.event)));
       buf.resize(h.length);
       ch.async_read_payload(buf, [&, event = h.event](const xdsi::ErrorCode& e) {
+        if (p.machine.finished()) {
+          over = true;
+          return;
+        }
         if (e) {
           auto f = ch.failure(e, "server");
-          return lost(f.code, "lost: " + f.message);
+          return lost(RelayEvent::channel_lost, f.code, "lost: " + f.message);
         }
         if (event == wire::ChannelEvent::exception) {
           auto ex = wire::decode_exception(buf);
-          return lost(ex ? ex->code : errc::protocol_error, ex ? ex->message : std::string("a malformed exception"));
+          return lost(RelayEvent::peer_exception, ex ? ex->code : errc::protocol_error,
+                      ex ? ex->message : std::string("a malformed exception"));
         }
         std::string why;
         auto r = wire::decode_report(buf, &why);
-        if (!r) return lost(errc::protocol_error, "report: " + why);
+        if (!r) return lost(RelayEvent::local_error, errc::protocol_error, "report: " + why);
+        if (!p.machine.fire(RelayEvent::report)) return lost(RelayEvent::local_error, errc::state_violation, p.machine.why());
         {
           std::lock_guard lock(chain.m);
           const auto now = Clock::now();
@@ -170,21 +192,37 @@ void read_reports(Chain& chain, Place& p) {
   try {
     while (!over && !s.io().stopped()) s.io().run_one();
   } catch (const std::exception& e) {
-    lost(errc::internal, e.what());
+    lost(RelayEvent::local_error, errc::internal, e.what());
   }
   s.close();
+  p.reader_done.store(true);
 }
 
-// Sends a control frame to a place's server, on its session's thread.
-void tell(Place& p, wire::ChannelEvent ev, std::vector<std::uint8_t> payload) {
-  boost::asio::post(p.session->io(), [s = p.session.get(), ev, payload = std::move(payload)]() mutable {
-    if (s->channels().empty() || !s->channels()[0]) return;
-    if (ev == wire::ChannelEvent::eofr) {
+// What the master tells a place (RELINK, EOFR, or an EXCEPTION when it drops it), through the
+// place's table, on the thread that reads it.
+void tell(Place& p, RelayEvent e, std::vector<std::uint8_t> payload) {
+  boost::asio::post(p.session->io(), [&p, e, payload = std::move(payload)]() mutable {
+    auto& s = *p.session;
+    if (s.channels().empty() || !s.channels()[0] || p.machine.finished()) return;
+    auto& ch = *s.channels()[0];
+    auto a = p.machine.fire(e);
+    if (!a) return;
+    if (*a == RelayAction::send_relink) return ch.send_control(wire::ChannelEvent::relink, std::move(payload));
+    if (*a == RelayAction::send_eofr) {
       wire::FrameHeader h;
-      h.event = ev;
-      s->channels()[0]->send(h, std::vector<std::uint8_t>{});
-    } else {
-      s->channels()[0]->send_control(ev, std::move(payload));
+      h.event = wire::ChannelEvent::eofr;
+      return ch.send(h, std::vector<std::uint8_t>{});
+    }
+    if (*a == RelayAction::tell_and_drop) {
+      // Nothing more from it counts: the channel closes once the exception left, or in 2 s.
+      auto timer = std::make_shared<boost::asio::steady_timer>(s.io(), std::chrono::seconds(2));
+      ch.send_control(wire::ChannelEvent::exception, std::move(payload), [&ch, timer](const xdsi::ErrorCode&) {
+        timer->cancel();
+        ch.close();
+      });
+      timer->async_wait([&ch](const xdsi::ErrorCode& ec) {
+        if (!ec) ch.close();
+      });
     }
   });
 }
@@ -340,7 +378,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       p.sent_next = next;
       p.skips_seen = 0;
       ++p.relinks_sent;
-      tell(p, wire::ChannelEvent::relink, wire::encode_relink(next));
+      tell(p, RelayEvent::relink, wire::encode_relink(next));
     }
   };
   // Registers a place again, on a thread of its own (a host that is down takes a connect
@@ -371,7 +409,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
       p.host.code = code;
       p.host.message = why;
     }
-    if (!p.gone) tell(p, wire::ChannelEvent::exception, wire::encode(wire::ExceptionHeader{code, why, 0, 0}));
+    if (!p.gone) tell(p, RelayEvent::give_up, wire::encode(wire::ExceptionHeader{code, why, 0, 0}));
     std::erase(order, &p);
   };
 
@@ -423,7 +461,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
           if (now - p.tried_at >= std::chrono::seconds(1)) try_rejoin(p, now);
           continue;
         }
-        if (p.coming.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+        if (p.coming.wait_for(std::chrono::seconds(0)) != std::future_status::ready || !p.reader_done.load()) continue;
         std::unique_ptr<Session> back;
         try {
           back = p.coming.get();
@@ -432,6 +470,8 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
         }
         if (p.reader.joinable()) p.reader.join();  // the old session's, which ended
         p.session = std::move(back);
+        p.machine = relay_fsm::RelayMachine(relay_fsm::RelaySide::master);
+        p.reader_done.store(false);
         p.hop.ticket = p.coming_ticket;
         p.hop.server_key = p.session->server_key();
         p.sent_next.clear();
@@ -551,7 +591,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
         for (auto& p : chain.places)
           if (p->session && !p->gone) {
             p->released = true;
-            tell(*p, wire::ChannelEvent::eofr, {});
+            tell(*p, RelayEvent::release, {});
           }
       }
       bool all_gone = true;

@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "xdfs/client.hpp"
+#include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
@@ -43,6 +44,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using runtime::RelaySlot;
+using relay_fsm::RelayAction;
+using relay_fsm::RelayEvent;
 
 class RelayOperation final : public runtime::Operation {
 public:
@@ -98,6 +101,36 @@ public:
     env_.log(fmt::format("session {} relay of '{}' ({} bytes) for {}, {} hop{} after this one", env_.id.short_hex(),
                          nego_.remote_path, nego_.file_size, env_.client.fingerprint, plan.next.size(),
                          plan.next.size() == 1 ? "" : "s"));
+    on(RelayEvent::accepted);
+  }
+
+  void abort(errc code, const std::string& message) override { on(RelayEvent::local_error, code, message); }
+
+  std::uint64_t bytes() const noexcept override { return slot_ ? slot_->written.load() : 0; }
+
+private:
+  // What happens goes through the table; the row's action runs here. An event the table does
+  // not allow fails the operation, naming it.
+  void on(RelayEvent e, errc code = errc::ok, const std::string& why = {}, std::vector<wire::RelayHop> hops = {}) {
+    if (machine_.finished()) return;
+    auto a = machine_.fire(e);
+    if (!a) return on(RelayEvent::local_error, errc::state_violation, machine_.why());
+    switch (*a) {
+      case RelayAction::start: return begin_place();
+      case RelayAction::send_report: return send_report();
+      case RelayAction::apply_relink:
+        relink(std::move(hops));
+        return read();
+      case RelayAction::release: return release();
+      case RelayAction::refuse: return done_(runtime::OperationResult{code, why, false, true, true});
+      case RelayAction::abort: return fail(code, why, e == RelayEvent::peer_exception);
+      default: return on(RelayEvent::local_error, errc::internal, "relay-host: no such action here");
+    }
+  }
+
+  void begin_place() {
+    const auto& plan = nego_.relay_plan;
+    auto slot = slot_;
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
     reply.file_size = nego_.file_size;
@@ -123,17 +156,12 @@ public:
         slot->forward_done = true;
       });
     } catch (const std::system_error& e) {
-      return fail(errc::limit_exceeded, std::string("cannot start the relay's forwarder: ") + e.what());
+      return on(RelayEvent::local_error, errc::limit_exceeded, std::string("cannot start the relay's forwarder: ") + e.what());
     }
     read();
     tick();
   }
 
-  void abort(errc code, const std::string& message) override { fail(code, message); }
-
-  std::uint64_t bytes() const noexcept override { return slot_ ? slot_->written.load() : 0; }
-
-private:
   // What the master hears now.
   wire::RelayReport report() {
     wire::RelayReport r;
@@ -166,20 +194,23 @@ private:
   }
 
   void tick() {
-    if (ended_ || final_sent_) return;
     // One report in flight at a time: a master that does not read gets no pile of them, and one
     // that reads nothing for the idle timeout loses its place.
-    const auto now = Clock::now();
+    if (report_out_ && Clock::now() - sent_at_ > env_.config.idle_timeout)
+      return on(RelayEvent::timeout, errc::timeout,
+                fmt::format("the master read no report for {} s", env_.config.idle_timeout.count() / 1000));
+    on(RelayEvent::tick);
+  }
+
+  void send_report() {
     if (!report_out_) {
       report_out_ = true;
-      sent_at_ = now;
+      sent_at_ = Clock::now();
       env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(report()),
                                      [this](const xdsi::ErrorCode& ec) {
-                                       if (ended_ || ec) return;
+                                       if (machine_.finished() || ec) return;
                                        report_out_ = false;
                                      });
-    } else if (now - sent_at_ > env_.config.idle_timeout) {
-      return fail(errc::timeout, fmt::format("the master read no report for {} s", env_.config.idle_timeout.count() / 1000));
     }
     tick_.expires_after(std::chrono::milliseconds(100));
     tick_.async_wait([this](const xdsi::ErrorCode& ec) {
@@ -193,7 +224,6 @@ private:
     stop();
     auto r = report();
     r.final = true;
-    final_sent_ = true;
     auto& ch = *env_.channels[0];
     ch.send_control(wire::ChannelEvent::report, wire::encode(r));
     wire::FrameHeader h;
@@ -203,7 +233,7 @@ private:
     env_.log(fmt::format("session {} relay of '{}': {}, {} sent on", env_.id.short_hex(), text::escape(nego_.remote_path),
                          r.state == wire::RelayReport::State::whole ? "whole here" : "not whole here",
                          slot_->sent));
-    finish();
+    done_(runtime::OperationResult{errc::ok, {}, false, false, true});
   }
 
   // RELINK: new hops for the forwarder, which drops the one it feeds.
@@ -260,31 +290,32 @@ private:
   void read() {
     auto& ch = *env_.channels[0];
     ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
-      if (ended_) return;
+      if (machine_.finished()) return;
       if (ec) {
         auto f = ch.failure(ec, "master");
-        return fail(f.code, f.message);
+        return on(RelayEvent::channel_lost, f.code, f.message);
       }
-      if (h.event == wire::ChannelEvent::eofr && h.length == 0) return release();
+      if (h.event == wire::ChannelEvent::eofr && h.length == 0) return on(RelayEvent::ended);
       if (h.event != wire::ChannelEvent::exception && h.event != wire::ChannelEvent::relink)
-        return fail(errc::protocol_error, fmt::format("{} from the master in a relay", wire::to_string(h.event)));
+        return on(RelayEvent::local_error, errc::protocol_error,
+                  fmt::format("{} from the master in a relay", wire::to_string(h.event)));
       in_.resize(h.length);
       ch.async_read_payload(in_, [this, &ch, event = h.event](const xdsi::ErrorCode& e) {
-        if (ended_) return;
+        if (machine_.finished()) return;
         if (e) {
           auto f = ch.failure(e, "master");
-          return fail(f.code, f.message);
+          return on(RelayEvent::channel_lost, f.code, f.message);
         }
         if (event == wire::ChannelEvent::exception) {
           auto ex = wire::decode_exception(in_);
-          return fail(errc::cancelled, "the master gave up on this host" + (ex ? ": " + ex->message : std::string()), true);
+          return on(RelayEvent::peer_exception, errc::cancelled,
+                    "the master gave up on this host" + (ex ? ": " + ex->message : std::string()));
         }
         std::string why;
         auto hops = wire::decode_relink(in_, &why);
-        if (!hops) return fail(errc::protocol_error, "RELINK: " + why);
-        if (!peers_allowed(*hops, why)) return fail(errc::permission_denied, why);
-        relink(std::move(*hops));
-        read();
+        if (!hops) return on(RelayEvent::local_error, errc::protocol_error, "RELINK: " + why);
+        if (!peers_allowed(*hops, why)) return on(RelayEvent::local_error, errc::permission_denied, why);
+        on(RelayEvent::relink, errc::ok, {}, std::move(*hops));
       });
     });
   }
@@ -298,26 +329,14 @@ private:
     if (forwarder_.joinable()) forwarder_.join();
   }
 
-  void finish() {
-    ended_ = true;
-    tick_.cancel();
-    stop();
-    done_(runtime::OperationResult{errc::ok, {}, false, false, true});
-  }
-
   void fail(errc code, const std::string& message, bool from_peer = false) {
-    if (ended_) return;
-    ended_ = true;
     tick_.cancel();
     stop();
     xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));
     done_(runtime::OperationResult{code, message, from_peer, false, false});
   }
 
-  void refuse(errc code, const std::string& message) {
-    ended_ = true;
-    done_(runtime::OperationResult{code, message, false, true, true});
-  }
+  void refuse(errc code, const std::string& message) { on(RelayEvent::local_error, code, message); }
 
   runtime::OperationEnv& env_;
   wire::Negotiation nego_;
@@ -329,11 +348,10 @@ private:
   std::vector<std::uint8_t> in_;
   Clock::time_point started_{}, last_move_{};
   std::uint64_t seen_ = 0;
-  bool final_sent_ = false;
   bool report_out_ = false;       // a report is queued and not yet on the wire
   Clock::time_point sent_at_{};
   Reservation digests_;           // the block digests the place keeps, in the server's memory budget
-  bool ended_ = false;
+  relay_fsm::RelayMachine machine_{relay_fsm::RelaySide::host};
 };
 
 }  // namespace
