@@ -36,14 +36,12 @@ using State = wire::RelayReport::State;
 using relay_fsm::RelayAction;
 using relay_fsm::RelayEvent;
 
+// A report's digest (empty, or 32 bytes: the decoder checks it) in hex, as TransferResult's.
 std::string hex(const std::vector<std::uint8_t>& b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (auto c : b) {
-    s += d[c >> 4];
-    s += d[c & 15];
-  }
-  return s;
+  manifest::Digest d{};
+  if (b.size() != d.size()) return {};
+  std::copy(b.begin(), b.end(), d.begin());
+  return manifest::hex(d);
 }
 
 std::string base_name(const std::string& p) {
@@ -273,9 +271,8 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
   SessionOptions control = options;
   control.channels = 1;
   std::vector<Place*> order;  // the chain: registered places, in order
-  for (std::size_t k = chain.places.size(); k-- > 0;) {
-    auto& p = *chain.places[k];
-    if (p.dropped) continue;
+  // A place's registration: the file, a fresh ticket, the hops after it (none yet).
+  auto place_negotiation = [&](const Place& p) {
     wire::Negotiation n;
     n.mode = Mode::relay;
     n.remote_path = p.path;
@@ -284,6 +281,12 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
     xsec::random_fill(n.relay_plan.ticket);
     n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
     n.relay_plan.channels = options.channels;
+    return n;
+  };
+  for (std::size_t k = chain.places.size(); k-- > 0;) {
+    auto& p = *chain.places[k];
+    if (p.dropped) continue;
+    wire::Negotiation n = place_negotiation(p);
     for (std::size_t i = 0; i < order.size() && i < wire::max_relay_hops; ++i) n.relay_plan.next.push_back(order[i]->hop);
     try {
       p.session = std::make_unique<Session>(p.target.server, control);
@@ -301,7 +304,6 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
     p.sent_next = n.relay_plan.next;
     order.insert(order.begin(), &p);
   }
-  // A host that is this machine's own source... is simply a host: it gets its copy like the rest.
   chain.t0 = Clock::now();
   for (auto* p : order) p->progress_at = chain.t0;
 
@@ -384,14 +386,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
   // Registers a place again, on a thread of its own (a host that is down takes a connect
   // timeout to say so): as the chain's last host, fed by the one before it.
   auto try_rejoin = [&](Place& p, Clock::time_point now) {
-    wire::Negotiation n;
-    n.mode = Mode::relay;
-    n.remote_path = p.path;
-    n.file_size = size;
-    n.source_mtime_ns = mtime;
-    xsec::random_fill(n.relay_plan.ticket);
-    n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
-    n.relay_plan.channels = options.channels;
+    const wire::Negotiation n = place_negotiation(p);
     SessionOptions o = control;
     o.connect_timeout = std::chrono::milliseconds(3000);
     o.notice = nullptr;
