@@ -2,6 +2,7 @@
 // namespace test bed: tests/relay/chain.py).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "support.hpp"
@@ -125,6 +126,59 @@ TEST_CASE("relay: a plan naming a hop that is not a relay peer, at that address,
     CHECK(what.find("relay peers") != std::string::npos);
     master.close();
   }
+}
+
+TEST_CASE("relay: xduc's bad chain arguments exit 2 with one line naming the cause") {
+  xt::TempDir dir;
+  xt::write_random_file(dir / "f", 10, 1);
+  xt::write_file(dir / "hosts", "xdfs://127.0.0.1:1/in/\nnot-a-url\n");
+  xt::write_file(dir / "empty", "# nobody\n");
+  const std::string a = "xdfs://127.0.0.1:1/in/", b = "xdfs://127.0.0.1:2/in/";
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  for (const auto& c : std::vector<Case>{
+           {{"-r", dir.path(), a, b}, "takes one file"},
+           {{dir / "f", dir / "f", a, b}, "takes one file"},
+           {{"-", a, b}, "not standard input"},
+           {{"--hosts", dir / "nope", dir / "f"}, "--hosts"},
+           {{"--hosts", dir / "hosts", dir / "f"}, "not-a-url"},
+           {{"--hosts", dir / "empty", dir / "f"}, "names no host"},
+       }) {
+    CAPTURE(c.says);
+    auto r = xt::xduc(c.args);
+    CHECK(r.status == 2);
+    CHECK(r.err.find(c.says) != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+}
+
+TEST_CASE("relay: a malformed relay peers line is refused, naming the file and the line") {
+  xt::TempDir root, state;
+  auto cfg = relay_config(root);
+  cfg.relay_peers = state / "relay_peers";
+  const auto peer = xdfs::xsec::KeyPair::generate();
+  // A key without an address: the server could not know where it may connect.
+  xt::write_file(cfg.relay_peers, "# peers\n" + xdfs::xsec::format_public(peer.public_key) + "\n");
+  xt::InProcessServer srv(cfg);
+  xdfs::SessionOptions so;
+  so.protect = xdfs::xsec::Protect::clear;
+  xdfs::Session master({"127.0.0.1", srv.port()}, so);
+  w::Negotiation n;
+  n.mode = xdfs::Mode::relay;
+  n.remote_path = "f";
+  n.file_size = 10;
+  xdfs::xsec::random_fill(n.relay_plan.ticket);
+  w::RelayHop hop;
+  hop.address = "10.1.2.3:7721";
+  hop.server_key = peer.public_key;
+  n.relay_plan.next.push_back(hop);
+  std::string what;
+  CHECK(xt::error_of([&] { (void)master.begin(n); }, nullptr, &what) == xdfs::errc::permission_denied);
+  CHECK(what.find(cfg.relay_peers + ":2") != std::string::npos);
+  CHECK(what.find("HOST:PORT") != std::string::npos);
+  master.close();
 }
 
 }  // TEST_SUITE("badinput")
