@@ -711,6 +711,7 @@ TEST_CASE("relay: a plan, a report and a relink travel whole") {
   n.relay_plan.ticket.fill(7);
   n.relay_plan.protect = 1;
   n.relay_plan.channels = 8;
+  n.relay_plan.mode = 0640;
   for (std::uint8_t i = 1; i <= w::max_relay_hops; ++i) n.relay_plan.next.push_back(sample_hop(i));
   n.remote_path = std::string(w::max_path_bytes, 'p');
   auto bytes = w::encode(n);
@@ -776,6 +777,14 @@ TEST_CASE("relay: malformed plans, tickets, reports and relinks are refused with
     n.relay_plan.protect = 3;
     CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
     CHECK(why.find("protection") != std::string::npos);
+  }
+  SUBCASE("a file mode beyond the permission bits (setuid, sticky)") {
+    for (std::uint32_t m : {01000u, 04755u, 0xffffffffu}) {
+      auto n = relay;
+      n.relay_plan.mode = m;
+      CHECK_FALSE(w::decode_negotiation(w::encode(n), &why).has_value());
+      CHECK(why.find("mode") != std::string::npos);
+    }
   }
   SUBCASE("a relay ticket with a download, a stream, or of the wrong size") {
     auto n = sample_negotiation();

@@ -25,6 +25,8 @@ struct RelayPlan {
   next @1 :List(RelayHop);       # where this host forwards, in order: the first that answers
   protect @2 :UInt8;             # protection of the sessions it opens downstream (xsec::Protect)
   channels @3 :UInt32;           # n of the sessions it opens downstream
+  mode @4 :UInt32;               # the file's permission bits (0777 at most; 0: the server's default),
+                                 # set on the copy here when it is whole, less the server's umask
 }
 
 # Relay: a host's progress, sent by it to the master (event REPORT) at least once a second.

@@ -4,6 +4,7 @@
 #include <capnp/serialize.h>
 #include <kj/exception.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "xdfs/text.hpp"
@@ -228,6 +229,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     plan.setTicket(kj::arrayPtr(n.relay_plan.ticket.data(), n.relay_plan.ticket.size()));
     plan.setProtect(n.relay_plan.protect);
     plan.setChannels(n.relay_plan.channels);
+    plan.setMode(n.relay_plan.mode);
     put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
   }
   return to_bytes(msg);
@@ -371,6 +373,13 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       std::memcpy(n.relay_plan.ticket.data(), t.begin(), t.size());
       n.relay_plan.protect = plan.getProtect();
       n.relay_plan.channels = plan.getChannels();
+      n.relay_plan.mode = plan.getMode();
+      if (n.relay_plan.mode > 0777) {
+        char octal[16];
+        std::snprintf(octal, sizeof octal, "%o", n.relay_plan.mode);
+        set_why(why, std::string("relay file mode ") + octal + " is more than permission bits");
+        return std::nullopt;
+      }
       if (n.relay_plan.protect > 2) {
         set_why(why, "unknown protection " + std::to_string(n.relay_plan.protect) + " for the relay's next hop");
         return std::nullopt;

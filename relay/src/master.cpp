@@ -280,6 +280,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
     n.source_mtime_ns = mtime;
     xsec::random_fill(n.relay_plan.ticket);
     n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
+    n.relay_plan.mode = static_cast<std::uint32_t>(sb.st_mode & 0777);
     n.relay_plan.channels = options.channels;
     return n;
   };

@@ -129,6 +129,7 @@ struct RelayPlan {
   std::vector<RelayHop> next;   ///< at most max_relay_hops, tried in order
   std::uint8_t protect = 2;     ///< xsec::Protect of the sessions the host opens downstream
   std::uint32_t channels = 1;   ///< n of those sessions (the server bounds it by its max_channels)
+  std::uint32_t mode = 0;       ///< the file's permission bits (0: the server's default)
   bool operator==(const RelayPlan&) const = default;
 };
 
