@@ -32,7 +32,7 @@ namespace {
 const char* usage =
     "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
     "       xduc [OPTIONS] --files-from FILE DST\n"
-    "       xduc [OPTIONS] SRC xdfs://HOST1/PATH xdfs://HOST2/PATH ... | --hosts FILE\n"
+    "       xduc [-r] [OPTIONS] SRC... xdfs://HOST1/PATH xdfs://HOST2/PATH ... | --hosts FILE\n"
     "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
     "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum [--sha256]  xdfs://HOST[:PORT]/PATH ...\n"
     "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
@@ -55,12 +55,17 @@ const char* usage =
     "  --max-listing SIZE     memory a tree copy may hold for the server's listing (default 2G)\n"
     "  --large-file SIZE      in a tree copy, files of at least SIZE go as transfers of their own\n"
     "                         on the same session, as a single file does (default 64M; 0: never)\n"
-    "One file to many hosts: SRC then two or more xdfs:// DSTs (or --hosts) go through a chain of\n"
-    "those xdfsd servers in the order given: each verifies every block, writes it and forwards it\n"
-    "at once, so the file leaves this machine about once and the last host has it about as soon as\n"
-    "the first. A host that fails is passed over and named; the others finish. A line per host.\n"
+    "To many hosts: SRC... then two or more xdfs:// DSTs (or --hosts) go through a chain of those\n"
+    "xdfsd servers in the order given: each verifies every block, writes it and forwards it at\n"
+    "once, so a file leaves this machine about once and the last host has it about as soon as the\n"
+    "first. A host that fails is passed over and named; the others finish. A line per host.\n"
     "Blocks are 256K there unless --block-size says otherwise (a host forwards a block once whole).\n"
+    "Several SRCs (and trees, with -r) go into each DST as a directory; a tree's directories,\n"
+    "symlinks and files under --chain-min go to each host directly, its other files by chain.\n"
     "  --hosts FILE           more DSTs for a chain, one xdfs:// URL a line (# comments skipped)\n"
+    "  --chains N             N chains fed at once, the hosts dealt among them in turn: for a\n"
+    "                         source whose link is N times faster than a host's (default 1)\n"
+    "  --chain-min SIZE       a tree's files of at least SIZE go by chain (default 1M)\n"
     "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
     "                         (default: xduc-failed-hosts in the current directory)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
@@ -242,8 +247,8 @@ bool read_sources(const std::string& file, std::vector<std::string>& out, std::s
 
 // One file to many hosts through a chain of their xdfsd servers: a line per host (as mcp),
 // the failed ones listed in a file that --hosts takes back.
-int copy_to_hosts(const std::string& src, const std::vector<std::string>& urls, xdfs::TransferOptions opt,
-                  const std::string& failed_file, bool quiet, bool json) {
+int copy_to_hosts(const std::vector<std::string>& srcs, const std::vector<std::string>& urls, xdfs::TransferOptions opt,
+                  const xdfs::RelaySetOptions& set, const std::string& failed_file, bool quiet, bool json) {
   std::vector<xdfs::RelayTarget> targets;
   for (const auto& u : urls) {
     std::string why;
@@ -253,28 +258,25 @@ int copy_to_hosts(const std::string& src, const std::vector<std::string>& urls, 
   }
   const bool tty = !quiet && ::isatty(STDERR_FILENO);
   auto last = std::chrono::steady_clock::now();
-  std::uint64_t size = 0;
-  struct stat sb {};
-  if (::stat(src.c_str(), &sb) == 0) size = static_cast<std::uint64_t>(sb.st_size);
   auto progress = [&](const std::vector<xdfs::RelayHost>& hosts) {
     if (!tty) return;
     auto now = std::chrono::steady_clock::now();
     if (now - last < std::chrono::milliseconds(200)) return;
     last = now;
     std::size_t whole = 0, failed = 0;
-    std::uint64_t least = size;
+    std::optional<std::uint64_t> least;
     for (const auto& h : hosts) {
       if (h.final && h.code == xdfs::errc::ok) ++whole;
       else if (h.final) ++failed;
-      else least = std::min(least, h.verified);
+      else least = std::min(least.value_or(h.verified), h.verified);
     }
     fmt::print(stderr, "\r{} of {} hosts whole{}, slowest at {}   ", whole, hosts.size(),
                failed ? fmt::format(", {} failed", failed) : std::string(),
-               xdfs::cli::human_bytes(static_cast<double>(least)));
+               xdfs::cli::human_bytes(static_cast<double>(least.value_or(0))));
   };
   xdfs::RelayResult r;
   try {
-    r = xdfs::relay(src, targets, opt, progress);
+    r = xdfs::relay_set(srcs, targets, opt, set, progress);
   } catch (const xdfs::TransferError& e) {
     if (tty) fmt::print(stderr, "\n");
     return report_error(e, e.remote(), json);
@@ -328,10 +330,12 @@ int copy_to_hosts(const std::string& src, const std::vector<std::string>& urls, 
                xdfs::cli::human_bytes(static_cast<double>(r.source_bytes)));
   }
   if (json)
-    fmt::print("{{\"direction\":\"relay\",\"bytes\":{},\"seconds\":{:.6f},\"source_bytes\":{},\"channels\":{},"
+    fmt::print("{{\"direction\":\"relay\",\"sources\":{},\"chains\":{},\"bytes\":{},\"seconds\":{:.6f},"
+               "\"source_bytes\":{},\"channels\":{},"
                "\"block_size\":{},\"digest_algorithm\":\"{}\",\"digest\":\"{}\",\"failed\":{},\"hosts\":[{}],"
                "\"notes\":[{}]}}\n",
-               r.size, r.seconds, r.source_bytes, opt.channels, opt.block_size, xdfs::manifest::algorithm, r.digest,
+               srcs.size(), set.chains, r.size, r.seconds, r.source_bytes, opt.channels, opt.block_size,
+               xdfs::manifest::algorithm, r.digest,
                failed.size(), hosts_json, notes_json);
   if (g_cancel.load()) return 130;
   return failed.empty() ? 0 : 1;
@@ -567,6 +571,7 @@ int main(int argc, char** argv) {
   std::string hosts_file;
   bool block_size_given = false;
   std::string failed_hosts = "xduc-failed-hosts";
+  xdfs::RelaySetOptions chain_set;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -640,6 +645,14 @@ int main(int argc, char** argv) {
       auto v = xdfs::cli::parse_uint(value(i), 1, 64);
       if (!v) bad("--workers takes a thread count from 1 to 64");
       tree.workers = static_cast<unsigned>(*v);
+    } else if (a == "--chains") {
+      auto v = xdfs::cli::parse_uint(value(i), 1, 64);
+      if (!v) bad("--chains takes a count from 1 to 64");
+      chain_set.chains = static_cast<unsigned>(*v);
+    } else if (a == "--chain-min") {
+      auto v = xdfs::cli::parse_size(value(i));
+      if (!v || *v == 0) bad("--chain-min takes a size of at least 1 byte, e.g. 1M");
+      chain_set.chain_threshold = *v;
     } else if (a == "--large-file") {
       auto v = xdfs::cli::parse_size(value(i));
       if (!v) bad("--large-file takes a size, e.g. 64M (0: every file of a tree in path mode)");
@@ -758,23 +771,36 @@ int main(int argc, char** argv) {
   {
     std::size_t urls = 0;
     while (urls < positional.size() && xdfs::cli::is_url(positional[positional.size() - 1 - urls])) ++urls;
-    if (!hosts_file.empty() || (urls >= 2 && urls < positional.size())) {
+    if (!hosts_file.empty() || (urls >= 2 && (urls < positional.size() || !files_from.empty()))) {
       std::vector<std::string> hosts(positional.end() - static_cast<std::ptrdiff_t>(urls), positional.end());
       if (!hosts_file.empty()) {
         std::string why;
         if (!read_sources(hosts_file, hosts, why, "--hosts")) bad(why);
       }
-      const std::size_t srcs = positional.size() - urls;
-      if (srcs != 1 || !files_from.empty() || recursive)
-        bad("a chain to several hosts takes one file (not a tree, not several sources)");
+      std::vector<std::string> srcs(positional.begin(), positional.end() - static_cast<std::ptrdiff_t>(urls));
+      if (!files_from.empty()) {
+        std::string why;
+        if (!read_sources(files_from, srcs, why)) bad(why);
+      }
+      if (srcs.empty()) bad("a chain to several hosts needs a SRC");
       if (hosts.empty()) bad("--hosts " + shown(hosts_file) + " names no host");
       for (const auto& h : hosts)
         if (!xdfs::cli::is_url(h)) bad("'" + shown(h) + "' is not an xdfs:// URL (a chain's hosts are remote)");
-      if (positional[0] == "-") bad("a chain to several hosts takes a file, not standard input");
+      for (const auto& s : srcs) {
+        if (s == "-") bad("a chain to several hosts takes files, not standard input");
+        if (xdfs::cli::is_url(s)) bad("'" + shown(s) + "': a chain's sources are local files");
+        struct stat sb {};
+        if (::stat(s.c_str(), &sb) != 0) bad("'" + shown(s) + "': " + std::strerror(errno));
+        if (S_ISDIR(sb.st_mode) && !recursive) bad("'" + shown(s) + "' is a directory (-r copies trees)");
+        if (!S_ISDIR(sb.st_mode) && !S_ISREG(sb.st_mode)) bad("'" + shown(s) + "' is not a regular file or a directory");
+      }
       if (opt.memory) bad("--memory does not go with several hosts");
+      if (tree.sync) bad("--sync does not go with several hosts (a chain resumes what a host has)");
       // Every host forwards a block once it has it whole: smaller blocks fill the chain sooner.
       if (!block_size_given) opt.block_size = 256 * 1024;
-      return copy_to_hosts(positional[0], hosts, opt, failed_hosts, quiet, json);
+      chain_set.recursive = recursive;
+      chain_set.tree = tree;
+      return copy_to_hosts(srcs, hosts, opt, chain_set, failed_hosts, quiet, json);
     }
   }
   if (positional.empty() || (positional.size() < 2 && files_from.empty()))

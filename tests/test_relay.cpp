@@ -139,8 +139,13 @@ TEST_CASE("relay: xduc's bad chain arguments exit 2 with one line naming the cau
     std::string says;
   };
   for (const auto& c : std::vector<Case>{
-           {{"-r", dir.path(), a, b}, "takes one file"},
-           {{dir / "f", dir / "f", a, b}, "takes one file"},
+           {{dir.path(), a, b}, "is a directory (-r copies trees)"},
+           {{dir / "f", "/dev/null", a, b}, "not a regular file or a directory"},
+           {{dir / "f", dir / "missing", a, b}, "No such file"},
+           {{"xdfs://127.0.0.1:3/x", a, b}, "both remote"},
+           {{"--chains", "0", dir / "f", a, b}, "--chains takes"},
+           {{"--chain-min", "0", dir / "f", a, b}, "--chain-min takes"},
+           {{"-r", "--sync", dir.path(), a, b}, "--sync does not go with several hosts"},
            {{"-", a, b}, "not standard input"},
            {{"--hosts", dir / "nope", dir / "f"}, "--hosts"},
            {{"--hosts", dir / "hosts", dir / "f"}, "not-a-url"},

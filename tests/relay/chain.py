@@ -5,7 +5,7 @@ source. Run as the test suite does:
 
     scripts/testbed.sh --hosts 4 --rate 200mbit -- tests/relay/chain.py BUILD_DIR [CASE...]
 
-Cases: identical, kill, rejoin, slow, corrupt, bad, peers. Each starts its own servers and checks what arrived
+Cases: identical, kill, rejoin, slow, corrupt, bad, peers, tree, chains. Each starts its own servers and checks what arrived
 byte by byte; nothing here judges a timing (the slow host's case checks the order in which the
 hosts finished, and that the master says it moved that host).
 """
@@ -345,7 +345,106 @@ def peers() -> None:
             h.stop()
 
 
-CASES = {"identical": identical, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers}
+def make_tree(root: str) -> int:
+    """A tree as people have them: nested directories, an empty one, a symlink, many small files,
+    a few large ones (that go by chain), odd modes and old mtimes. Returns the large files' bytes."""
+    large = 0
+    for d in ["a/b/c", "a/d", "empty", "e f"]:
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    for n in range(60):
+        with open(os.path.join(root, ["a", "a/b", "a/b/c", "e f"][n % 4], f"small-{n}.txt"), "wb") as f:
+            f.write(os.urandom(n * 997))
+    for n, size in enumerate([3 * MiB + 7, 5 * MiB, 2 * MiB + 4097]):
+        with open(os.path.join(root, ["a/d", "a/b/c", "."][n], f"large-{n}.bin"), "wb") as f:
+            f.write(os.urandom(size))
+        large += size
+    os.chmod(os.path.join(root, "a/d/large-0.bin"), 0o640)
+    os.chmod(os.path.join(root, "a/small-0.txt"), 0o600)
+    os.symlink("../a/d/large-0.bin", os.path.join(root, "e f", "link"))
+    for dirpath, dirs, names in os.walk(root, topdown=False):
+        for n in names + dirs:
+            os.utime(os.path.join(dirpath, n), ns=(1_500_000_000_123_456_789, 1_500_000_000_123_456_789),
+                     follow_symlinks=False)
+    os.utime(root, ns=(1_400_000_000_000_000_000, 1_400_000_000_000_000_000))
+    return large
+
+
+def tree_listing(root: str) -> dict:
+    """Every entry under root: kind, mode, mtime, and content digest or link target."""
+    out = {}
+    for dirpath, dirs, names in os.walk(root):
+        for n in dirs + names:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = ("link", os.readlink(p))
+            elif os.path.isdir(p):
+                out[rel] = ("dir", oct(st.st_mode & 0o7777), st.st_mtime_ns)
+            else:
+                out[rel] = ("file", oct(st.st_mode & 0o7777), st.st_mtime_ns, sha(p))
+    return out
+
+
+def tree() -> None:
+    # A tree and a file to every host: directories, symlinks and small files to each host, large
+    # files by chain; host 4 takes files of 2 MiB at most, so it fails on a large one, named, and
+    # the others finish.
+    hosts = [Host(i, "tree", args=["--max-file-size", "2M"] if i == K else None) for i in range(1, K + 1)]
+    root = os.path.join(work, "tree", "src", "data")
+    large = make_tree(root)
+    extra = source("tree", 4 * MiB + 3)
+    small = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(root) for n in ns
+                if not os.path.islink(os.path.join(d, n)) and os.path.getsize(os.path.join(d, n)) < MiB)
+    try:
+        rc, out, err = master(["-r", "--failed-hosts", os.path.join(work, "tree", "failed"), root, extra,
+                               *[url(i) for i in range(1, K + 1)]])
+        s = summary(out)
+        check(rc == 1, f"tree: xduc exits 1, host {K} failing (got {rc}: {err.strip()})")
+        want = tree_listing(root)
+        for h in hosts[:-1]:
+            got = tree_listing(os.path.join(h.root, "in", "data"))
+            diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            check(not diff, f"tree: host {h.i} has the tree, modes and mtimes too (differs: {diff[:5]})")
+            check(sha(h.file("src.bin")) == sha(extra), f"tree: host {h.i} has the file beside it")
+        hs = s.get("hosts", [])
+        check([x["ok"] for x in hs] == [True] * (K - 1) + [False], f"tree: only host {K} failed ({hs})")
+        msg = hs[-1].get("error", {}).get("message", "") if hs else ""
+        check("large-" in msg or "src.bin" in msg, f"tree: host {K}'s failure names the file ({msg})")
+        check(s.get("sources") == 2 and s.get("bytes") == large + small + os.path.getsize(extra),
+              f"tree: the set's bytes are counted ({s.get('bytes')} of {large + small + os.path.getsize(extra)})")
+        sent = s.get("source_bytes", 0)
+        chained = large + os.path.getsize(extra)
+        check(chained <= sent <= 1.05 * chained + K * small,
+              f"tree: the large files left the source about once ({sent} bytes; {chained} by chain, {small} small)")
+    finally:
+        for h in hosts:
+            h.stop()
+
+
+def chains() -> None:
+    # Two chains of two hosts each, both fed by the source: every host identical, and the source
+    # sent the file twice (once per chain).
+    hosts = [Host(i, "chains") for i in range(1, K + 1)]
+    src = source("chains", 16 * MiB + 5)
+    size = os.path.getsize(src)
+    try:
+        rc, out, err = master(["--chains", "2", src, *[url(i) for i in range(1, K + 1)]])
+        s = summary(out)
+        check(rc == 0, f"chains: xduc exits 0 ({err.strip()})")
+        check_copies("chains", hosts, src)
+        check(s.get("digest") == manifest_digest(src, s.get("block_size", 0)) and
+              all(x["digest"] == s.get("digest") for x in s.get("hosts", [])),
+              "chains: every host reports the source's digest")
+        sent = s.get("source_bytes", 0)
+        check(1.9 * size <= sent <= 2.1 * size, f"chains: the source sent the file once per chain ({sent} of {size})")
+    finally:
+        for h in hosts:
+            h.stop()
+
+
+CASES = {"identical": identical, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers,
+         "tree": tree, "chains": chains}
 
 
 def main() -> int:

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "xdfs/client.hpp"
+#include "xdfs/pathm/path_client.hpp"
 #include "xdfs/server.hpp"
 
 namespace xdfs {
@@ -63,6 +64,36 @@ struct RelayResult {
 /// fails is reported in the result, and the others go on.
 RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
                   const std::function<void(const std::vector<RelayHost>&)>& progress = {});
+
+/// How relay_set() moves several sources.
+struct RelaySetOptions {
+  /// Chains fed by the source at once, the hosts dealt among them in turn: as many as the
+  /// source's link is times faster than a host's (each chain sends every byte once more from
+  /// the source).
+  unsigned chains = 1;
+  /// Files in their chains at once: a chain's setup (a session to every host) overlaps the
+  /// files before it.
+  unsigned files_at_once = 4;
+  /// A tree's files smaller than this go to each host in path mode with the tree's directories
+  /// and symlinks, where a chain's setup would cost more than their bytes (at least 1: empty
+  /// files never go through a chain).
+  std::uint64_t chain_threshold = std::uint64_t(1) << 20;
+  bool recursive = false;     ///< directories among the sources are trees (else refused)
+  pathm::TreeOptions tree;    ///< the trees' path parts (follow, workers, ...)
+};
+
+/// Sends files and trees to every target. Each target's path is a directory (the sources go in
+/// it by their names, a tree ending in '/' as its contents, as `xduc -r` does), except for one
+/// file alone, which goes where relay() puts it. Every file of at least set.chain_threshold
+/// bytes (every file named as a source) goes through relay chains, `set.files_at_once` files
+/// at a time, each in `set.chains` chains; a tree's directories, symlinks and smaller files go
+/// to each host in path mode first, and the attributes of its large files and directories are
+/// set on each host last. A host that fails a part is left out of the parts after it; its
+/// RelayHost says which file and why. The result's size is the set's bytes; its digest (and
+/// each host's) only for one file.
+RelayResult relay_set(const std::vector<std::string>& sources, const std::vector<RelayTarget>& targets,
+                      const TransferOptions& options, const RelaySetOptions& set = {},
+                      const std::function<void(const std::vector<RelayHost>&)>& progress = {});
 
 namespace relay_mode {
 /// The server's side: a master's relay operation (register, forward, report).

@@ -1,0 +1,323 @@
+// Several files and trees to many hosts: each file of at least the chain threshold goes through
+// relay chains (relay(), one or several chains of the hosts, a few files at once); a tree's
+// directories, symlinks and smaller files go to each host in path mode, where a chain's setup
+// would cost more than their bytes; then each host's attributes are set, as a tree upload does.
+#include <sys/stat.h>
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "xdfs/relay.hpp"
+#include "xdfs/remote_fs.hpp"
+
+namespace xdfs {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string base_name(std::string s) {
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  auto i = s.find_last_of('/');
+  return i == std::string::npos ? s : s.substr(i + 1);
+}
+
+std::string join(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  return a.back() == '/' ? a + b : a + "/" + b;
+}
+
+// One file through the chains: where it goes on each host (by the host's index in the targets).
+struct Job {
+  std::string local;
+  std::uint64_t size = 0;
+  std::vector<std::pair<std::size_t, std::string>> to;
+};
+
+// A tree source as one host takes it: where it goes there, and what its path part left to the chains.
+struct TreePart {
+  std::string local, remote;
+  pathm::LargeFiles large;
+};
+
+// Everything known of one host, over every part of the set.
+struct HostState {
+  RelayHost host;
+  bool failed = false;
+  std::uint64_t done = 0;                         // bytes of the parts it finished
+  std::uint64_t tree_bytes = 0;                   // of those, its path parts'
+  std::map<std::size_t, std::uint64_t> running;   // job -> bytes verified so far
+  Clock::time_point last{};
+  std::vector<TreePart> trees;
+};
+
+}  // namespace
+
+RelayResult relay_set(const std::vector<std::string>& sources, const std::vector<RelayTarget>& targets,
+                      const TransferOptions& options, const RelaySetOptions& set,
+                      const std::function<void(const std::vector<RelayHost>&)>& progress) {
+  if (sources.empty()) throw TransferError(errc::bad_argument, "a relay needs a source", false);
+  const unsigned chains = std::max(1u, set.chains);
+  // One file in one chain: the chain as it is (its digest and notes are the result's own).
+  struct stat sb {};
+  const bool one_file = sources.size() == 1 && ::stat(sources[0].c_str(), &sb) == 0 && S_ISREG(sb.st_mode);
+  if (one_file && chains == 1) return relay(sources[0], targets, options, progress);
+
+  const auto t0 = Clock::now();
+  std::mutex m;
+  std::vector<HostState> hosts(targets.size());
+  for (std::size_t i = 0; i < targets.size(); ++i) hosts[i].host.target = targets[i];
+  RelayResult result;
+  auto fail = [&](std::size_t h, errc code, const std::string& what, const std::string& why) {
+    auto& s = hosts[h];
+    if (s.failed) return;
+    s.failed = true;
+    s.host.code = code == errc::ok ? errc::peer_aborted : code;
+    s.host.message = what.empty() ? why : "'" + what + "': " + why;
+  };
+
+  // The jobs: files named as sources, then each tree's large files (as each host's path part
+  // listed them). A tree source needs recursive; a file source goes in the targets' directories
+  // (or, alone, where each target says).
+  std::vector<Job> jobs;
+  std::vector<std::size_t> tree_sources;
+  for (std::size_t k = 0; k < sources.size(); ++k) {
+    const auto& src = sources[k];
+    if (::stat(src.c_str(), &sb) != 0)
+      throw TransferError(errc_from_errno(errno), "'" + src + "': " + std::strerror(errno), false);
+    if (S_ISDIR(sb.st_mode)) {
+      if (!set.recursive) throw TransferError(errc::is_directory, "'" + src + "' is a directory (-r copies trees)", false);
+      tree_sources.push_back(k);
+      continue;
+    }
+    if (!S_ISREG(sb.st_mode)) throw TransferError(errc::not_regular_file, "'" + src + "' is not a regular file", false);
+    Job j;
+    j.local = src;
+    j.size = static_cast<std::uint64_t>(sb.st_size);
+    for (std::size_t h = 0; h < targets.size(); ++h) {
+      const auto& dir = targets[h].path;
+      j.to.emplace_back(h, sources.size() == 1 && !dir.empty() && dir.back() != '/' ? dir : join(dir, base_name(src)));
+    }
+    jobs.push_back(std::move(j));
+  }
+
+  SessionOptions control = options;
+  control.channels = std::max<std::uint32_t>(1, std::min<std::uint32_t>(options.channels, 4));
+  pathm::TreeOptions tree = set.tree;
+  tree.progress = nullptr;
+  std::uint64_t path_bytes = 0;  // the path parts' bytes, over every host (each went from here)
+  // Each host's path part, all hosts at once (one that does not answer takes its connect timeout).
+  if (!tree_sources.empty()) {
+    std::vector<std::thread> threads;
+    for (std::size_t h = 0; h < targets.size(); ++h)
+      threads.emplace_back([&, h] {
+        std::vector<TreePart> parts;
+        std::uint64_t bytes = 0;
+        try {
+          RemoteFs fs(targets[h].server, control);
+          for (auto k : tree_sources) {
+            const auto& src = sources[k];
+            TreePart part;
+            part.local = src;
+            part.remote = src.back() == '/' ? targets[h].path : join(targets[h].path, base_name(src));
+            part.large.threshold = std::max<std::uint64_t>(1, set.chain_threshold);
+            auto r = fs->upload_tree(src, part.remote, tree, &part.large);
+            bytes += r.bytes;
+            if (!r.failures.empty() || r.session_failure) {
+              const auto& f = r.session_failure ? *r.session_failure : r.failures.front();
+              std::lock_guard lock(m);
+              fail(h, f.code, f.path, f.message);
+              path_bytes += bytes;
+              return;
+            }
+            parts.push_back(std::move(part));
+          }
+          fs.close();
+        } catch (const Error& e) {
+          std::lock_guard lock(m);
+          fail(h, e.code(), {}, e.context());
+          path_bytes += bytes;
+          return;
+        } catch (const std::exception& e) {
+          std::lock_guard lock(m);
+          fail(h, errc::internal, {}, e.what());
+          path_bytes += bytes;
+          return;
+        }
+        std::lock_guard lock(m);
+        path_bytes += bytes;
+        hosts[h].done += bytes;
+        hosts[h].tree_bytes = bytes;
+        hosts[h].trees = std::move(parts);
+      });
+    for (auto& t : threads) t.join();
+    // The tree's large files as jobs: one per local file, to every host whose part listed it.
+    std::map<std::string, std::size_t> by_local;
+    for (std::size_t h = 0; h < targets.size(); ++h)
+      for (const auto& part : hosts[h].trees)
+        for (const auto& e : part.large.files) {
+          const auto local = join(part.local, e.path);
+          auto [it, added] = by_local.emplace(local, jobs.size());
+          if (added) {
+            Job j;
+            j.local = local;
+            j.size = e.size;
+            jobs.push_back(std::move(j));
+          }
+          jobs[it->second].to.emplace_back(h, join(part.remote, e.path));
+        }
+  }
+
+  // The jobs, `files_at_once` at a time; each in `chains` chains (the hosts dealt in turn), all
+  // of a job's chains at once. A host that failed is left out of the jobs that start after.
+  std::uint64_t source_bytes = 0, size = 0;
+  std::vector<std::string> notes;
+  std::string digest;
+  auto last_progress = Clock::now();
+  auto show = [&] {  // under m
+    if (!progress) return;
+    const auto now = Clock::now();
+    if (now - last_progress < std::chrono::milliseconds(200)) return;
+    last_progress = now;
+    std::vector<RelayHost> v;
+    for (auto& s : hosts) {
+      v.push_back(s.host);
+      v.back().verified = s.done;
+      for (auto& [j, b] : s.running) v.back().verified += b;
+      v.back().final = s.failed;
+    }
+    progress(v);
+  };
+  std::size_t next_job = 0;
+  auto worker = [&] {
+    for (;;) {
+      std::size_t ji;
+      std::vector<std::vector<std::pair<std::size_t, std::string>>> groups(chains);
+      {
+        std::lock_guard lock(m);
+        if (next_job >= jobs.size() || (options.cancel && options.cancel->load())) return;
+        ji = next_job++;
+        std::size_t n = 0;
+        for (const auto& t : jobs[ji].to)
+          if (!hosts[t.first].failed) groups[n++ % chains].push_back(t);
+        size += jobs[ji].size;
+      }
+      const auto& job = jobs[ji];
+      std::vector<std::future<void>> running;
+      for (auto& g : groups) {
+        if (g.empty()) continue;
+        running.push_back(std::async(std::launch::async, [&, g] {
+          std::vector<RelayTarget> to;
+          for (const auto& [h, path] : g) to.push_back({targets[h].server, path});
+          auto on = [&](const std::vector<RelayHost>& v) {
+            std::lock_guard lock(m);
+            for (std::size_t i = 0; i < v.size() && i < g.size(); ++i) hosts[g[i].first].running[ji] = v[i].verified;
+            show();
+          };
+          RelayResult r;
+          const auto started = Clock::now();
+          try {
+            r = relay(job.local, to, options, on);
+          } catch (const Error& e) {
+            std::lock_guard lock(m);
+            for (const auto& [h, path] : g) {
+              hosts[h].running.erase(ji);
+              fail(h, e.code(), job.local, e.context());
+            }
+            return;
+          }
+          std::lock_guard lock(m);
+          source_bytes += r.source_bytes;
+          if (one_file) digest = r.digest;
+          for (const auto& n : r.notes) notes.push_back(one_file ? n : "'" + job.local + "': " + n);
+          for (std::size_t i = 0; i < r.hosts.size() && i < g.size(); ++i) {
+            auto& s = hosts[g[i].first];
+            s.running.erase(ji);
+            const auto& h = r.hosts[i];
+            if (!h.ok) {
+              fail(g[i].first, h.code, job.local, h.message);
+              continue;
+            }
+            s.done += h.verified;
+            s.last = std::max(s.last, started + std::chrono::duration_cast<Clock::duration>(
+                                                    std::chrono::duration<double>(h.seconds)));
+            if (one_file) s.host.digest = h.digest;
+          }
+        }));
+      }
+      for (auto& f : running) f.get();
+    }
+  };
+  {
+    std::vector<std::thread> workers;
+    const std::size_t n = std::min<std::size_t>(std::max(1u, set.files_at_once), jobs.size());
+    for (std::size_t i = 0; i < n; ++i) workers.emplace_back(worker);
+    for (auto& w : workers) w.join();
+  }
+  if (options.cancel && options.cancel->load())
+    for (std::size_t h = 0; h < hosts.size(); ++h)
+      if (!hosts[h].failed && next_job < jobs.size()) fail(h, errc::cancelled, {}, "cancelled");
+
+  // The trees' attributes (modes and mtimes of the large files and of the directories, which
+  // the large files touched), on each host that has all of its files.
+  {
+    std::vector<std::thread> threads;
+    for (std::size_t h = 0; h < targets.size(); ++h) {
+      bool any = false;
+      for (const auto& part : hosts[h].trees) any = any || !part.large.files.empty();
+      if (hosts[h].failed || !any) continue;
+      threads.emplace_back([&, h] {
+        try {
+          RemoteFs fs(targets[h].server, control);
+          for (const auto& part : hosts[h].trees) {
+            if (part.large.files.empty()) continue;
+            std::vector<pathm::Entry> entries = part.large.files;
+            entries.insert(entries.end(), part.large.dirs.begin(), part.large.dirs.end());
+            pathm::TreeResult r;
+            fs->set_attrs(part.remote, entries, r);
+            if (!r.failures.empty()) {
+              std::lock_guard lock(m);
+              fail(h, r.failures.front().code, r.failures.front().path, r.failures.front().message);
+              return;
+            }
+          }
+          fs.close();
+        } catch (const Error& e) {
+          std::lock_guard lock(m);
+          fail(h, e.code(), {}, "setting attributes: " + e.context());
+        }
+        std::lock_guard lock(m);
+        hosts[h].last = std::max(hosts[h].last, Clock::now());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  // The set's bytes: its files through the chains, and the small files of a host's path parts.
+  std::uint64_t small = 0;
+  for (const auto& s : hosts) small = std::max(small, s.tree_bytes);
+  result.size = size + small;
+  result.source_bytes = source_bytes + path_bytes;
+  result.digest = digest;
+  result.notes = std::move(notes);
+  for (auto& s : hosts) {
+    auto h = s.host;
+    h.final = true;
+    h.ok = !s.failed;
+    h.verified = s.done;
+    if (s.last != Clock::time_point{}) h.seconds = std::chrono::duration<double>(s.last - t0).count();
+    if (h.ok) h.code = errc::ok, h.message.clear();
+    result.hosts.push_back(std::move(h));
+  }
+  return result;
+}
+
+}  // namespace xdfs
