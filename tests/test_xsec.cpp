@@ -4,8 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
@@ -247,6 +250,39 @@ TEST_CASE("key files: made 0600 in a 0700 directory; loose permissions refused")
   CHECK(xs::parse_public(xs::format_public(k.public_key)) == k.public_key);
   CHECK_FALSE(xs::parse_public("xdfs-x25519 AAAA").has_value());
   CHECK_FALSE(xs::parse_public("ssh-ed25519 AAAA").has_value());
+}
+
+TEST_CASE("key files: threads making the same key at once all get the one key, whole") {
+  // A relay's master opens sessions from several threads; on a fresh machine the first of them
+  // make the client key together. None may read a half-written file.
+  for (int round = 0; round < 20; ++round) {
+    xt::TempDir dir;
+    const std::string path = dir / "id";
+    std::atomic<bool> go{false};
+    std::atomic<int> made{0}, failed{0};
+    std::vector<xs::Key32> keys(12);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      threads.emplace_back([&, i] {
+        while (!go.load()) std::this_thread::yield();
+        try {
+          bool created = false;
+          keys[i] = xs::load_or_create_key(path, &created).public_key;
+          made += created;
+        } catch (const xdfs::Error&) {
+          ++failed;
+        }
+      });
+    go = true;
+    for (auto& t : threads) t.join();
+    CHECK(failed.load() == 0);
+    CHECK(made.load() == 1);
+    CHECK(std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return k == keys[0]; }));
+    CHECK(xs::load_key(path).public_key == keys[0]);
+    std::size_t left = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir.path())) ++left;
+    CHECK(left == 1);  // no temporary file stays
+  }
 }
 
 TEST_CASE("authorized keys: permissions and clear errors for bad lines") {

@@ -9,6 +9,7 @@
 #include <botan/cpuid.h>
 #include <botan/curve25519.h>
 #include <botan/hash.h>
+#include <botan/hex.h>
 #include <botan/kdf.h>
 #include <botan/mac.h>
 #include <botan/mem_ops.h>
@@ -270,17 +271,34 @@ KeyPair load_or_create_key(const std::string& path, bool* created) {
   if (::lstat(path.c_str(), &st) == 0) return load_key(path);
   make_private_dir(parent_of(path));
   KeyPair k = KeyPair::generate();
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    if (errno == EEXIST) return load_key(path);  // another process made it first
-    throw Error(errc_from_errno(errno), "cannot create key file '" + path + "': " + std::strerror(errno));
-  }
+  // Written whole under a name of its own, then linked into place: a process or thread that
+  // makes the key at the same moment finds either no file or the whole of one, never a part.
+  std::array<std::uint8_t, 8> tag{};
+  random_fill(tag);
+  const std::string temp = path + ".new-" + Botan::hex_encode(tag.data(), tag.size());
+  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) throw Error(errc_from_errno(errno), "cannot create key file '" + temp + "': " + std::strerror(errno));
   std::string text = std::string(private_prefix) + " " + Botan::base64_encode(k.secret.data(), k.secret.size()) + "\n" +
                      "# public: " + format_public(k.public_key) + "\n";
   bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   ok = ::fsync(fd) == 0 && ok;
   ::close(fd);
-  if (!ok) throw Error(errc::io_error, "cannot write key file '" + path + "'");
+  if (!ok) {
+    ::unlink(temp.c_str());
+    throw Error(errc::io_error, "cannot write key file '" + temp + "'");
+  }
+  // (A file system without hard links: a rename that replaces nothing does the same.)
+  int linked = ::link(temp.c_str(), path.c_str());
+  int e = errno;
+  if (linked != 0 && (e == EPERM || e == EOPNOTSUPP)) {
+    linked = ::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
+    e = errno;
+  }
+  ::unlink(temp.c_str());
+  if (linked != 0) {
+    if (e == EEXIST) return load_key(path);  // another one made it first
+    throw Error(errc_from_errno(e), "cannot create key file '" + path + "': " + std::strerror(e));
+  }
   if (created) *created = true;
   return k;
 }
