@@ -34,7 +34,9 @@ void forward(const std::shared_ptr<RelaySlot>& slot, TransferOptions base,
         std::lock_guard lock(slot->m);
         if (slot->file) return files::Fd(::fcntl(slot->file.get(), F_DUPFD_CLOEXEC, 3));
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      // Each hop of a chain waits here for the one before it: a short poll keeps a small
+      // file's time through k hosts near k round trips.
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     return files::Fd();
   };
@@ -129,7 +131,7 @@ void forward(const std::shared_ptr<RelaySlot>& slot, TransferOptions base,
         std::lock_guard lock(slot->m);
         if (slot->relinks != generation) break;
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the release joins this thread
     }
   }
   slot->forwarding.store(false);

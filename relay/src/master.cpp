@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <future>
@@ -89,6 +90,8 @@ struct Place {
 
 struct Chain {
   std::mutex m;
+  std::condition_variable heard;  // a report, an end: the master looks again at once
+  bool news = false;
   std::vector<std::unique_ptr<Place>> places;
   Clock::time_point t0 = Clock::now();
   std::uint64_t size = 0;
@@ -121,6 +124,8 @@ void read_reports(Chain& chain, Place& p) {
     }
     p.gone = true;
     over = true;
+    chain.news = true;
+    chain.heard.notify_one();
   };
   std::function<void()> next = [&] {
     ch.async_read_header([&](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
@@ -139,6 +144,8 @@ void read_reports(Chain& chain, Place& p) {
         std::lock_guard lock(chain.m);
         p.gone = true;
         over = true;
+        chain.news = true;
+        chain.heard.notify_one();
         return;
       }
       if (h.event != wire::ChannelEvent::report && h.event != wire::ChannelEvent::exception)
@@ -181,6 +188,8 @@ void read_reports(Chain& chain, Place& p) {
             p.whole_at = now;
             p.host.digest = hex(r->digest);
           }
+          chain.news = true;
+          chain.heard.notify_one();
         }
         next();
       });
@@ -414,7 +423,11 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
   auto released_at = Clock::now();
   auto last_change = chain.t0;
   for (;;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    {
+      std::unique_lock lock(chain.m);
+      chain.heard.wait_for(lock, std::chrono::milliseconds(50), [&] { return chain.news; });
+      chain.news = false;
+    }
     const auto now = Clock::now();
     const bool cancel = cancelled_at_start || (options.cancel && options.cancel->load());
     {

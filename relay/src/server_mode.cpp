@@ -202,17 +202,25 @@ private:
     on(RelayEvent::tick);
   }
 
+  // A report every 100 ms, and at once (within a tick) when the place becomes whole, fails, or
+  // stops forwarding: the master moves on when every host is whole and done, and a file waits
+  // for nothing else.
   void send_report() {
-    if (!report_out_) {
+    auto r = report();
+    const auto now = Clock::now();
+    const bool changed = r.state != sent_state_ || r.forwarding != sent_forwarding_;
+    if (!report_out_ && (changed || now - sent_at_ >= std::chrono::milliseconds(100))) {
       report_out_ = true;
-      sent_at_ = Clock::now();
-      env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(report()),
+      sent_at_ = now;
+      sent_state_ = r.state;
+      sent_forwarding_ = r.forwarding;
+      env_.channels[0]->send_control(wire::ChannelEvent::report, wire::encode(r),
                                      [this](const xdsi::ErrorCode& ec) {
                                        if (machine_.finished() || ec) return;
                                        report_out_ = false;
                                      });
     }
-    tick_.expires_after(std::chrono::milliseconds(100));
+    tick_.expires_after(std::chrono::milliseconds(10));
     tick_.async_wait([this](const xdsi::ErrorCode& ec) {
       if (!ec) tick();
     });
@@ -350,6 +358,8 @@ private:
   std::uint64_t seen_ = 0;
   bool report_out_ = false;       // a report is queued and not yet on the wire
   Clock::time_point sent_at_{};
+  wire::RelayReport::State sent_state_ = wire::RelayReport::State::waiting;  // in the last report sent
+  bool sent_forwarding_ = false;
   Reservation digests_;           // the block digests the place keeps, in the server's memory budget
   relay_fsm::RelayMachine machine_{relay_fsm::RelaySide::host};
 };
