@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <future>
 #include <map>
@@ -175,8 +176,8 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         }
   }
 
-  // The jobs, `files_at_once` at a time; each in `chains` chains (the hosts dealt in turn), all
-  // of a job's chains at once. A host that failed is left out of the jobs that start after.
+  // The jobs, several at a time; each in `chains` chains (the hosts dealt in turn), all of a
+  // job's chains at once. A host that failed is left out of the jobs that start after.
   std::uint64_t source_bytes = 0, size = 0;
   std::vector<std::string> notes;
   std::string digest;
@@ -195,75 +196,99 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
     }
     progress(v);
   };
-  std::size_t next_job = 0;
-  auto worker = [&] {
-    for (;;) {
-      std::size_t ji;
-      std::vector<std::vector<std::pair<std::size_t, std::string>>> groups(chains);
-      {
-        std::lock_guard lock(m);
-        if (next_job >= jobs.size() || (options.cancel && options.cancel->load())) return;
-        ji = next_job++;
-        std::size_t n = 0;
-        for (const auto& t : jobs[ji].to)
-          if (!hosts[t.first].failed) groups[n++ % chains].push_back(t);
-        size += jobs[ji].size;
-      }
-      const auto& job = jobs[ji];
-      std::vector<std::future<void>> running;
-      for (auto& g : groups) {
-        if (g.empty()) continue;
-        running.push_back(std::async(std::launch::async, [&, g] {
-          std::vector<RelayTarget> to;
-          for (const auto& [h, path] : g) to.push_back({targets[h].server, path});
-          auto on = [&](const std::vector<RelayHost>& v) {
-            std::lock_guard lock(m);
-            for (std::size_t i = 0; i < v.size() && i < g.size(); ++i) hosts[g[i].first].running[ji] = v[i].verified;
-            show();
-          };
-          RelayResult r;
-          const auto started = Clock::now();
-          try {
-            r = relay(job.local, to, options, on);
-          } catch (const Error& e) {
-            std::lock_guard lock(m);
-            for (const auto& [h, path] : g) {
-              hosts[h].running.erase(ji);
-              fail(h, e.code(), job.local, e.context());
-            }
-            return;
-          }
+  // One job: its chains at once, each a relay() of its own.
+  auto run_job = [&](std::size_t ji, const std::vector<std::vector<std::pair<std::size_t, std::string>>>& groups) {
+    const auto& job = jobs[ji];
+    std::vector<std::future<void>> running;
+    for (const auto& g : groups) {
+      if (g.empty()) continue;
+      running.push_back(std::async(std::launch::async, [&] {
+        std::vector<RelayTarget> to;
+        for (const auto& [h, path] : g) to.push_back({targets[h].server, path});
+        auto on = [&](const std::vector<RelayHost>& v) {
           std::lock_guard lock(m);
-          source_bytes += r.source_bytes;
-          if (one_file) digest = r.digest;
-          for (const auto& n : r.notes) notes.push_back(one_file ? n : "'" + job.local + "': " + n);
-          for (std::size_t i = 0; i < r.hosts.size() && i < g.size(); ++i) {
-            auto& s = hosts[g[i].first];
-            s.running.erase(ji);
-            const auto& h = r.hosts[i];
-            if (!h.ok) {
-              fail(g[i].first, h.code, job.local, h.message);
-              continue;
-            }
-            s.done += h.verified;
-            s.last = std::max(s.last, started + std::chrono::duration_cast<Clock::duration>(
-                                                    std::chrono::duration<double>(h.seconds)));
-            if (one_file) s.host.digest = h.digest;
+          for (std::size_t i = 0; i < v.size() && i < g.size(); ++i) hosts[g[i].first].running[ji] = v[i].verified;
+          show();
+        };
+        RelayResult r;
+        const auto started = Clock::now();
+        try {
+          r = relay(job.local, to, options, on);
+        } catch (const Error& e) {
+          std::lock_guard lock(m);
+          for (const auto& [h, path] : g) {
+            hosts[h].running.erase(ji);
+            fail(h, e.code(), job.local, e.context());
           }
-        }));
-      }
-      for (auto& f : running) f.get();
+          return;
+        } catch (const std::exception& e) {
+          std::lock_guard lock(m);
+          for (const auto& [h, path] : g) {
+            hosts[h].running.erase(ji);
+            fail(h, errc::internal, job.local, e.what());
+          }
+          return;
+        }
+        std::lock_guard lock(m);
+        source_bytes += r.source_bytes;
+        if (one_file) digest = r.digest;
+        for (const auto& n : r.notes) notes.push_back(one_file ? n : "'" + job.local + "': " + n);
+        for (std::size_t i = 0; i < r.hosts.size() && i < g.size(); ++i) {
+          auto& s = hosts[g[i].first];
+          s.running.erase(ji);
+          const auto& h = r.hosts[i];
+          if (!h.ok) {
+            fail(g[i].first, h.code, job.local, h.message);
+            continue;
+          }
+          s.done += h.verified;
+          s.last = std::max(s.last, started + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(h.seconds)));
+          if (one_file) s.host.digest = h.digest;
+        }
+      }));
     }
+    for (auto& f : running) f.wait();
   };
-  {
-    std::vector<std::thread> workers;
-    const std::size_t n = std::min<std::size_t>(std::max(1u, set.files_at_once), jobs.size());
-    for (std::size_t i = 0; i < n; ++i) workers.emplace_back(worker);
-    for (auto& w : workers) w.join();
+  // The jobs in order, as many at once as files_at_once and bytes_at_once allow (one at least):
+  // small files many at once, so that their chains' setups overlap; large ones few.
+  std::condition_variable freed;
+  std::size_t in_flight = 0;
+  std::uint64_t bytes_in_flight = 0;
+  std::size_t started_jobs = 0;
+  std::vector<std::future<void>> flying;
+  const auto cancelled = [&] { return options.cancel && options.cancel->load(); };
+  for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
+    std::vector<std::vector<std::pair<std::size_t, std::string>>> groups(chains);
+    {
+      std::unique_lock lock(m);
+      freed.wait(lock, [&] {
+        return cancelled() || (in_flight < std::max(1u, set.files_at_once) &&
+                               (in_flight == 0 || bytes_in_flight + jobs[ji].size <= set.bytes_at_once));
+      });
+      if (cancelled()) break;
+      std::size_t n = 0;
+      for (const auto& t : jobs[ji].to)
+        if (!hosts[t.first].failed) groups[n++ % chains].push_back(t);
+      if (n == 0) continue;
+      ++in_flight;
+      bytes_in_flight += jobs[ji].size;
+      size += jobs[ji].size;
+      ++started_jobs;
+    }
+    flying.push_back(std::async(std::launch::async, [&, ji, groups = std::move(groups)] {
+      run_job(ji, groups);
+      std::lock_guard lock(m);
+      --in_flight;
+      bytes_in_flight -= jobs[ji].size;
+      freed.notify_all();
+    }));
+    std::erase_if(flying, [](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
   }
-  if (options.cancel && options.cancel->load())
+  for (auto& f : flying) f.wait();
+  if (cancelled())
     for (std::size_t h = 0; h < hosts.size(); ++h)
-      if (!hosts[h].failed && next_job < jobs.size()) fail(h, errc::cancelled, {}, "cancelled");
+      if (!hosts[h].failed) fail(h, errc::cancelled, {}, "cancelled");
 
   // The trees' attributes (modes and mtimes of the large files and of the directories, which
   // the large files touched), on each host that has all of its files.

@@ -71,9 +71,12 @@ struct RelaySetOptions {
   /// source's link is times faster than a host's (each chain sends every byte once more from
   /// the source).
   unsigned chains = 1;
-  /// Files in their chains at once: a chain's setup (a session to every host) overlaps the
-  /// files before it.
-  unsigned files_at_once = 4;
+  /// Files in their chains at once, and their bytes (one file at least): a chain's setup (a
+  /// session to every host) overlaps the files before it. Each file holds two sessions of this
+  /// key at its chain's first host (its place and the source's upload), one at the others: six
+  /// stay within xdfsd's default of 16 sessions a key.
+  unsigned files_at_once = 6;
+  std::uint64_t bytes_at_once = std::uint64_t(64) << 20;
   /// A tree's files smaller than this go to each host in path mode with the tree's directories
   /// and symlinks, where a chain's setup would cost more than their bytes (at least 1: empty
   /// files never go through a chain).
@@ -85,10 +88,10 @@ struct RelaySetOptions {
 /// Sends files and trees to every target. Each target's path is a directory (the sources go in
 /// it by their names, a tree ending in '/' as its contents, as `xduc -r` does), except for one
 /// file alone, which goes where relay() puts it. Every file of at least set.chain_threshold
-/// bytes (every file named as a source) goes through relay chains, `set.files_at_once` files
-/// at a time, each in `set.chains` chains; a tree's directories, symlinks and smaller files go
-/// to each host in path mode first, and the attributes of its large files and directories are
-/// set on each host last. A host that fails a part is left out of the parts after it; its
+/// bytes (every file named as a source) goes through relay chains, several files at a time
+/// (files_at_once, bytes_at_once), each in `set.chains` chains; a tree's directories, symlinks
+/// and smaller files go to each host in path mode first, and the attributes of its large files
+/// and directories are set on each host last. A host that fails a part is left out of the parts after it; its
 /// RelayHost says which file and why. The result's size is the set's bytes; its digest (and
 /// each host's) only for one file.
 RelayResult relay_set(const std::vector<std::string>& sources, const std::vector<RelayTarget>& targets,
