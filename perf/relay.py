@@ -3,16 +3,21 @@
 and K hosts on a bridge, each link tbf-limited to the same rate both ways, an xdfsd on each host):
 
     perf/relay.py [--xdfs-bin DIR] [--hosts 8] [--rate 200mbit] [--size 256M] [--reps 3]
-                  [--tools one,chain,star,serial,uftp,udpcast] [--protect clear] [--smoke]
+                  [--tools one,chain,star,serial,uftp,udpcast] [--protect clear] [--tree FILES] [--smoke]
 
 Per tool, the time until the last host has the file (byte for byte, checked) and the bytes that
 left the source on its link, medians over the runs, the tools taking turns:
   one     xduc to the first host only (what "time to one host" means)
   chain   xduc SRC to all K hosts through the relay chain
+  chain2  the same with --chains 2 (the hosts dealt between two chains, each fed by the source)
+  chain-all  (--tree) the same with --chain-min 1: every file of the tree by chain, none direct
   star    K xduc copies at once, one to each host
   serial  K xduc copies, one after another
   uftp    uftp multicast to K uftpd (closed group, at 95% of the link rate)
   udpcast udp-sender multicast to K udp-receiver (at 95% of the link rate)
+With --tree FILES the source is a tree of that many files in 10 directories, --size in all: nine
+in ten are 32 KiB files, the rest share the other bytes (xduc -r; uftp sends the directory;
+udpcast takes only one file). Results then go to relay-tree.json and relay-tree.png.
 xDFS runs in --protect clear by default (the multicast tools neither encrypt nor authenticate);
 every xDFS block is still checked against its digest. Results go to perf/results/relay.json and,
 with matplotlib, perf/plots/relay.png. Timings are printed, never judged: --smoke (4 hosts,
@@ -62,6 +67,30 @@ def sha(path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def digest(path: str) -> str:
+    """A file's SHA-256, or a tree's: every file's relative path and SHA-256, in order."""
+    if not os.path.isdir(path):
+        return sha(path)
+    h = hashlib.sha256()
+    for d, dirs, names in sorted(os.walk(path)):
+        dirs.sort()
+        for n in sorted(names):
+            h.update(f"{os.path.relpath(os.path.join(d, n), path)} {sha(os.path.join(d, n))}\n".encode())
+    return h.hexdigest()
+
+
+def make_tree(path: str, files: int, size: int) -> None:
+    """files files in 10 directories, size bytes in all: nine in ten of 32 KiB, the rest large."""
+    small = files - max(1, files // 10)
+    large = files - small
+    each = max(0, size - small * 32768) // large
+    for n in range(files):
+        d = os.path.join(path, f"d{n % 10}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"f{n}"), "wb") as f:
+            f.write(os.urandom(32768 if n < small else each))
 
 
 def netns(i: int | None) -> list[str]:
@@ -126,6 +155,11 @@ class Bed:
     def url(self, i: int) -> str:
         return f"xdfs://{addr(i)}:7721/in/"
 
+    def has(self, i: int, src: str) -> bool:
+        """Host i has src (a file or a tree) byte for byte."""
+        got = os.path.join(self.dest(i), os.path.basename(src))
+        return os.path.exists(got) and digest(got) == digest(src)
+
     def clear(self) -> None:
         for i in range(1, self.k + 1):
             shutil.rmtree(self.dest(i))
@@ -154,16 +188,18 @@ def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if tool in ("one", "chain"):
-        cmd = bed.xduc_cmd(src, *[bed.url(i) for i in range(1, k + 1)])
+    r = ["-r"] if os.path.isdir(src) else []
+    if tool in ("one", "chain", "chain2", "chain-all"):
+        extra = {"chain2": ["--chains", "2"], "chain-all": ["--chain-min", "1"]}.get(tool, [])
+        cmd = bed.xduc_cmd(*r, *extra, src, *[bed.url(i) for i in range(1, k + 1)])
         subprocess.run(cmd, env=bed.env, cwd=bed.work, **quiet)
     elif tool == "star":
-        procs = [subprocess.Popen(bed.xduc_cmd(src, bed.url(i)), env=bed.env, **quiet) for i in range(1, k + 1)]
+        procs = [subprocess.Popen(bed.xduc_cmd(*r, src, bed.url(i)), env=bed.env, **quiet) for i in range(1, k + 1)]
         for p in procs:
             p.wait()
     elif tool == "serial":
         for i in range(1, k + 1):
-            subprocess.run(bed.xduc_cmd(src, bed.url(i)), env=bed.env, **quiet)
+            subprocess.run(bed.xduc_cmd(*r, src, bed.url(i)), env=bed.env, **quiet)
     elif tool == "uftp":
         rx = [subprocess.Popen(netns(i) + ["uftpd", "-d", "-x", "0", "-D", bed.dest(i), "-I", "eth0"], **quiet)
               for i in range(1, k + 1)]
@@ -175,7 +211,7 @@ def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
         for p in rx:
             p.terminate()
             p.wait()
-    elif tool == "udpcast":
+    elif tool == "udpcast" and not r:
         rx = [subprocess.Popen(netns(i) + ["udp-receiver", "--interface", "eth0", "--nokbd", "--no-progress",
                                           "--file", os.path.join(bed.dest(i), os.path.basename(src))], **quiet)
               for i in range(1, k + 1)]
@@ -190,9 +226,7 @@ def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
         fail(f"unknown tool {tool}")
     seconds = time.monotonic() - t0
     sent = src_tx() - before
-    want = sha(src)
-    reached = sum(1 for i in range(1, k + 1)
-                  if os.path.exists(f := os.path.join(bed.dest(i), os.path.basename(src))) and sha(f) == want)
+    reached = sum(1 for i in range(1, k + 1) if bed.has(i, src))
     return seconds, sent, reached
 
 
@@ -201,13 +235,17 @@ def inside(a: argparse.Namespace) -> None:
     bed = Bed(a, work)
     size = parse_size(a.size)
     src = os.path.join(work, "src.bin")
-    with open(src, "wb") as f:
-        left = size
-        while left:
-            n = min(left, 1 << 24)
-            f.write(os.urandom(n))
-            left -= n
-    tools = a.tools.split(",")
+    if a.tree:
+        src = os.path.join(work, "src")
+        make_tree(src, a.tree, size)
+    else:
+        with open(src, "wb") as f:
+            left = size
+            while left:
+                n = min(left, 1 << 24)
+                f.write(os.urandom(n))
+                left -= n
+    tools = [t for t in a.tools.split(",") if not (a.tree and t == "udpcast")]  # udpcast sends one file
     results: dict[str, list[tuple[float, int, int]]] = {t: [] for t in tools}
     try:
         for rep in range(a.reps):
@@ -219,7 +257,8 @@ def inside(a: argparse.Namespace) -> None:
     finally:
         bed.stop()
     one = statistics.median(r[0] for r in results["one"]) if "one" in results else None
-    print(f"\n# One file ({a.size}) to {bed.k} hosts, {a.rate} links both ways, -p {a.streams}, xDFS --protect "
+    what = f"A tree of {a.tree} files ({a.size})" if a.tree else f"One file ({a.size})"
+    print(f"\n# {what} to {bed.k} hosts, {a.rate} links both ways, -p {a.streams}, xDFS --protect "
           f"{a.protect}; medians of {a.reps} runs taking turns; {os.cpu_count()} CPUs\n")
     print("| tool | hosts whole | time to the last host (s) | x time to one host | source link bytes / data |")
     print("|---|---|---|---|---|")
@@ -231,16 +270,16 @@ def inside(a: argparse.Namespace) -> None:
         b = statistics.median(r[1] for r in rs) / size
         whole = min(r[2] for r in rs)
         k = 1 if tool == "one" else bed.k
-        bad |= tool in ("one", "chain", "star", "serial") and whole != k
+        bad |= tool in ("one", "chain", "chain2", "chain-all", "star", "serial") and whole != k
         table[tool] = {"seconds": t, "source_bytes_per_data": b, "hosts_whole": whole, "hosts": k,
                        "runs": [list(r) for r in rs]}
         print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {b:.3f} |" if one else
               f"| {tool} | {whole}/{k} | {t:.2f} | - | {b:.3f} |")
-    out = {"hosts": bed.k, "rate": a.rate, "size": size, "streams": a.streams, "protect": a.protect, "reps": a.reps,
+    out = {"hosts": bed.k, "rate": a.rate, "size": size, "tree_files": a.tree, "streams": a.streams, "protect": a.protect, "reps": a.reps,
            "tools": table}
     if not a.smoke:
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        with open(os.path.join(HERE, "results", "relay.json"), "w") as f:
+        with open(os.path.join(HERE, "results", "relay-tree.json" if a.tree else "relay.json"), "w") as f:
             json.dump(out, f, indent=1)
         plot(out)
     shutil.rmtree(work, ignore_errors=True)
@@ -261,10 +300,11 @@ def plot(out: dict) -> None:
     ax1.set_ylabel("seconds until the last host has the file")
     ax2.bar(tools, [out["tools"][t]["source_bytes_per_data"] for t in tools])
     ax2.set_ylabel("bytes on the source's link / file size")
-    fig.suptitle(f"{out['size'] >> 20} MiB to {out['hosts']} hosts, {out['rate']} links")
+    what = f"a tree of {out['tree_files']} files" if out.get("tree_files") else "one file"
+    fig.suptitle(f"{what}, {out['size'] >> 20} MiB, to {out['hosts']} hosts, {out['rate']} links")
     fig.tight_layout()
     os.makedirs(os.path.join(HERE, "plots"), exist_ok=True)
-    fig.savefig(os.path.join(HERE, "plots", "relay.png"))
+    fig.savefig(os.path.join(HERE, "plots", "relay-tree.png" if out.get("tree_files") else "relay.png"))
 
 
 def main() -> None:
@@ -278,6 +318,7 @@ def main() -> None:
     p.add_argument("--protect", default="clear")
     p.add_argument("--tools", default="one,chain,star,serial,uftp,udpcast")
     p.add_argument("--dir", default=None)
+    p.add_argument("--tree", type=int, default=0, metavar="FILES")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -294,6 +335,8 @@ def main() -> None:
             str(a.reps), "--streams", str(a.streams), "--protect", a.protect, "--tools", a.tools, "--rate", a.rate]
     if a.dir:
         args += ["--dir", a.dir]
+    if a.tree:
+        args += ["--tree", str(a.tree)]
     if a.smoke:
         args.append("--smoke")
     r = subprocess.run([BED, "--quiet", "--hosts", str(a.hosts), "--rate", a.rate, "--", *args])
