@@ -5,6 +5,12 @@
 #include <algorithm>
 #include <filesystem>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <random>
+
+#include "pack.hpp"
 #include "support.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/xdfs.hpp"
@@ -183,6 +189,162 @@ TEST_CASE("relay: a malformed relay peers line is refused, naming the file and t
   CHECK(xt::error_of([&] { (void)master.begin(n); }, nullptr, &what) == xdfs::errc::permission_denied);
   CHECK(what.find(cfg.relay_peers + ":2") != std::string::npos);
   CHECK(what.find("HOST:PORT") != std::string::npos);
+  master.close();
+}
+
+}  // TEST_SUITE("badinput")
+
+// A pack (relay/src/pack.hpp), as a master writes it, and as a hostile one might.
+namespace {
+
+struct PackBytes {
+  std::string bytes;
+  void entry(const std::string& path, std::uint32_t mode, std::int64_t mtime, std::uint64_t size, const std::string& data,
+             std::uint16_t path_len_override = 0) {
+    auto le = [&](std::uint64_t v, int n) {
+      for (int i = 0; i < n; ++i) bytes.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+    };
+    le(path_len_override ? path_len_override : path.size(), 2);
+    bytes += path;
+    le(mode, 4);
+    le(static_cast<std::uint64_t>(mtime), 8);
+    le(size, 8);
+    bytes += data;
+  }
+};
+
+// Writes the pack out into ROOT/in, as a host does with a pack placed at in/.xdfs-pack-...
+xdfs::relay_detail::Unpacked unpack_bytes(const std::string& root, const std::string& pack, std::uint64_t max_file = 0) {
+  xt::TempDir scratch;
+  xt::write_file(scratch / "pack", pack);
+  xdfs::files::Fd fd(::open((scratch / "pack").c_str(), O_RDONLY | O_CLOEXEC));
+  xdfs::files::Fd r(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022, max_file);
+  return xdfs::relay_detail::unpack(fd.get(), pack.size(), writer, "in", max_file);
+}
+
+}  // namespace
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("relay packs: what a master packs is written out whole, with modes and mtimes") {
+  xt::TempDir src, root;
+  xt::write_random_file(src / "a", 70000, 1);
+  xt::write_file(src / "b", "");
+  xt::write_random_file(src / "c", 12, 2);
+  xt::TempDir scratch;
+  xdfs::files::Fd pack(::open((scratch / "pack").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  const std::vector<std::tuple<std::string, std::string, std::uint32_t>> files{
+      {"a", "x/y/a", 0640}, {"b", "b", 0600}, {"c", "x/c", 0755}};
+  bool first = true;
+  for (const auto& [from, to, mode] : files) {
+    xdfs::files::Fd in(::open((src / from).c_str(), O_RDONLY | O_CLOEXEC));
+    const auto size = std::filesystem::file_size(src / from);
+    REQUIRE(xdfs::relay_detail::pack_append(pack.get(), first, {to, mode, 1'500'000'000'000'000'123, size}, in.get()));
+    first = false;
+  }
+  pack.reset();
+  std::filesystem::create_directory(root / "in");
+  const auto u = unpack_bytes(root.path(), xt::read_file(scratch / "pack"));
+  CHECK_MESSAGE(u.code == xdfs::errc::ok, u.message);
+  CHECK(u.files == 3);
+  for (const auto& [from, to, mode] : files) {
+    CAPTURE(to);
+    CHECK(xt::files_equal(src / from, root / ("in/" + to)));
+    struct stat st {};
+    REQUIRE(::stat((root / ("in/" + to)).c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == (mode & ~022u));
+    CHECK(st.st_mtim.tv_sec == 1'500'000'000);
+  }
+}
+
+TEST_CASE("relay packs: a hostile pack fails naming its cause, and writes nothing outside its directory") {
+  const std::string magic(xdfs::relay_detail::pack_magic);
+  struct Case {
+    std::string name, pack, says;
+  };
+  std::vector<Case> cases;
+  auto with = [&](const std::string& name, const std::string& says, auto&& build) {
+    PackBytes p;
+    p.bytes = magic;
+    build(p);
+    cases.push_back({name, p.bytes, says});
+  };
+  cases.push_back({"not a pack", "xdfs-pack 9\nxxxxxxxx", "not a pack"});
+  cases.push_back({"empty", "", "not a pack"});
+  with("a path up and out", "'..'", [](PackBytes& p) { p.entry("../../escaped", 0644, 0, 3, "abc"); });
+  with("an absolute path", "absolute", [](PackBytes& p) { p.entry("/tmp/escaped", 0644, 0, 3, "abc"); });
+  with("a size past the end", "past the pack's end", [](PackBytes& p) { p.entry("f", 0644, 0, 1000, "abc"); });
+  with("a size of 2^63", "past the pack's end", [](PackBytes& p) { p.entry("f", 0644, 0, std::uint64_t(1) << 63, "abc"); });
+  with("an empty path", "path of 0 bytes", [](PackBytes& p) { p.entry("", 0644, 0, 0, ""); });
+  with("a path longer than what is left", "path of 60000 bytes", [](PackBytes& p) { p.entry("f", 0644, 0, 0, "", 60000); });
+  with("setuid", "permission bits", [](PackBytes& p) { p.entry("f", 04755, 0, 1, "x"); });
+  with("an entry cut short", "cut short", [](PackBytes& p) {
+    p.entry("ok", 0644, 0, 2, "ok");
+    p.bytes += "\x05";
+  });
+  with("a NUL in a path", "NUL", [](PackBytes& p) { p.entry(std::string("a\0b", 3), 0644, 0, 1, "x"); });
+  for (const auto& c : cases) {
+    CAPTURE(c.name);
+    xt::TempDir top;
+    std::filesystem::create_directories(top / "root/in");
+    const auto u = unpack_bytes(top / "root", c.pack);
+    CHECK(u.code != xdfs::errc::ok);
+    CHECK_MESSAGE(u.message.find(c.says) != std::string::npos, u.message);
+    CHECK(u.message.find('\n') == std::string::npos);
+    std::size_t outside = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(top.path()))
+      outside += e.path().string().rfind((top / "root").c_str(), 0) != 0;
+    CHECK(outside == 0);
+    CHECK_FALSE(xt::exists("/tmp/escaped"));
+  }
+  SUBCASE("a file over the server's size limit") {
+    xt::TempDir root;
+    std::filesystem::create_directory(root / "in");
+    PackBytes p;
+    p.bytes = magic;
+    p.entry("big", 0644, 0, 100, std::string(100, 'x'));
+    const auto u = unpack_bytes(root.path(), p.bytes, 50);
+    CHECK(u.code == xdfs::errc::limit_exceeded);
+    CHECK_FALSE(xt::exists(root / "in/big"));
+  }
+  SUBCASE("a thousand damaged packs: each fails or writes inside, never crashes") {
+    PackBytes good;
+    good.bytes = magic;
+    for (int i = 0; i < 8; ++i) good.entry("d" + std::to_string(i % 3) + "/f" + std::to_string(i), 0644, 0, 40, std::string(40, 'a' + i));
+    std::mt19937_64 rng(42);
+    for (int round = 0; round < 1000; ++round) {
+      std::string bad = good.bytes;
+      for (int k = 0; k < 4; ++k) bad[rng() % bad.size()] = static_cast<char>(rng());
+      if (rng() % 4 == 0) bad.resize(rng() % bad.size());
+      xt::TempDir top;
+      std::filesystem::create_directories(top / "root/in");
+      (void)unpack_bytes(top / "root", bad);
+      std::size_t outside = 0;
+      for (const auto& e : std::filesystem::recursive_directory_iterator(top.path()))
+        outside += e.path().string().rfind((top / "root/in").c_str(), 0) != 0 && e.path() != top / "root";
+      CHECK(outside == 0);
+    }
+  }
+}
+
+TEST_CASE("relay packs: a pack place under any name but a pack's is refused (a pack is removed once written out)") {
+  xt::TempDir root;
+  xt::write_file(root / "victim", "the user's file");
+  xt::InProcessServer srv(relay_config(root));
+  xdfs::SessionOptions so;
+  so.protect = xdfs::xsec::Protect::clear;
+  xdfs::Session master({"127.0.0.1", srv.port()}, so);
+  w::Negotiation n;
+  n.mode = xdfs::Mode::relay;
+  n.remote_path = "victim";
+  n.file_size = 10;
+  n.relay_plan.pack = true;
+  xdfs::xsec::random_fill(n.relay_plan.ticket);
+  std::string what;
+  CHECK(xt::error_of([&] { (void)master.begin(n); }, nullptr, &what) == xdfs::errc::bad_argument);
+  CHECK(what.find(".xdfs-pack-") != std::string::npos);
+  CHECK(xt::read_file(root / "victim") == "the user's file");
   master.close();
 }
 

@@ -27,6 +27,9 @@ struct RelayPlan {
   channels @3 :UInt32;           # n of the sessions it opens downstream
   mode @4 :UInt32;               # the file's permission bits (0777 at most; 0: the server's default),
                                  # set on the copy here when it is whole, less the server's umask
+  pack @5 :Bool;                 # the file is a pack of small files (docs/relay.md): once the chain
+                                 # is done, the host writes them into the file's directory and
+                                 # removes the pack
 }
 
 # Relay: a host's progress, sent by it to the master (event REPORT) at least once a second.

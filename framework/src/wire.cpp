@@ -230,6 +230,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     plan.setProtect(n.relay_plan.protect);
     plan.setChannels(n.relay_plan.channels);
     plan.setMode(n.relay_plan.mode);
+    plan.setPack(n.relay_plan.pack);
     put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
   }
   return to_bytes(msg);
@@ -374,6 +375,7 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       n.relay_plan.protect = plan.getProtect();
       n.relay_plan.channels = plan.getChannels();
       n.relay_plan.mode = plan.getMode();
+      n.relay_plan.pack = plan.getPack();
       if (n.relay_plan.mode > 0777) {
         char octal[16];
         std::snprintf(octal, sizeof octal, "%o", n.relay_plan.mode);

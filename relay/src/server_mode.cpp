@@ -16,6 +16,7 @@
 // it too. Either way the place is removed and the forwarder stopped; what was verified here
 // stays as a partial file that a later relay of the same file goes on from.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/asio/steady_timer.hpp>
@@ -38,12 +39,14 @@
 #include "xdfs/text.hpp"
 
 #include "forward.hpp"
+#include "pack.hpp"
 
 namespace xdfs::relay_mode {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using runtime::RelaySlot;
+constexpr std::string_view pack_prefix = ".xdfs-pack-";
 using relay_fsm::RelayAction;
 using relay_fsm::RelayEvent;
 
@@ -68,6 +71,9 @@ public:
     if (!plan.next.empty() && !peers_allowed(plan.next, why)) return refuse(errc::permission_denied, why);
     auto [dir, name] = files::split_parent(nego_.remote_path);
     if (name.empty()) return refuse(errc::bad_argument, "a relay names its file, not a directory");
+    // A pack is removed once unpacked: only under a pack's own name, never a file of the user's.
+    if (plan.pack && name.rfind(pack_prefix, 0) != 0)
+      return refuse(errc::bad_argument, "a relay's pack is named " + std::string(pack_prefix) + "...");
     files::Fd dirfd;
     if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
       return refuse(st.code, st.message);
@@ -232,6 +238,21 @@ private:
     stop();
     auto r = report();
     r.final = true;
+    // A pack, whole and handed on: its files go into its directory, and it goes.
+    if (nego_.relay_plan.pack) {
+      if (r.state == wire::RelayReport::State::whole) {
+        const auto u = unpack_here();
+        if (u.code != errc::ok) {
+          r.state = wire::RelayReport::State::failed;
+          r.code = u.code;
+          r.message = u.message;
+        }
+        env_.log(fmt::format("session {} relay pack '{}': {} files, {} bytes written{}", env_.id.short_hex(),
+                             text::escape(nego_.remote_path), u.files, u.bytes,
+                             u.code == errc::ok ? "" : "; " + u.message));
+      }
+      discard_pack();
+    }
     auto& ch = *env_.channels[0];
     ch.send_control(wire::ChannelEvent::report, wire::encode(r));
     wire::FrameHeader h;
@@ -328,6 +349,30 @@ private:
     });
   }
 
+  relay_detail::Unpacked unpack_here() {
+    files::Fd fd;
+    if (auto s = files::open_beneath(slot_->root.get(), slot_->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0, fd); !s)
+      return {s.code, "pack: " + s.message};
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != slot_->size)
+      return {errc::size_mismatch, "pack: not the file that was relayed"};
+    pathm::TreeWriter writer(slot_->root.get(), "relay", env_.config.fsync, nego_.block_size, 1, files::process_umask(),
+                             env_.config.max_file_size, env_.made);
+    return relay_detail::unpack(fd.get(), slot_->size, writer, files::split_parent(slot_->path).first,
+                                env_.config.max_file_size);
+  }
+
+  // The pack and what is left of it (a partial copy), whatever became of it.
+  void discard_pack() {
+    auto [dir, name] = files::split_parent(slot_->path);
+    files::Fd d;
+    if (name.rfind(pack_prefix, 0) != 0 ||
+        !files::open_beneath(slot_->root.get(), dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, d))
+      return;
+    ::unlinkat(d.get(), name.c_str(), 0);
+    ::unlinkat(d.get(), files::partial_name(name).c_str(), 0);
+  }
+
   void stop() {
     if (slot_) {
       slot_->cancel.store(true);
@@ -340,6 +385,7 @@ private:
   void fail(errc code, const std::string& message, bool from_peer = false) {
     tick_.cancel();
     stop();
+    if (slot_ && nego_.relay_plan.pack) discard_pack();
     xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));
     done_(runtime::OperationResult{code, message, from_peer, false, false});
   }

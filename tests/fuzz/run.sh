@@ -2,7 +2,7 @@
 # Builds the libFuzzer harnesses with clang (ASan + UBSan) and runs each for SECONDS, seeded from
 # the committed corpus (tests/fuzz/corpus/NAME) with a fixed seed:
 #   tests/fuzz/run.sh BUILD_DIR [SECONDS] [HARNESS...]
-# HARNESS: fuzz_wire fuzz_handshake fuzz_pathm fuzz_session (default: all). BUILD_DIR is a
+# HARNESS: fuzz_wire fuzz_handshake fuzz_pathm fuzz_pack fuzz_session (default: all). BUILD_DIR is a
 # configured build tree (for the generated Cap'n Proto code). Corpora and failing inputs go to
 # $XDFS_FUZZ_DIR (default: a temporary directory, removed afterwards); XDFS_FUZZ_SEED sets the
 # seed (default 1), XDFS_FUZZ_RUNS a number of executions instead of a time (-runs).
@@ -17,7 +17,7 @@ build="$(cd "$1" && pwd)"
 seconds="${2:-20}"
 shift 2 2>/dev/null || shift $#
 harnesses=("$@")
-((${#harnesses[@]})) || harnesses=(fuzz_wire fuzz_handshake fuzz_pathm fuzz_session)
+((${#harnesses[@]})) || harnesses=(fuzz_wire fuzz_handshake fuzz_pathm fuzz_pack fuzz_session)
 src="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${XDFS_FUZZ_DIR:-$(mktemp -d)}"
 [ -n "${XDFS_FUZZ_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
@@ -36,7 +36,7 @@ session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/f
          "$src/xftsm/src/cfsm.cpp"
          "$src/xftsm/src/transfer.cpp" "$src/xftsm/src/file_operation.cpp" "$src/pathm/src/fsops.cpp"
          "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp"
-         "$src/relay/src/relay_fsm.cpp" "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp"
+         "$src/relay/src/relay_fsm.cpp" "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp" "$src/relay/src/pack.cpp"
          "$src/xftsm/src/client.cpp" "$src/framework/src/client_session.cpp")
 libs=(-lcapnp -lkj -lbotan-2 -lfmt -lpthread)
 status=0
@@ -46,6 +46,8 @@ for name in "${harnesses[@]}"; do
   case "$name" in
     fuzz_session) sources+=("${session[@]}"); max_len=16384 ;;
     fuzz_pathm) max_len=65536 ;;
+    fuzz_pack) sources+=("$src/framework/src/files.cpp" "$src/framework/src/manifest.cpp" "$src/pathm/src/fsops.cpp"
+                         "$src/relay/src/pack.cpp"); max_len=16384 ;;
   esac
   if ! "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${sources[@]}" "${libs[@]}" -o "$work/$name" \
        >"$work/$name.build.log" 2>&1; then

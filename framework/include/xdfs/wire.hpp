@@ -130,6 +130,7 @@ struct RelayPlan {
   std::uint8_t protect = 2;     ///< xsec::Protect of the sessions the host opens downstream
   std::uint32_t channels = 1;   ///< n of those sessions (the server bounds it by its max_channels)
   std::uint32_t mode = 0;       ///< the file's permission bits (0: the server's default)
+  bool pack = false;            ///< a pack of small files, unpacked into its directory at the end
   bool operator==(const RelayPlan&) const = default;
 };
 

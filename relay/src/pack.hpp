@@ -1,0 +1,49 @@
+// A pack: many small files as one file, so that a tree's small files go through a relay chain
+// as one file (one place, one upload per hop) instead of one chain each, and cross the source's
+// link once (docs/relay.md). The master writes it from the tree; each host, once the pack is
+// whole there and forwarded, writes its files into the pack's directory and removes it.
+//
+//   "xdfs-pack 1\n"
+//   then per file: u16 path length, path (relative to the pack's directory), u32 mode (0777 at
+//   most), i64 mtime (ns), u64 size, and the file's bytes; all little-endian.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "xdfs/files.hpp"
+#include "xdfs/pathm/fsops.hpp"
+
+namespace xdfs::relay_detail {
+
+inline constexpr std::string_view pack_magic = "xdfs-pack 1\n";
+/// The largest file a pack carries (a host reads each whole before writing it).
+inline constexpr std::uint64_t max_pack_file = std::uint64_t(16) << 20;
+inline constexpr std::size_t max_pack_path = 4096;
+
+struct PackEntry {
+  std::string path;  ///< relative to the pack's directory
+  std::uint32_t mode = 0644;
+  std::int64_t mtime_ns = 0;
+  std::uint64_t size = 0;
+};
+
+/// Appends to the pack at fd (its magic first, on the first entry): the entry and `size` bytes
+/// read from data_fd. The file must still have its size (one that changed fails, naming it).
+files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd);
+
+struct Unpacked {
+  errc code = errc::ok;
+  std::string message;   ///< the first failure, naming the entry
+  std::uint64_t files = 0, bytes = 0;
+};
+
+/// Writes the pack's files (pack_fd, pack_size bytes) under `dir` (relative to the writer's
+/// root) with `writer`: every path is checked as a client's is, every size against what the
+/// pack still holds, max_pack_file and max_file_size (0: none). Stops at the first failure.
+Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer, const std::string& dir,
+                std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr);
+
+}  // namespace xdfs::relay_detail
