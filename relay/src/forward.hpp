@@ -7,6 +7,7 @@
 #include <string>
 
 #include "xdfs/client.hpp"
+#include "xdfs/relay.hpp"
 #include "xdfs/relay_registry.hpp"
 
 namespace xdfs::relay_detail {
@@ -16,5 +17,10 @@ namespace xdfs::relay_detail {
 /// `digest`, if set, receives the whole-file digest of each upload that ended well.
 void forward(const std::shared_ptr<runtime::RelaySlot>& slot, TransferOptions base,
              const std::function<void(const std::string&)>& log);
+
+/// relay() itself; with `pack`, the file is a pack (pack.hpp) that each host writes out into
+/// its directory at the end.
+RelayResult relay_file(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
+                       const std::function<void(const std::vector<RelayHost>&)>& progress, bool pack);
 
 }  // namespace xdfs::relay_detail

@@ -188,6 +188,12 @@ void read_reports(Chain& chain, Place& p) {
             p.whole_at = now;
             p.host.digest = hex(r->digest);
           }
+          // The last word, after the release: what the host did with the file at the end (a
+          // pack written out) failed.
+          if (r->final && r->state == State::failed && p.host.code == errc::ok) {
+            p.host.code = r->code == errc::ok ? errc::internal : r->code;
+            p.host.message = r->message;
+          }
           chain.news = true;
           chain.heard.notify_one();
         }
@@ -238,6 +244,12 @@ void tell(Place& p, RelayEvent e, std::vector<std::uint8_t> payload) {
 
 RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
                   const std::function<void(const std::vector<RelayHost>&)>& progress) {
+  return relay_detail::relay_file(local, targets, options, progress, false);
+}
+
+RelayResult relay_detail::relay_file(const std::string& local, const std::vector<RelayTarget>& targets,
+                                     const TransferOptions& options,
+                                     const std::function<void(const std::vector<RelayHost>&)>& progress, bool pack) {
   if (!options.verify) throw TransferError(errc::bad_argument, "a relay verifies every block: not with --no-verify", false);
   if (options.memory) throw TransferError(errc::bad_argument, "a relay moves a file, not memory", false);
   const int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -290,6 +302,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
     xsec::random_fill(n.relay_plan.ticket);
     n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
     n.relay_plan.mode = static_cast<std::uint32_t>(sb.st_mode & 0777);
+    n.relay_plan.pack = pack;
     n.relay_plan.channels = options.channels;
     return n;
   };

@@ -2,7 +2,9 @@
 // relay chains (relay(), one or several chains of the hosts, a few files at once); a tree's
 // directories, symlinks and smaller files go to each host in path mode, where a chain's setup
 // would cost more than their bytes; then each host's attributes are set, as a tree upload does.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/core.h>
 
@@ -18,6 +20,10 @@
 
 #include "xdfs/relay.hpp"
 #include "xdfs/remote_fs.hpp"
+#include "xdfs/xsec.hpp"
+
+#include "forward.hpp"
+#include "pack.hpp"
 
 namespace xdfs {
 namespace {
@@ -36,16 +42,52 @@ std::string join(const std::string& a, const std::string& b) {
 }
 
 // One file through the chains: where it goes on each host (by the host's index in the targets).
+// Or a pack of a tree's small files (pack.hpp), made when its turn comes: `local` is the tree.
 struct Job {
   std::string local;
-  std::uint64_t size = 0;
+  std::uint64_t size = 0;  // its files' bytes
   std::vector<std::pair<std::size_t, std::string>> to;
+  std::vector<relay_detail::PackEntry> pack;
 };
 
 // A tree source as one host takes it: where it goes there, and what its path part left to the chains.
 struct TreePart {
+  std::size_t source = 0;
   std::string local, remote;
   pathm::LargeFiles large;
+};
+
+// A pack's bytes and files at most: a chain's setup for every 32 MiB or 20000 small files.
+constexpr std::uint64_t pack_bytes = std::uint64_t(32) << 20;
+constexpr std::size_t pack_files = 20000;
+
+// Writes a pack of `job`'s files (read under job.local) to a temporary file, removed with it.
+struct PackFile {
+  std::string path;
+  files::Fd fd;
+  ~PackFile() {
+    if (!path.empty()) ::unlink(path.c_str());
+  }
+  files::Status make(const Job& job) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/xdfs-pack-XXXXXX";
+    const int f = ::mkostemp(templ.data(), O_CLOEXEC);
+    if (f < 0) return files::Status::from_errno(errno, "make a pack in " + templ);
+    path = templ;
+    fd = files::Fd(f);
+    bool first = true;
+    for (const auto& e : job.pack) {
+      const std::string from = join(job.local, e.path);
+      files::Fd in(::open(from.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+      struct stat sb {};
+      if (!in || ::fstat(in.get(), &sb) != 0) return files::Status::from_errno(errno, "open '" + from + "'");
+      if (!S_ISREG(sb.st_mode) || static_cast<std::uint64_t>(sb.st_size) != e.size)
+        return {errc::size_mismatch, "'" + from + "' changed since the tree was listed"};
+      if (auto s = relay_detail::pack_append(fd.get(), first, e, in.get()); !s) return s;
+      first = false;
+    }
+    return files::Status::ok();
+  }
 };
 
 // Everything known of one host, over every part of the set.
@@ -57,6 +99,9 @@ struct HostState {
   std::map<std::size_t, std::uint64_t> running;   // job -> bytes verified so far
   Clock::time_point last{};
   std::vector<TreePart> trees;
+  // Its path-mode session, kept from its trees' path parts to their end: the directories it
+  // made there get their modes from it (a server sets modes only on what the session made).
+  std::unique_ptr<RemoteFs> fs;
 };
 
 }  // namespace
@@ -113,6 +158,7 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
   control.channels = std::max<std::uint32_t>(1, std::min<std::uint32_t>(options.channels, 4));
   pathm::TreeOptions tree = set.tree;
   tree.progress = nullptr;
+  const std::uint64_t threshold = std::clamp<std::uint64_t>(set.chain_threshold, 1, relay_detail::max_pack_file + 1);
   std::uint64_t path_bytes = 0;  // the path parts' bytes, over every host (each went from here)
   // Each host's path part, all hosts at once (one that does not answer takes its connect timeout).
   if (!tree_sources.empty()) {
@@ -122,14 +168,15 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         std::vector<TreePart> parts;
         std::uint64_t bytes = 0;
         try {
-          RemoteFs fs(targets[h].server, control);
+          auto fs = std::make_unique<RemoteFs>(targets[h].server, control);
           for (auto k : tree_sources) {
             const auto& src = sources[k];
             TreePart part;
+            part.source = k;
             part.local = src;
             part.remote = src.back() == '/' ? targets[h].path : join(targets[h].path, base_name(src));
-            part.large.threshold = std::max<std::uint64_t>(1, set.chain_threshold);
-            auto r = fs->upload_tree(src, part.remote, tree, &part.large);
+            part.large.threshold = 1;  // every file that is not empty: by chain, or in a pack
+            auto r = (*fs)->upload_tree(src, part.remote, tree, &part.large);
             bytes += r.bytes;
             if (!r.failures.empty() || r.session_failure) {
               const auto& f = r.session_failure ? *r.session_failure : r.failures.front();
@@ -140,7 +187,8 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
             }
             parts.push_back(std::move(part));
           }
-          fs.close();
+          std::lock_guard lock(m);
+          hosts[h].fs = std::move(fs);
         } catch (const Error& e) {
           std::lock_guard lock(m);
           fail(h, e.code(), {}, e.context());
@@ -159,21 +207,52 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         hosts[h].trees = std::move(parts);
       });
     for (auto& t : threads) t.join();
-    // The tree's large files as jobs: one per local file, to every host whose part listed it.
+    // The trees' files as jobs: each large one a job of its own, to every host whose part
+    // listed it; the small ones of each tree in packs, to every host that has that tree's part.
     std::map<std::string, std::size_t> by_local;
+    std::map<std::size_t, std::map<std::string, relay_detail::PackEntry>> small;  // by source, by path
+    std::map<std::size_t, std::vector<std::pair<std::size_t, std::string>>> tree_hosts;  // source -> (host, remote)
+    std::vector<Job> large_jobs;
     for (std::size_t h = 0; h < targets.size(); ++h)
-      for (const auto& part : hosts[h].trees)
+      for (const auto& part : hosts[h].trees) {
+        tree_hosts[part.source].emplace_back(h, part.remote);
         for (const auto& e : part.large.files) {
+          if (e.size < threshold) {
+            small[part.source].emplace(e.path, relay_detail::PackEntry{e.path, e.mode & 0777, e.mtime_ns, e.size});
+            continue;
+          }
           const auto local = join(part.local, e.path);
-          auto [it, added] = by_local.emplace(local, jobs.size());
+          auto [it, added] = by_local.emplace(local, large_jobs.size());
           if (added) {
             Job j;
             j.local = local;
             j.size = e.size;
-            jobs.push_back(std::move(j));
+            large_jobs.push_back(std::move(j));
           }
-          jobs[it->second].to.emplace_back(h, join(part.remote, e.path));
+          large_jobs[it->second].to.emplace_back(h, join(part.remote, e.path));
         }
+      }
+    for (auto& [k, entries] : small) {
+      Job j;
+      auto close_pack = [&] {
+        if (j.pack.empty()) return;
+        std::array<std::uint8_t, 8> tag{};
+        xsec::random_fill(tag);
+        std::string name = ".xdfs-pack-";
+        for (auto b : tag) name += fmt::format("{:02x}", b);
+        j.local = sources[k];
+        for (const auto& [h, remote] : tree_hosts[k]) j.to.emplace_back(h, join(remote, name));
+        jobs.push_back(std::move(j));
+        j = Job{};
+      };
+      for (auto& [path, e] : entries) {
+        if (j.size + e.size > pack_bytes || j.pack.size() >= pack_files) close_pack();
+        j.size += e.size;
+        j.pack.push_back(std::move(e));
+      }
+      close_pack();
+    }
+    for (auto& j : large_jobs) jobs.push_back(std::move(j));
   }
 
   // The jobs, several at a time; each in `chains` chains (the hosts dealt in turn), all of a
@@ -199,6 +278,16 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
   // One job: its chains at once, each a relay() of its own.
   auto run_job = [&](std::size_t ji, const std::vector<std::vector<std::pair<std::size_t, std::string>>>& groups) {
     const auto& job = jobs[ji];
+    const bool packed = !job.pack.empty();
+    PackFile pack;
+    if (packed)
+      if (auto s = pack.make(job); !s) {
+        std::lock_guard lock(m);
+        for (const auto& g : groups)
+          for (const auto& [h, path] : g) fail(h, s.code, job.local, "a pack of its small files: " + s.message);
+        return;
+      }
+    const std::string& file = packed ? pack.path : job.local;
     std::vector<std::future<void>> running;
     for (const auto& g : groups) {
       if (g.empty()) continue;
@@ -213,7 +302,7 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         RelayResult r;
         const auto started = Clock::now();
         try {
-          r = relay(job.local, to, options, on);
+          r = relay_detail::relay_file(file, to, options, on, packed);
         } catch (const Error& e) {
           std::lock_guard lock(m);
           for (const auto& [h, path] : g) {
@@ -241,7 +330,7 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
             fail(g[i].first, h.code, job.local, h.message);
             continue;
           }
-          s.done += h.verified;
+          s.done += packed ? job.size : h.verified;
           s.last = std::max(s.last, started + std::chrono::duration_cast<Clock::duration>(
                                                   std::chrono::duration<double>(h.seconds)));
           if (one_file) s.host.digest = h.digest;
@@ -290,27 +379,29 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
     for (std::size_t h = 0; h < hosts.size(); ++h)
       if (!hosts[h].failed) fail(h, errc::cancelled, {}, "cancelled");
 
-  // The trees' attributes (modes and mtimes of the large files and of the directories, which
-  // the large files touched), on each host that has all of its files.
+  // The trees' attributes, on each host that has all of its files, over the session that made
+  // the directories: the directories' (their files, written since, changed their mtimes) and
+  // the mtimes of the files that came by chain (the packs' files have theirs).
   {
     std::vector<std::thread> threads;
     for (std::size_t h = 0; h < targets.size(); ++h) {
-      bool any = false;
-      for (const auto& part : hosts[h].trees) any = any || !part.large.files.empty();
-      if (hosts[h].failed || !any) continue;
+      if (!hosts[h].fs) continue;
       threads.emplace_back([&, h] {
+        auto& fs = *hosts[h].fs;
         try {
-          RemoteFs fs(targets[h].server, control);
           for (const auto& part : hosts[h].trees) {
-            if (part.large.files.empty()) continue;
-            std::vector<pathm::Entry> entries = part.large.files;
+            if (hosts[h].failed) continue;
+            std::vector<pathm::Entry> entries;
+            for (const auto& e : part.large.files)
+              if (e.size >= threshold) entries.push_back(e);
             entries.insert(entries.end(), part.large.dirs.begin(), part.large.dirs.end());
+            if (entries.empty()) continue;
             pathm::TreeResult r;
             fs->set_attrs(part.remote, entries, r);
             if (!r.failures.empty()) {
               std::lock_guard lock(m);
               fail(h, r.failures.front().code, r.failures.front().path, r.failures.front().message);
-              return;
+              break;
             }
           }
           fs.close();

@@ -387,9 +387,9 @@ def tree_listing(root: str) -> dict:
 
 
 def tree() -> None:
-    # A tree and a file to every host: directories, symlinks and small files to each host, large
-    # files by chain; host 4 takes files of 2 MiB at most, so it fails on a large one, named, and
-    # the others finish.
+    # A tree and a file to every host: directories and symlinks to each host, small files in a
+    # pack and large files by chain; host 4 takes files of 2 MiB at most, so it fails on a large
+    # one, named, and the others finish.
     hosts = [Host(i, "tree", args=["--max-file-size", "2M"] if i == K else None) for i in range(1, K + 1)]
     root = os.path.join(work, "tree", "src", "data")
     large = make_tree(root)
@@ -414,9 +414,12 @@ def tree() -> None:
         check(s.get("sources") == 2 and s.get("bytes") == large + small + os.path.getsize(extra),
               f"tree: the set's bytes are counted ({s.get('bytes')} of {large + small + os.path.getsize(extra)})")
         sent = s.get("source_bytes", 0)
-        chained = large + os.path.getsize(extra)
-        check(chained <= sent <= 1.05 * chained + K * small,
-              f"tree: the large files left the source about once ({sent} bytes; {chained} by chain, {small} small)")
+        data = large + small + os.path.getsize(extra)
+        check(data <= sent <= 1.05 * data,
+              f"tree: every file left the source about once, the small ones in packs ({sent} bytes for {data})")
+        for h in hosts:
+            left = [n for _, _, ns in os.walk(os.path.join(h.root, "in")) for n in ns if n.startswith(".xdfs-pack-")]
+            check(not left, f"tree: host {h.i} kept no pack ({left})")
     finally:
         for h in hosts:
             h.stop()
