@@ -284,12 +284,21 @@ TEST_CASE("relay packs: a hostile pack fails naming its cause, and writes nothin
     p.bytes += "\x05";
   });
   with("a NUL in a path", "NUL", [](PackBytes& p) { p.entry(std::string("a\0b", 3), 0644, 0, 1, "x"); });
+  with("a good file, then a bad one", "'..'", [](PackBytes& p) {
+    p.entry("first", 0644, 0, 5, "first");
+    p.entry("../second", 0644, 0, 6, "second");
+  });
+  with("more than 20000 files", "more than 20000 files", [](PackBytes& p) {
+    for (int i = 0; i <= 20000; ++i) p.entry("f" + std::to_string(i), 0644, 0, 0, "");
+  });
   for (const auto& c : cases) {
     CAPTURE(c.name);
     xt::TempDir top;
     std::filesystem::create_directories(top / "root/in");
     const auto u = unpack_bytes(top / "root", c.pack);
     CHECK(u.code != xdfs::errc::ok);
+    CHECK(u.files == 0);  // the whole pack is checked before anything is written
+    CHECK(std::filesystem::is_empty(top / "root/in"));
     CHECK_MESSAGE(u.message.find(c.says) != std::string::npos, u.message);
     CHECK(u.message.find('\n') == std::string::npos);
     std::size_t outside = 0;

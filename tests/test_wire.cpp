@@ -713,6 +713,7 @@ TEST_CASE("relay: a plan, a report and a relink travel whole") {
   n.relay_plan.channels = 8;
   n.relay_plan.mode = 0640;
   n.relay_plan.pack = true;
+  n.relay_plan.pack_digest.fill(0x3c);
   for (std::uint8_t i = 1; i <= w::max_relay_hops; ++i) n.relay_plan.next.push_back(sample_hop(i));
   n.remote_path = std::string(w::max_path_bytes, 'p');
   auto bytes = w::encode(n);

@@ -30,6 +30,8 @@ struct RelayPlan {
   pack @5 :Bool;                 # the file is a pack of small files (docs/relay.md): once the chain
                                  # is done, the host writes them into the file's directory and
                                  # removes the pack
+  packDigest @6 :Data;           # with pack: the pack's manifest digest (32 bytes), as the master
+                                 # made it; a pack with any other is not written out
 }
 
 # Relay: a host's progress, sent by it to the master (event REPORT) at least once a second.

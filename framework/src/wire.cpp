@@ -231,6 +231,8 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     plan.setChannels(n.relay_plan.channels);
     plan.setMode(n.relay_plan.mode);
     plan.setPack(n.relay_plan.pack);
+    if (n.relay_plan.pack)
+      plan.setPackDigest(kj::arrayPtr(n.relay_plan.pack_digest.data(), n.relay_plan.pack_digest.size()));
     put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
   }
   return to_bytes(msg);
@@ -376,6 +378,12 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       n.relay_plan.channels = plan.getChannels();
       n.relay_plan.mode = plan.getMode();
       n.relay_plan.pack = plan.getPack();
+      const auto pd = plan.getPackDigest();
+      if (n.relay_plan.pack != (pd.size() != 0) || (pd.size() != 0 && pd.size() != n.relay_plan.pack_digest.size())) {
+        set_why(why, "a relay pack comes with its 32-byte digest, and only a pack");
+        return std::nullopt;
+      }
+      if (n.relay_plan.pack) std::memcpy(n.relay_plan.pack_digest.data(), pd.begin(), pd.size());
       if (n.relay_plan.mode > 0777) {
         char octal[16];
         std::snprintf(octal, sizeof octal, "%o", n.relay_plan.mode);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "xdfs/client.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/relay_registry.hpp"
 
@@ -18,9 +19,10 @@ namespace xdfs::relay_detail {
 void forward(const std::shared_ptr<runtime::RelaySlot>& slot, TransferOptions base,
              const std::function<void(const std::string&)>& log);
 
-/// relay() itself; with `pack`, the file is a pack (pack.hpp) that each host writes out into
-/// its directory at the end.
+/// relay() itself; with `pack` (its manifest digest), the file is a pack (pack.hpp) that each
+/// host writes out into its directory at the end, if its copy has that digest.
 RelayResult relay_file(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
-                       const std::function<void(const std::vector<RelayHost>&)>& progress, bool pack);
+                       const std::function<void(const std::vector<RelayHost>&)>& progress,
+                       const manifest::Digest* pack);
 
 }  // namespace xdfs::relay_detail

@@ -69,6 +69,7 @@ struct Place {
   bool dropped = false;   // out of the chain (failed)
   bool moved = false;     // moved to the end once already
   bool released = false;  // EOFR sent: the chain is done
+  bool final_heard = false;  // its last report (after the release) came
   Clock::time_point whole_at{}, moved_at{};
   Clock::time_point progress_at{};  // when its verified bytes last grew past `most`
   std::uint64_t most = 0;
@@ -190,6 +191,7 @@ void read_reports(Chain& chain, Place& p) {
           }
           // The last word, after the release: what the host did with the file at the end (a
           // pack written out) failed.
+          if (r->final) p.final_heard = true;
           if (r->final && r->state == State::failed && p.host.code == errc::ok) {
             p.host.code = r->code == errc::ok ? errc::internal : r->code;
             p.host.message = r->message;
@@ -244,12 +246,13 @@ void tell(Place& p, RelayEvent e, std::vector<std::uint8_t> payload) {
 
 RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
                   const std::function<void(const std::vector<RelayHost>&)>& progress) {
-  return relay_detail::relay_file(local, targets, options, progress, false);
+  return relay_detail::relay_file(local, targets, options, progress, nullptr);
 }
 
 RelayResult relay_detail::relay_file(const std::string& local, const std::vector<RelayTarget>& targets,
                                      const TransferOptions& options,
-                                     const std::function<void(const std::vector<RelayHost>&)>& progress, bool pack) {
+                                     const std::function<void(const std::vector<RelayHost>&)>& progress,
+                                     const manifest::Digest* pack) {
   if (!options.verify) throw TransferError(errc::bad_argument, "a relay verifies every block: not with --no-verify", false);
   if (options.memory) throw TransferError(errc::bad_argument, "a relay moves a file, not memory", false);
   const int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -302,7 +305,8 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     xsec::random_fill(n.relay_plan.ticket);
     n.relay_plan.protect = static_cast<std::uint8_t>(options.protect);
     n.relay_plan.mode = static_cast<std::uint32_t>(sb.st_mode & 0777);
-    n.relay_plan.pack = pack;
+    n.relay_plan.pack = pack != nullptr;
+    if (pack) n.relay_plan.pack_digest = *pack;
     n.relay_plan.channels = options.channels;
     return n;
   };
@@ -618,7 +622,10 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
       }
       bool all_gone = true;
       for (auto& p : chain.places) all_gone = all_gone && (!p->session || p->gone);
-      if (released && (all_gone || now - released_at > std::chrono::seconds(10))) break;
+      // (A host writes a pack out before its last word: that may take a while.)
+      if (released && (all_gone || now - released_at > std::max<Clock::duration>(std::chrono::seconds(10),
+                                                                                 options.idle_timeout)))
+        break;
     }
     if (progress) {
       std::vector<RelayHost> v;
@@ -647,6 +654,12 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     if (p->whole_at != Clock::time_point{}) h.seconds = std::chrono::duration<double>(p->whole_at - chain.t0).count();
     h.ok = !p->dropped && h.code == errc::ok && p->whole_at != Clock::time_point{} && !result.digest.empty() &&
            h.digest == result.digest;
+    // A pack counts only once the host said it wrote it out.
+    if (h.ok && pack && !p->final_heard) {
+      h.ok = false;
+      h.code = errc::timeout;
+      h.message = "it did not say whether it wrote the pack out";
+    }
     if (!h.ok && h.code == errc::ok) {
       h.code = result.digest.empty() ? errc::peer_aborted
                : p->whole_at == Clock::time_point{} ? errc::timeout

@@ -93,44 +93,54 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
   if (pack_size < magic.size() || !read_at(pack_fd, magic.data(), magic.size(), 0) ||
       std::memcmp(magic.data(), pack_magic.data(), magic.size()) != 0)
     return failed(errc::protocol_error, "not a pack (its first bytes are not the pack's)");
-  std::uint64_t at = magic.size();
+  // Two passes: the first checks every header, path and size (reading headers only), the second
+  // writes; so a damaged pack writes nothing.
   std::vector<std::uint8_t> data;
-  while (at < pack_size) {
-    if (cancel && cancel->load()) return failed(errc::cancelled, "cancelled");
-    // Every length is the peer's: checked against what the pack still holds before it is used.
-    std::array<std::uint8_t, fixed + max_pack_path + after_path> head{};
-    if (pack_size - at < fixed + after_path || !read_at(pack_fd, head.data(), fixed, at))
-      return failed(errc::protocol_error, "an entry cut short at byte " + std::to_string(at));
-    const std::size_t path_len = get_le<std::uint16_t>(head.data());
-    if (path_len == 0 || path_len > max_pack_path || pack_size - at < fixed + path_len + after_path)
-      return failed(errc::protocol_error, "an entry's path of " + std::to_string(path_len) + " bytes at byte " +
-                                              std::to_string(at));
-    if (!read_at(pack_fd, head.data() + fixed, path_len + after_path, at + fixed))
-      return failed(errc::io_error, "read at byte " + std::to_string(at));
-    std::string path(reinterpret_cast<const char*>(head.data() + fixed), path_len);
-    const std::string named = "'" + text::escape(path) + "'";  // the peer's bytes, shown escaped
-    const std::uint8_t* p = head.data() + fixed + path_len;
-    pathm::Entry e;
-    e.type = pathm::Type::file;
-    e.mode = get_le<std::uint32_t>(p);
-    e.mtime_ns = get_le<std::int64_t>(p + 4);
-    e.size = get_le<std::uint64_t>(p + 12);
-    at += fixed + path_len + after_path;
-    if (e.mode > 0777) return failed(errc::protocol_error, named + ": mode beyond the permission bits");
-    if (e.size > pack_size - at) return failed(errc::protocol_error, named + " runs past the pack's end");
-    if (e.size > max_pack_file) return failed(errc::limit_exceeded, named + " is larger than a pack's files may be");
-    if (max_file_size && e.size > max_file_size)
-      return failed(errc::limit_exceeded, named + " of " + std::to_string(e.size) +
-                                              " bytes exceeds this server's limit of " + std::to_string(max_file_size));
-    if (auto s = files::check_relative_path(path); !s) return failed(s.code, named + ": " + s.message);
-    e.path = dir.empty() || dir == "." ? path : dir + "/" + path;
-    data.resize(e.size);  // what arrived: e.size is within the pack
-    if (e.size && !read_at(pack_fd, data.data(), data.size(), at)) return failed(errc::io_error, "read " + named);
-    e.data = std::span<const std::uint8_t>(data.data(), data.size());
-    at += e.size;
-    if (auto s = writer.put(e); !s) return failed(s.code, s.message);
-    ++u.files;
-    u.bytes += e.size;
+  for (const bool write : {false, true}) {
+    std::uint64_t at = magic.size(), files = 0;
+    while (at < pack_size) {
+      if (cancel && cancel->load()) return failed(errc::cancelled, "cancelled");
+      if (++files > max_pack_files)
+        return failed(errc::limit_exceeded, "more than " + std::to_string(max_pack_files) + " files");
+      // Every length is the peer's: checked against what the pack still holds before it is used.
+      std::array<std::uint8_t, fixed + max_pack_path + after_path> head{};
+      if (pack_size - at < fixed + after_path || !read_at(pack_fd, head.data(), fixed, at))
+        return failed(errc::protocol_error, "an entry cut short at byte " + std::to_string(at));
+      const std::size_t path_len = get_le<std::uint16_t>(head.data());
+      if (path_len == 0 || path_len > max_pack_path || pack_size - at < fixed + path_len + after_path)
+        return failed(errc::protocol_error, "an entry's path of " + std::to_string(path_len) + " bytes at byte " +
+                                                std::to_string(at));
+      if (!read_at(pack_fd, head.data() + fixed, path_len + after_path, at + fixed))
+        return failed(errc::io_error, "read at byte " + std::to_string(at));
+      std::string path(reinterpret_cast<const char*>(head.data() + fixed), path_len);
+      const std::string named = "'" + text::escape(path) + "'";  // the peer's bytes, shown escaped
+      const std::uint8_t* p = head.data() + fixed + path_len;
+      pathm::Entry e;
+      e.type = pathm::Type::file;
+      e.mode = get_le<std::uint32_t>(p);
+      e.mtime_ns = get_le<std::int64_t>(p + 4);
+      e.size = get_le<std::uint64_t>(p + 12);
+      at += fixed + path_len + after_path;
+      if (e.mode > 0777) return failed(errc::protocol_error, named + ": mode beyond the permission bits");
+      if (e.size > pack_size - at) return failed(errc::protocol_error, named + " runs past the pack's end");
+      if (e.size > max_pack_file) return failed(errc::limit_exceeded, named + " is larger than a pack's files may be");
+      if (max_file_size && e.size > max_file_size)
+        return failed(errc::limit_exceeded, named + " of " + std::to_string(e.size) +
+                                                " bytes exceeds this server's limit of " + std::to_string(max_file_size));
+      if (auto s = files::check_relative_path(path); !s) return failed(s.code, named + ": " + text::escape(s.message));
+      if (!write) {
+        at += e.size;
+        continue;
+      }
+      e.path = dir.empty() || dir == "." ? path : dir + "/" + path;
+      data.resize(e.size);  // what arrived: e.size is within the pack
+      if (e.size && !read_at(pack_fd, data.data(), data.size(), at)) return failed(errc::io_error, "read " + named);
+      e.data = std::span<const std::uint8_t>(data.data(), data.size());
+      at += e.size;
+      if (auto s = writer.put(e); !s) return failed(s.code, text::escape(s.message));
+      ++u.files;
+      u.bytes += e.size;
+    }
   }
   return u;
 }

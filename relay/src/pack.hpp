@@ -22,6 +22,10 @@ inline constexpr std::string_view pack_magic = "xdfs-pack 1\n";
 /// The largest file a pack carries (a host reads each whole before writing it).
 inline constexpr std::uint64_t max_pack_file = std::uint64_t(16) << 20;
 inline constexpr std::size_t max_pack_path = 4096;
+/// A pack's bytes and files at most (a host refuses a larger pack; a master makes them smaller:
+/// 32 MiB of files, 20000 files).
+inline constexpr std::uint64_t max_pack_size = std::uint64_t(128) << 20;
+inline constexpr std::uint64_t max_pack_files = 20000;
 
 struct PackEntry {
   std::string path;  ///< relative to the pack's directory
@@ -42,7 +46,9 @@ struct Unpacked {
 
 /// Writes the pack's files (pack_fd, pack_size bytes) under `dir` (relative to the writer's
 /// root) with `writer`: every path is checked as a client's is, every size against what the
-/// pack still holds, max_pack_file and max_file_size (0: none). Stops at the first failure.
+/// pack still holds, max_pack_file and max_file_size (0: none), the files against
+/// max_pack_files. The whole pack is checked before its first file is written; a failure while
+/// writing stops there.
 Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer, const std::string& dir,
                 std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr);
 

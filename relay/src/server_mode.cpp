@@ -74,6 +74,9 @@ public:
     // A pack is removed once unpacked: only under a pack's own name, never a file of the user's.
     if (plan.pack && name.rfind(pack_prefix, 0) != 0)
       return refuse(errc::bad_argument, "a relay's pack is named " + std::string(pack_prefix) + "...");
+    if (plan.pack && nego_.file_size > relay_detail::max_pack_size)
+      return refuse(errc::limit_exceeded, fmt::format("a relay's pack of {} bytes (at most {})", nego_.file_size,
+                                                      relay_detail::max_pack_size));
     files::Fd dirfd;
     if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
       return refuse(st.code, st.message);
@@ -356,21 +359,40 @@ private:
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != slot_->size)
       return {errc::size_mismatch, "pack: not the file that was relayed"};
-    pathm::TreeWriter writer(slot_->root.get(), "relay", env_.config.fsync, nego_.block_size, 1, files::process_umask(),
+    {
+      // Only the master's own pack: an upstream could have fed any bytes that matched its own
+      // digests, and a pack says where files go.
+      std::lock_guard lock(slot_->m);
+      const auto& want = nego_.relay_plan.pack_digest;
+      if (slot_->digest.size() != want.size() || !std::equal(want.begin(), want.end(), slot_->digest.begin()))
+        return {errc::integrity_error, "pack: its digest is not the one the master gave; nothing written"};
+    }
+    pathm::TreeWriter writer(slot_->root.get(), env_.tag, env_.config.fsync, nego_.block_size, 1, files::process_umask(),
                              env_.config.max_file_size, env_.made);
     return relay_detail::unpack(fd.get(), slot_->size, writer, files::split_parent(slot_->path).first,
                                 env_.config.max_file_size);
   }
 
-  // The pack and what is left of it (a partial copy), whatever became of it.
+  // The pack and what is left of it (a partial copy and its resume record), whatever became of
+  // it: only the file this place wrote, under either name.
   void discard_pack() {
     auto [dir, name] = files::split_parent(slot_->path);
+    struct stat mine {};
+    {
+      std::lock_guard lock(slot_->m);
+      if (!slot_->file || ::fstat(slot_->file.get(), &mine) != 0) return;  // never fed: nothing of ours
+    }
     files::Fd d;
     if (name.rfind(pack_prefix, 0) != 0 ||
         !files::open_beneath(slot_->root.get(), dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, d))
       return;
-    ::unlinkat(d.get(), name.c_str(), 0);
-    ::unlinkat(d.get(), files::partial_name(name).c_str(), 0);
+    for (const auto& n : {files::partial_name(name), name}) {
+      struct stat st {};
+      if (::fstatat(d.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == mine.st_dev &&
+          st.st_ino == mine.st_ino)
+        ::unlinkat(d.get(), n.c_str(), 0);
+    }
+    ::unlinkat(d.get(), files::record_name(name).c_str(), 0);
   }
 
   void stop() {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/remote_fs.hpp"
 #include "xdfs/xsec.hpp"
@@ -65,10 +66,11 @@ constexpr std::size_t pack_files = 20000;
 struct PackFile {
   std::string path;
   files::Fd fd;
+  manifest::Digest digest{};  // its manifest digest at the relay's block size: the hosts check it
   ~PackFile() {
     if (!path.empty()) ::unlink(path.c_str());
   }
-  files::Status make(const Job& job) {
+  files::Status make(const Job& job, std::uint32_t block_size, const std::atomic<bool>* cancel) {
     const char* tmp = std::getenv("TMPDIR");
     std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/xdfs-pack-XXXXXX";
     const int f = ::mkostemp(templ.data(), O_CLOEXEC);
@@ -86,6 +88,11 @@ struct PackFile {
       if (auto s = relay_detail::pack_append(fd.get(), first, e, in.get()); !s) return s;
       first = false;
     }
+    struct stat sb {};
+    if (::fstat(fd.get(), &sb) != 0) return files::Status::from_errno(errno, "stat " + path);
+    const auto m = manifest::of_file(fd.get(), static_cast<std::uint64_t>(sb.st_size), block_size, cancel);
+    if (m.code != errc::ok) return {m.code, m.message};
+    digest = m.digest;
     return files::Status::ok();
   }
 };
@@ -281,7 +288,7 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
     const bool packed = !job.pack.empty();
     PackFile pack;
     if (packed)
-      if (auto s = pack.make(job); !s) {
+      if (auto s = pack.make(job, options.block_size, options.cancel); !s) {
         std::lock_guard lock(m);
         for (const auto& g : groups)
           for (const auto& [h, path] : g) fail(h, s.code, job.local, "a pack of its small files: " + s.message);
@@ -302,7 +309,7 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         RelayResult r;
         const auto started = Clock::now();
         try {
-          r = relay_detail::relay_file(file, to, options, on, packed);
+          r = relay_detail::relay_file(file, to, options, on, packed ? &pack.digest : nullptr);
         } catch (const Error& e) {
           std::lock_guard lock(m);
           for (const auto& [h, path] : g) {
@@ -365,13 +372,29 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
       size += jobs[ji].size;
       ++started_jobs;
     }
-    flying.push_back(std::async(std::launch::async, [&, ji, groups = std::move(groups)] {
-      run_job(ji, groups);
+    // However a job ends (an exception too: no thread to start, no memory), its room is given
+    // back and its hosts that did not finish are failed, naming why.
+    auto give_back = [&, ji](const std::vector<std::vector<std::pair<std::size_t, std::string>>>& gs, const char* why) {
       std::lock_guard lock(m);
+      if (why)
+        for (const auto& g : gs)
+          for (const auto& [h, path] : g) fail(h, errc::internal, jobs[ji].local, why);
       --in_flight;
       bytes_in_flight -= jobs[ji].size;
       freed.notify_all();
-    }));
+    };
+    try {
+      flying.push_back(std::async(std::launch::async, [&, ji, give_back, groups] {
+        try {
+          run_job(ji, groups);
+        } catch (const std::exception& e) {
+          return give_back(groups, e.what());
+        }
+        give_back(groups, nullptr);
+      }));
+    } catch (const std::exception& e) {
+      give_back(groups, e.what());
+    }
     std::erase_if(flying, [](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
   }
   for (auto& f : flying) f.wait();

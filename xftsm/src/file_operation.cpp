@@ -70,11 +70,14 @@ public:
     if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
     struct stat st {};
     const bool known = ::fstat(pending_.fd(), &st) == 0;
-    // A relay's copy takes the source's permission bits, as a tree copy gives what it made.
-    if (relay_ && relay_->plan.mode != 0 && known &&
-        ::fchmod(pending_.fd(), static_cast<mode_t>(relay_->plan.mode & 0777) & ~files::process_umask()) != 0)
-      return files::Status::from_errno(errno, "chmod '" + nego_.remote_path + "'");
+    // A relay's copy takes the source's permission bits, as a tree copy gives what it made: once
+    // whole under its name (a partial copy keeps the mode it can be resumed with).
+    files::Fd whole;
+    if (relay_ && relay_->plan.mode != 0 && known) whole = files::Fd(::fcntl(pending_.fd(), F_DUPFD_CLOEXEC, 3));
     auto s = pending_.commit(receiver_ ? receiver_->size() : nego_.file_size, env_.config.fsync);
+    if (s && whole &&
+        ::fchmod(whole.get(), static_cast<mode_t>(relay_->plan.mode & 0777) & ~files::process_umask()) != 0)
+      s = files::Status::from_errno(errno, "chmod '" + nego_.remote_path + "'");
     // The session made it: its client may set its mode later (a tree copy does, after its
     // large files went).
     if (s && known && env_.made) env_.made->add(st, files::Made::key(nego_.remote_path));

@@ -131,6 +131,7 @@ struct RelayPlan {
   std::uint32_t channels = 1;   ///< n of those sessions (the server bounds it by its max_channels)
   std::uint32_t mode = 0;       ///< the file's permission bits (0: the server's default)
   bool pack = false;            ///< a pack of small files, unpacked into its directory at the end
+  std::array<std::uint8_t, 32> pack_digest{};  ///< with pack: its manifest digest, as the master made it
   bool operator==(const RelayPlan&) const = default;
 };
 
