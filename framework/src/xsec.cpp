@@ -295,9 +295,24 @@ KeyPair load_or_create_key(const std::string& path, bool* created) {
     e = errno;
   }
   ::unlink(temp.c_str());
+  if (linked != 0 && e == EINVAL) {
+    // Neither hard links nor an exclusive rename here: made in place, as the only way left.
+    const int fd2 = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd2 < 0 && errno == EEXIST) return load_key(path);
+    if (fd2 < 0) throw Error(errc_from_errno(errno), "cannot create key file '" + path + "': " + std::strerror(errno));
+    const bool whole = ::write(fd2, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd2) == 0;
+    ::close(fd2);
+    if (!whole) throw Error(errc::io_error, "cannot write key file '" + path + "'");
+    linked = 0;
+  }
   if (linked != 0) {
     if (e == EEXIST) return load_key(path);  // another one made it first
     throw Error(errc_from_errno(e), "cannot create key file '" + path + "': " + std::strerror(e));
+  }
+  // The key is this machine's identity from now on: its name must survive a crash too.
+  if (const int dir = ::open(parent_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dir >= 0) {
+    (void)::fsync(dir);
+    ::close(dir);
   }
   if (created) *created = true;
   return k;
