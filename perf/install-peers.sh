@@ -12,6 +12,8 @@ pkgs=(
   iproute2                     # ip netns, veth, tc (link mode, the relay test bed)
   uftp                         # multicast file transfer (relay.py)
   udpcast                      # multicast file transfer (relay.py)
+  libglobus-xio-gridftp-multicast  # GridFTP's multicast driver: globus-url-copy -MC (relay.py)
+  util-linux                   # unshare (relay.py runs GridFTP servers in a user namespace)
   procps                       # ps, pkill-free process inspection helpers
   tar
 )

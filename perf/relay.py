@@ -3,21 +3,28 @@
 and K hosts on a bridge, each link tbf-limited to the same rate both ways, an xdfsd on each host):
 
     perf/relay.py [--xdfs-bin DIR] [--hosts 8] [--rate 200mbit] [--size 256M] [--reps 3]
-                  [--tools one,chain,star,serial,uftp,udpcast] [--protect clear] [--tree FILES] [--smoke]
+                  [--tools one,chain,star,serial,uftp,udpcast,gridftp-mc] [--protect clear] [--tree FILES]
+                  [--smoke]
 
 Per tool, the time until the last host has the file (byte for byte, checked) and the bytes that
 left the source on its link, medians over the runs, the tools taking turns:
   one     xduc to the first host only (what "time to one host" means)
   chain   xduc SRC to all K hosts through the relay chain
   chain2  the same with --chains 2 (the hosts dealt between two chains, each fed by the source)
-  chain-all  (--tree) the same with --chain-min 1: every file of the tree by chain, none direct
+  chain-all  (--tree) the same with --chain-min 1: every file its own chain, none in a pack
   star    K xduc copies at once, one to each host
   serial  K xduc copies, one after another
   uftp    uftp multicast to K uftpd (closed group, at 95% of the link rate)
   udpcast udp-sender multicast to K udp-receiver (at 95% of the link rate)
+  gridftp-mc  globus-url-copy -MC: GridFTP's multicast driver, which forwards through the
+          hosts' globus-gridftp-servers; as a chain (cc=1 on every host: its fastest layout here,
+          the default tree of cc=2 halves each forwarding host's uplink), anonymous, one stream
+          a hop. The servers run as nobody in a user namespace of their own (a GridFTP server
+          started as root drops its groups, which the test bed's namespace refuses) and find
+          the bed's names in an /etc/hosts bound over the real one in the bed's mount namespace.
 With --tree FILES the source is a tree of that many files in 10 directories, --size in all: nine
 in ten are 32 KiB files, the rest share the other bytes (xduc -r; uftp sends the directory;
-udpcast takes only one file). Results then go to relay-tree.json and relay-tree.png.
+udpcast and gridftp-mc are left out). Results then go to relay-tree.json and relay-tree.png.
 xDFS runs in --protect clear by default (the multicast tools neither encrypt nor authenticate);
 every xDFS block is still checked against its digest. Results go to perf/results/relay.json and,
 with matplotlib, perf/plots/relay.png. Timings are printed, never judged: --smoke (4 hosts,
@@ -155,6 +162,26 @@ class Bed:
     def url(self, i: int) -> str:
         return f"xdfs://{addr(i)}:7721/in/"
 
+    def gridftp(self) -> None:
+        """GridFTP servers with the multicast driver on every host (gridftp-mc)."""
+        names = os.path.join(self.work, "hosts")
+        with open("/etc/hosts") as f, open(names, "w") as out:
+            out.write(f.read() + "10.77.0.1 xtb-src\n" + "".join(f"{addr(i)} xtb-h{i}\n" for i in range(1, self.k + 1)))
+        subprocess.run(["mount", "--bind", names, "/etc/hosts"], check=True)  # the bed's mount namespace only
+        for i in range(1, self.k + 1):
+            log = open(os.path.join(self.work, f"gridftp-h{i}.log"), "ab")
+            self.servers.append(subprocess.Popen(
+                netns(i) + ["unshare", "--user", "--map-user=65534", "--map-group=65534", "globus-gridftp-server",
+                            "-p", "5000", "-control-interface", addr(i), "-data-interface", addr(i), "-aa",
+                            "-disable-usage-stats", "-control-idle-timeout", "120",
+                            "-fs-whitelist", "file,gridftp_multicast"], stdout=log, stderr=log))
+        for i in range(1, self.k + 1):
+            for _ in range(100):
+                if subprocess.run(netns(None) + ["python3", "-c", f"import socket; socket.create_connection(('{addr(i)}', 5000), 0.2)"],
+                                  capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.05)
+
     def has(self, i: int, src: str) -> bool:
         """Host i has src (a file or a tree) byte for byte."""
         got = os.path.join(self.dest(i), os.path.basename(src))
@@ -164,6 +191,7 @@ class Bed:
         for i in range(1, self.k + 1):
             shutil.rmtree(self.dest(i))
             os.makedirs(self.dest(i))
+            os.chmod(self.dest(i), 0o777)  # the GridFTP servers write as nobody
 
     def xduc_cmd(self, *args: str) -> list[str]:
         return netns(None) + [self.xduc, "-q", "-p", str(self.a.streams), "--protect", self.a.protect, "--retries", "0",
@@ -211,6 +239,11 @@ def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
         for p in rx:
             p.terminate()
             p.wait()
+    elif tool == "gridftp-mc" and not r:
+        mc = os.path.join(bed.work, "multicast-urls")
+        with open(mc, "w") as f:
+            f.write("".join(f"ftp://{addr(i)}:5000{bed.dest(i)}/{os.path.basename(src)}?cc=1\n" for i in range(1, k + 1)))
+        subprocess.run(netns(None) + ["globus-url-copy", "-MC", mc, f"file://{src}"], **quiet)
     elif tool == "udpcast" and not r:
         rx = [subprocess.Popen(netns(i) + ["udp-receiver", "--interface", "eth0", "--nokbd", "--no-progress",
                                           "--file", os.path.join(bed.dest(i), os.path.basename(src))], **quiet)
@@ -233,6 +266,8 @@ def run_tool(bed: Bed, tool: str, src: str) -> tuple[float, int, int]:
 def inside(a: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="xdfs-relay-perf-", dir=a.dir)
     bed = Bed(a, work)
+    if "gridftp-mc" in a.tools.split(",") and not a.tree:
+        bed.gridftp()
     size = parse_size(a.size)
     src = os.path.join(work, "src.bin")
     if a.tree:
@@ -245,7 +280,8 @@ def inside(a: argparse.Namespace) -> None:
                 n = min(left, 1 << 24)
                 f.write(os.urandom(n))
                 left -= n
-    tools = [t for t in a.tools.split(",") if not (a.tree and t == "udpcast")]  # udpcast sends one file
+    # udpcast sends one file; GridFTP's multicast one file a command
+    tools = [t for t in a.tools.split(",") if not (a.tree and t in ("udpcast", "gridftp-mc"))]
     results: dict[str, list[tuple[float, int, int]]] = {t: [] for t in tools}
     try:
         for rep in range(a.reps):
@@ -316,7 +352,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--protect", default="clear")
-    p.add_argument("--tools", default="one,chain,star,serial,uftp,udpcast")
+    p.add_argument("--tools", default="one,chain,star,serial,uftp,udpcast,gridftp-mc")
     p.add_argument("--dir", default=None)
     p.add_argument("--tree", type=int, default=0, metavar="FILES")
     p.add_argument("--smoke", action="store_true")
@@ -328,7 +364,7 @@ def main() -> None:
     if a.inside:
         return inside(a)
     for tool in a.tools.split(","):
-        need = {"uftp": "uftp", "udpcast": "udp-sender"}.get(tool)
+        need = {"uftp": "uftp", "udpcast": "udp-sender", "gridftp-mc": "globus-url-copy"}.get(tool)
         if need and not shutil.which(need):
             fail(f"{need} is missing: perf/install-peers.sh installs it")
     args = [sys.executable, os.path.abspath(__file__), "--inside", "--xdfs-bin", a.xdfs_bin, "--size", a.size, "--reps",
