@@ -5,7 +5,7 @@ source. Run as the test suite does:
 
     scripts/testbed.sh --hosts 4 --rate 200mbit -- tests/relay/chain.py BUILD_DIR [CASE...]
 
-Cases: identical, kill, rejoin, slow, corrupt, bad, peers, tree, chains. Each starts its own servers and checks what arrived
+Cases: identical, kill, rejoin, slow, corrupt, bad, peers, tree, chains, full. Each starts its own servers and checks what arrived
 byte by byte; nothing here judges a timing (the slow host's case checks the order in which the
 hosts finished, and that the master says it moved that host).
 """
@@ -327,6 +327,32 @@ def bad_input() -> None:
             h.stop()
 
 
+def full() -> None:
+    # Host 2's disk is full (its root a 2 MiB tmpfs, in the bed's own mount namespace): it is
+    # named, nothing is left half-written under the file's name there, and the others finish.
+    # (Mounted before its server starts: `ip netns exec` gives the server a copy of the mounts.)
+    small_disk = os.path.join(work, "full", "h2", "root")
+    os.makedirs(small_disk, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", small_disk], check=True)
+    hosts = [Host(i, "full") for i in range(1, K + 1)]
+    src = source("full", 8 * MiB)
+    try:
+        rc, out, err = master(["--failed-hosts", os.path.join(work, "full", "failed"), src,
+                               *[url(i) for i in range(1, K + 1)]])
+        s = summary(out)
+        check(rc == 1, f"full: xduc exits 1 (got {rc})")
+        check_copies("full", hosts, src, but=hosts[1])
+        failed = {x["host"]: x.get("error", {}) for x in s.get("hosts", []) if not x["ok"]}
+        msg = failed.get(url(2), {}).get("message", "")
+        check(list(failed) == [url(2)] and ("space" in msg or "full" in msg),
+              f"full: host 2 is named, its disk full ({failed})")
+        check(not os.path.exists(hosts[1].file("src.bin")), "full: host 2 has no half-written file under the name")
+    finally:
+        for h in hosts:
+            h.stop()
+        subprocess.run(["umount", small_disk], check=False)
+
+
 def peers() -> None:
     # Host 1 may not forward to host 2 (its relay peers are not set up): named, and host 2 is
     # fed by the source instead.
@@ -447,7 +473,7 @@ def chains() -> None:
 
 
 CASES = {"identical": identical, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers,
-         "tree": tree, "chains": chains}
+         "tree": tree, "chains": chains, "full": full}
 
 
 def main() -> int:
