@@ -12,8 +12,8 @@ RateLimiter::Clock::duration RateLimiter::take(std::uint64_t n, Clock::time_poin
   const std::int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
   // n / rate seconds, in ns, without overflow: n is at most a block plus its tag (2^27) here,
   // and 128-bit arithmetic keeps any n exact.
-  const auto cost = static_cast<std::int64_t>(
-      std::min<unsigned __int128>((static_cast<unsigned __int128>(n) * 1000000000u) / rate_, INT64_MAX / 4));
+  __extension__ using u128 = unsigned __int128;  // (GCC's and Clang's; -Wpedantic knows no such type)
+  const auto cost = static_cast<std::int64_t>(std::min<u128>((static_cast<u128>(n) * 1000000000u) / rate_, INT64_MAX / 4));
   // The bytes are paid for when their reservation ends: they go once the line, with them on
   // it, is no more than the burst ahead of now.
   // The line never runs more than an hour ahead (cost is capped the same way), so no sum
