@@ -10,6 +10,7 @@
 
 #include <random>
 
+#include "forward.hpp"
 #include "pack.hpp"
 #include "support.hpp"
 #include "xdfs/relay.hpp"
@@ -355,6 +356,48 @@ TEST_CASE("relay packs: a pack place under any name but a pack's is refused (a p
   CHECK(what.find(".xdfs-pack-") != std::string::npos);
   CHECK(xt::read_file(root / "victim") == "the user's file");
   master.close();
+}
+
+}  // TEST_SUITE("badinput")
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("relay packs: a host writes out only the pack whose digest the master gave") {
+  xt::TempDir root, local;
+  std::filesystem::create_directory(root / "in");
+  xt::InProcessServer srv(relay_config(root));
+  xt::write_random_file(local / "a", 1000, 3);
+  {
+    xdfs::files::Fd pack(::open((local / "pack").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    xdfs::files::Fd in(::open((local / "a").c_str(), O_RDONLY | O_CLOEXEC));
+    REQUIRE(xdfs::relay_detail::pack_append(pack.get(), true, {"sub/a", 0644, 0, 1000}, in.get()));
+  }
+  xdfs::TransferOptions opt;
+  opt.protect = xdfs::xsec::Protect::clear;
+  opt.block_size = 65536;
+  const std::vector<xdfs::RelayTarget> to{{{"127.0.0.1", srv.port()}, "in/.xdfs-pack-0123456789abcdef"}};
+  SUBCASE("the master's own: written out, and the pack removed") {
+    xdfs::files::Fd fd(::open((local / "pack").c_str(), O_RDONLY | O_CLOEXEC));
+    const auto d = xdfs::manifest::of_file(fd.get(), std::filesystem::file_size(local / "pack"), opt.block_size);
+    REQUIRE(d.code == xdfs::errc::ok);
+    const auto r = xdfs::relay_detail::relay_file(local / "pack", to, opt, {}, &d.digest);
+    REQUIRE(r.hosts.size() == 1);
+    CHECK_MESSAGE(r.hosts[0].ok, r.hosts[0].message);
+    CHECK(xt::files_equal(local / "a", root / "in/sub/a"));
+  }
+  SUBCASE("any other digest (an upstream's pack): nothing written, the host failed naming it") {
+    xdfs::manifest::Digest other{};
+    other.fill(0x11);
+    const auto r = xdfs::relay_detail::relay_file(local / "pack", to, opt, {}, &other);
+    REQUIRE(r.hosts.size() == 1);
+    CHECK_FALSE(r.hosts[0].ok);
+    CHECK_MESSAGE(r.hosts[0].message.find("not the one the master gave") != std::string::npos, r.hosts[0].message);
+    CHECK_FALSE(xt::exists(root / "in/sub/a"));
+  }
+  std::size_t packs = 0;
+  for (const auto& e : std::filesystem::directory_iterator(root / "in"))
+    packs += e.path().filename().string().rfind(".xdfs-pack-", 0) == 0;
+  CHECK(packs == 0);
 }
 
 }  // TEST_SUITE("badinput")
