@@ -143,12 +143,7 @@ class Bed:
             self.servers.append(subprocess.Popen(
                 netns(i) + [self.xdfsd, "--root", self.root(i), "--state-dir", self.state(i), "--listen",
                             f"{addr(i)}:7721"], stdout=log, stderr=log))
-        for i in range(1, self.k + 1):
-            for _ in range(100):
-                if subprocess.run(netns(None) + ["python3", "-c", f"import socket; socket.create_connection(('{addr(i)}', 7721), 0.2)"],
-                                  capture_output=True).returncode == 0:
-                    break
-                time.sleep(0.05)
+        self.wait_listening(7721)
 
     def root(self, i: int) -> str:
         return os.path.join(self.work, f"h{i}", "root")
@@ -175,9 +170,13 @@ class Bed:
                             "-p", "5000", "-control-interface", addr(i), "-data-interface", addr(i), "-aa",
                             "-disable-usage-stats", "-control-idle-timeout", "120",
                             "-fs-whitelist", "file,gridftp_multicast"], stdout=log, stderr=log))
+        self.wait_listening(5000)
+
+    def wait_listening(self, port: int) -> None:
+        """Until every host's server takes connections on port (from the source, as the copies come)."""
         for i in range(1, self.k + 1):
             for _ in range(100):
-                if subprocess.run(netns(None) + ["python3", "-c", f"import socket; socket.create_connection(('{addr(i)}', 5000), 0.2)"],
+                if subprocess.run(netns(None) + ["python3", "-c", f"import socket; socket.create_connection(('{addr(i)}', {port}), 0.2)"],
                                   capture_output=True).returncode == 0:
                     break
                 time.sleep(0.05)

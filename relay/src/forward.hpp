@@ -19,6 +19,9 @@ namespace xdfs::relay_detail {
 void forward(const std::shared_ptr<runtime::RelaySlot>& slot, TransferOptions base,
              const std::function<void(const std::string&)>& log);
 
+/// The last name of a path ("a/b/" -> "b"): what a file is called in a target's directory.
+std::string base_name(std::string path);
+
 /// relay() itself; with `pack` (its manifest digest), the file is a pack (pack.hpp) that each
 /// host writes out into its directory at the end, if its copy has that digest.
 RelayResult relay_file(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,

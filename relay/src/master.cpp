@@ -45,13 +45,6 @@ std::string hex(const std::vector<std::uint8_t>& b) {
   return manifest::hex(d);
 }
 
-std::string base_name(const std::string& p) {
-  auto s = p;
-  while (s.size() > 1 && s.back() == '/') s.pop_back();
-  auto i = s.find_last_of('/');
-  return i == std::string::npos ? s : s.substr(i + 1);
-}
-
 // One host: its control session (read on a thread of its own) and what it said last.
 struct Place {
   std::size_t index = 0;  // in the targets given
@@ -244,6 +237,12 @@ void tell(Place& p, RelayEvent e, std::vector<std::uint8_t> payload) {
 
 }  // namespace
 
+std::string relay_detail::base_name(std::string s) {
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  auto i = s.find_last_of('/');
+  return i == std::string::npos ? s : s.substr(i + 1);
+}
+
 RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
                   const std::function<void(const std::vector<RelayHost>&)>& progress) {
   return relay_detail::relay_file(local, targets, options, progress, nullptr);
@@ -274,7 +273,8 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     p->host.target = targets[i];
     const auto& h = targets[i].server.host;
     p->name = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(targets[i].server.port);
-    p->path = targets[i].path.empty() || targets[i].path.back() == '/' ? targets[i].path + base_name(local) : targets[i].path;
+    p->path = targets[i].path.empty() || targets[i].path.back() == '/' ? targets[i].path + relay_detail::base_name(local)
+                                                                       : targets[i].path;
     chain.places.push_back(std::move(p));
   }
   // The same host and file twice would be one copy fed twice: the second is left out.

@@ -31,11 +31,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string base_name(std::string s) {
-  while (s.size() > 1 && s.back() == '/') s.pop_back();
-  auto i = s.find_last_of('/');
-  return i == std::string::npos ? s : s.substr(i + 1);
-}
+using relay_detail::base_name;
 
 std::string join(const std::string& a, const std::string& b) {
   if (a.empty()) return b;
