@@ -36,6 +36,7 @@ const char* usage =
     "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
     "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum [--sha256]  xdfs://HOST[:PORT]/PATH ...\n"
     "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
+    "       xduc get [--listen HOST:PORT] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
     "       xduc keygen | pubkey\n"
     "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
     "one server, and all of them travel over one session (its channels are set up once).\n"
@@ -69,6 +70,13 @@ const char* usage =
     "                         packed (default 1M, at most 16M counts)\n"
     "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
     "                         (default: xduc-failed-hosts in the current directory)\n"
+    "get asks the xdfsd MASTER for its file PATH and joins that file's chain: this host's own\n"
+    "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
+    "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
+    "needs it). Hosts asking at once or one after another all get the file about once from the\n"
+    "master. A lost session to the master is tried again (20 times); what was verified stays.\n"
+    "  --listen HOST:PORT     where this host's server listens for its upstream (default\n"
+    "                         0.0.0.0:0, a free port; the master connects to this host's address)\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
     "server. sum prints a file's manifest digest for the block size (what --json reports after\n"
@@ -573,6 +581,7 @@ int main(int argc, char** argv) {
   bool block_size_given = false;
   std::string failed_hosts = "xduc-failed-hosts";
   xdfs::RelaySetOptions chain_set;
+  xdfs::PullOptions pull_opt;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -660,6 +669,8 @@ int main(int argc, char** argv) {
       tree.large_file = *v;
     } else if (a == "--files-from") {
       files_from = value(i);
+    } else if (a == "--listen") {
+      pull_opt.listen = value(i);
     } else if (a == "--hosts") {
       hosts_file = value(i);
     } else if (a == "--failed-hosts") {
@@ -700,6 +711,29 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   opt.cancel = &g_cancel;
   if (!quiet) opt.notice = [](const std::string& line) { fmt::print(stderr, "xduc: {}\n", line); };
+
+  if (!positional.empty() && positional[0] == "get") {
+    if (positional.size() != 3 || !xdfs::cli::is_url(positional[1]) || xdfs::cli::is_url(positional[2]))
+      bad("get takes xdfs://MASTER[:PORT]/PATH and a local DST");
+    std::string why;
+    auto url = xdfs::cli::parse_url(positional[1], why);
+    if (!url) bad(why);
+    if (url->path.empty() || url->path.back() == '/') bad("get takes a file's path on the master, not a directory");
+    if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
+    try {
+      const auto r = xdfs::pull({url->host, url->port}, url->path, positional[2], opt, pull_opt);
+      if (json)
+        fmt::print("{{\"pulled\":\"{}\",\"local\":\"{}\",\"bytes\":{},\"seconds\":{:.3f},\"tries\":{}}}\n",
+                   json_escape(shown(url->path)), json_escape(shown(r.local)), r.size, r.seconds, r.tries);
+      else if (!quiet)
+        fmt::print(stderr, "xduc: {} ({}) in {:.2f} s{}\n", shown(r.local), xdfs::cli::human_bytes(double(r.size)),
+                   r.seconds, r.tries > 1 ? fmt::format(", {} sessions to the master", r.tries) : std::string());
+      return 0;
+    } catch (const xdfs::TransferError& e) {
+      return report_error(e, e.remote(), json);
+    }
+  }
+  if (pull_opt.listen != xdfs::PullOptions{}.listen) bad("--listen goes with get");
 
   static const std::vector<std::string> ops{"ls", "stat", "mkdir", "rm", "mv", "sum"};
   if (!positional.empty() && std::find(ops.begin(), ops.end(), positional[0]) != ops.end()) {

@@ -10,6 +10,8 @@ enum Mode {
   download @1;   # server sends a file (xFTSMD)
   path @2;       # path operations (xPathM)
   relay @3;      # one file to many hosts: the master registers this host's place in a chain
+  pull @4;       # a host asks for a file and is routed into that file's chain (its own server
+                 # listens at pullPort and takes the place the master registers there)
 }
 
 # Relay: a host the chain's data goes on to from this one (its upstream forwards to it).
@@ -101,6 +103,9 @@ struct Negotiation {
   relayTicket @13 :Data;         # upload: 32 bytes; the file feeds the relay registered with it
                                  # (its path is the relay's; the uploader may be another xdfsd)
   relayPlan @14 :RelayPlan;      # relay: this host's place in the chain
+  pullPort @15 :UInt16;          # pull: the port the pulling host's own server listens on (at the
+                                 # address its session comes from; its key is the session's key)
+  pullName @16 :Text;            # pull: the file's name in that server's root (one name, no '/')
 }
 
 

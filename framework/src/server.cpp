@@ -331,7 +331,7 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
                                                   what, path, c.root));
   }
   bool created = false;
-  impl_->key = xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
+  impl_->key = c.key ? xsec::KeyPair::from_secret(*c.key) : xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
   impl_->relays = std::make_unique<runtime::RelayRegistry>(impl_->key);
   if (created) impl_->log("made a new server key in " + c.state_dir + "/server_x25519");
   // A malformed authorized-keys file is an error now rather than at the first client.

@@ -466,7 +466,7 @@ std::string check_operation(const ServerConfig& config, const wire::Negotiation&
   if (n.extended_flags & ~wire::known_flags) return fmt::format("unknown extended flags {:#x}", n.extended_flags);
   const bool memory = (n.extended_flags & wire::flag_memory) != 0;
   if (memory && !config.allow_memory_mode) return "memory mode is disabled on this server (xdfsd --allow-memory-mode)";
-  if (memory && (n.mode == Mode::path || n.mode == Mode::relay))
+  if (memory && (n.mode == Mode::path || n.mode == Mode::relay || n.mode == Mode::pull))
     return fmt::format("memory mode does not apply to {} sessions", to_string(n.mode));
   if ((n.mode == Mode::upload || n.mode == Mode::relay) && config.max_file_size && n.file_size > config.max_file_size) {
     code = errc::limit_exceeded;

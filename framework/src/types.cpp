@@ -27,6 +27,7 @@ const char* to_string(Mode m) noexcept {
     case Mode::download: return "download";
     case Mode::path: return "path";
     case Mode::relay: return "relay";
+    case Mode::pull: return "pull";
   }
   return "?";
 }

@@ -235,6 +235,10 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
       plan.setPackDigest(kj::arrayPtr(n.relay_plan.pack_digest.data(), n.relay_plan.pack_digest.size()));
     put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
   }
+  if (n.mode == Mode::pull) {
+    r.setPullPort(n.pull_port);
+    r.setPullName(n.pull_name);
+  }
   return to_bytes(msg);
 }
 
@@ -334,7 +338,7 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
     Negotiation n;
     n.channel_count = r.getChannelCount();
     auto mode = static_cast<unsigned>(r.getMode());
-    if (mode > static_cast<unsigned>(Mode::relay)) {
+    if (mode > static_cast<unsigned>(Mode::pull)) {
       set_why(why, "unknown mode " + std::to_string(mode));
       return std::nullopt;
     }
@@ -399,6 +403,21 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       n.relay_plan.next = std::move(*hops);
     } else if (r.hasRelayPlan()) {
       set_why(why, "a relay plan goes only with a relay operation");
+      return std::nullopt;
+    }
+    if (n.mode == Mode::pull) {
+      n.pull_port = r.getPullPort();
+      auto name = r.getPullName();
+      const std::string_view nm(name.cStr(), name.size());
+      if (!check_text(nm, "pull name", why)) return std::nullopt;
+      if (n.pull_port == 0 || nm.empty() || nm.size() > 255 || nm == "." || nm == ".." ||
+          nm.find('/') != std::string_view::npos) {
+        set_why(why, "a pull names its port (1..65535) and one file name (no '/', at most 255 bytes)");
+        return std::nullopt;
+      }
+      n.pull_name.assign(nm);
+    } else if (r.getPullPort() != 0 || r.getPullName().size() != 0) {
+      set_why(why, "a pull's port and name go only with a pull");
       return std::nullopt;
     }
     if (n.resume_offset > n.file_size) {

@@ -15,12 +15,13 @@
 
 namespace xdfs {
 
-/// The modes xdfsd offers: file upload and download (xFTSM), path operations (xPathM) and
-/// places in relay chains (one file to many hosts).
+/// The modes xdfsd offers: file upload and download (xFTSM), path operations (xPathM), places
+/// in relay chains (one file to many hosts) and pulls routed into chains (many hosts asking).
 inline runtime::Modes standard_modes() {
   auto modes = xftsm::server_modes();
   modes.push_back(pathm::server_mode());
   modes.push_back(relay_mode::server_mode());
+  modes.push_back(relay_mode::pull_mode());
   return modes;
 }
 

@@ -2,9 +2,13 @@
 // that takes it whole, and goes where the master's RELINKs send it next.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "xdfs/client.hpp"
 #include "xdfs/manifest.hpp"
@@ -22,10 +26,36 @@ void forward(const std::shared_ptr<runtime::RelaySlot>& slot, TransferOptions ba
 /// The last name of a path ("a/b/" -> "b"): what a file is called in a target's directory.
 std::string base_name(std::string path);
 
+/// A host that asks to join a running chain (a pulling host), shared between the chain and
+/// the pull operation that asked for it.
+struct Member {
+  RelayTarget target;             ///< its own server (the address its session came from) and file
+  xsec::Key32 key{};              ///< that server's key: the key its session proved
+  std::atomic<bool> gone{false};  ///< its session ended: out of the chain, never routed to again
+  std::mutex m;
+  bool final = false;             ///< the chain is done with it; `host` says how
+  RelayHost host;
+};
+
+/// Hosts joining a chain while it runs (pull mode). Each joins at the end of the chain, fed by
+/// the host before it from whatever that one has; a host whole and needed by nobody after it is
+/// released (its Member final), the chain's last one only after lingering for later joiners as
+/// long as its own copy took (at least 1 s, at most `linger_max`). The chain ends once nobody is
+/// in it or joining; then it sets `closed` and takes no more.
+struct Joins {
+  std::mutex m;
+  std::vector<std::shared_ptr<Member>> arriving;  ///< taken by the chain
+  bool closed = false;
+  std::chrono::milliseconds linger_max{30000};
+  unsigned max_tries = 20;        ///< registrations of one host (its first and its rejoins)
+  std::function<void(const std::string&)> log;  ///< the chain's notes as they happen (escaped)
+};
+
 /// relay() itself; with `pack` (its manifest digest), the file is a pack (pack.hpp) that each
-/// host writes out into its directory at the end, if its copy has that digest.
+/// host writes out into its directory at the end, if its copy has that digest. With `joins`,
+/// hosts also join as the chain runs (targets may be empty), and it ends when the joins do.
 RelayResult relay_file(const std::string& local, const std::vector<RelayTarget>& targets, const TransferOptions& options,
                        const std::function<void(const std::vector<RelayHost>&)>& progress,
-                       const manifest::Digest* pack);
+                       const manifest::Digest* pack, Joins* joins = nullptr);
 
 }  // namespace xdfs::relay_detail

@@ -80,6 +80,12 @@ struct Place {
   std::atomic<bool> reader_done{false};
   std::array<std::uint8_t, 32> coming_ticket{};
   Clock::time_point tried_at{};
+  // A host that joined as the chain ran (pull mode): its pull operation hears how it ended.
+  std::shared_ptr<relay_detail::Member> member;
+  bool joined = false;     // its place was registered once
+  bool told = false;       // its member is final
+  unsigned tries = 0;      // registrations tried
+  Clock::time_point joined_at{};
 };
 
 struct Chain {
@@ -251,7 +257,7 @@ RelayResult relay(const std::string& local, const std::vector<RelayTarget>& targ
 RelayResult relay_detail::relay_file(const std::string& local, const std::vector<RelayTarget>& targets,
                                      const TransferOptions& options,
                                      const std::function<void(const std::vector<RelayHost>&)>& progress,
-                                     const manifest::Digest* pack) {
+                                     const manifest::Digest* pack, Joins* joins) {
   if (!options.verify) throw TransferError(errc::bad_argument, "a relay verifies every block: not with --no-verify", false);
   if (options.memory) throw TransferError(errc::bad_argument, "a relay moves a file, not memory", false);
   const int fd = ::open(local.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -266,17 +272,19 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
 
   Chain chain;
   chain.size = size;
-  for (std::size_t i = 0; i < targets.size(); ++i) {
+  auto make_place = [&](const RelayTarget& t) {
     auto p = std::make_unique<Place>();
-    p->index = i;
-    p->target = targets[i];
-    p->host.target = targets[i];
-    const auto& h = targets[i].server.host;
-    p->name = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(targets[i].server.port);
-    p->path = targets[i].path.empty() || targets[i].path.back() == '/' ? targets[i].path + relay_detail::base_name(local)
-                                                                       : targets[i].path;
+    p->index = chain.places.size();
+    p->target = t;
+    p->host.target = t;
+    const auto& h = t.server.host;
+    p->name = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(t.server.port);
+    p->hop.address = p->name;
+    p->path = t.path.empty() || t.path.back() == '/' ? t.path + relay_detail::base_name(local) : t.path;
     chain.places.push_back(std::move(p));
-  }
+    return chain.places.back().get();
+  };
+  for (const auto& t : targets) make_place(t);
   // The same host and file twice would be one copy fed twice: the second is left out.
   for (std::size_t i = 0; i < chain.places.size(); ++i)
     for (std::size_t j = 0; j < i; ++j) {
@@ -351,11 +359,17 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
   TransferOptions base = options;
   base.progress = nullptr;
   std::vector<std::string> notes;
-  std::thread feeding([feeder, base, &chain, &notes] {
+  // What the master changed on the way: kept for the result, and logged as it happens by a
+  // chain that runs in a server (Joins::log). Under chain.m.
+  auto note = [&notes, joins](const std::string& line) {
+    notes.push_back(line);
+    if (joins && joins->log) joins->log(line);
+  };
+  std::thread feeding([feeder, base, &chain, &note] {
     try {
       relay_detail::forward(feeder, base, [&](const std::string& line) {
         std::lock_guard lock(chain.m);
-        notes.push_back(line);
+        note(line);
       });
     } catch (...) {
     }
@@ -391,6 +405,8 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
   auto relink_all = [&] {
     for (std::size_t i = 0; i <= order.size(); ++i) {
       auto next = hops_after(i);
+      // (Joining hosts: a head whole already needs nothing from the source.)
+      if (i == 0 && joins && !order.empty() && order[0]->reported && order[0]->last.state == State::whole) next.clear();
       if (i == 0) {
         std::lock_guard lock(feeder->m);
         if (feeder->next_hops == next) continue;
@@ -417,8 +433,10 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     SessionOptions o = control;
     o.connect_timeout = std::chrono::milliseconds(3000);
     o.notice = nullptr;
+    if (p.member) o.server_key = p.member->key;  // the key its pull session proved
     p.coming_ticket = n.relay_plan.ticket;
     p.tried_at = now;
+    ++p.tries;
     p.coming = std::async(std::launch::async, [o, n, where = p.target.server]() {
       auto s = std::make_unique<Session>(where, o);
       (void)s->begin(n);
@@ -450,6 +468,45 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     {
       std::lock_guard lock(chain.m);
       bool changed = false;
+      if (joins) {
+        // Hosts asking to join: each is registered at the end of the chain, as a lost host
+        // coming back is, with the key its own session proved.
+        std::vector<std::shared_ptr<relay_detail::Member>> in;
+        {
+          std::lock_guard j(joins->m);
+          in.swap(joins->arriving);
+        }
+        for (auto& m : in) {
+          auto* p = make_place(m->target);
+          p->member = m;
+          p->dropped = p->rejoinable = true;
+          p->reader_done.store(true);  // (no reader yet)
+          p->joined_at = now;
+        }
+        // One that went away (its pull session ended) is out for good.
+        for (auto& pp : chain.places) {
+          auto& p = *pp;
+          if (!p.member || p.told || !p.member->gone.load()) continue;
+          if (!p.dropped) {
+            drop(p, errc::cancelled, "it went away");
+            changed = true;
+          }
+          p.rejoinable = false;
+          // A registration still on its way is let go once it is done.
+          if (p.coming.valid() && p.coming.wait_for(std::chrono::seconds(0)) == std::future_status::ready) try {
+              (void)p.coming.get();
+            } catch (...) {
+            }
+        }
+        for (auto& pp : chain.places)
+          if (pp->member && !pp->told && pp->rejoinable && pp->tries >= joins->max_tries && !pp->coming.valid()) {
+            pp->rejoinable = false;
+            if (pp->host.code == errc::ok) {
+              pp->host.code = errc::peer_aborted;
+              pp->host.message = fmt::format("its server could not be reached ({} tries)", pp->tries);
+            }
+          }
+      }
       for (auto* p : released ? std::vector<Place*>{} : std::vector<Place*>(order)) {
         if (cancel) {
           drop(*p, errc::cancelled, "cancelled");
@@ -491,10 +548,12 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         std::unique_ptr<Session> back;
         try {
           back = p.coming.get();
-        } catch (const std::exception&) {
+        } catch (const std::exception& e) {
+          if (p.member) note(fmt::format("{} cannot take its place yet (try {}): {}", p.name, p.tries, e.what()));
           continue;  // not yet: tried again in a second
         }
         if (p.reader.joinable()) p.reader.join();  // the old session's, which ended
+        if (p.member && !p.rejoinable) continue;   // it went away meanwhile
         p.session = std::move(back);
         p.machine = relay_fsm::RelayMachine(relay_fsm::RelaySide::master);
         p.reader_done.store(false);
@@ -512,7 +571,9 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         p.most = 0;
         p.passed = 0;
         order.push_back(&p);
-        notes.push_back(p.name + " answers again: it goes on from what it has, at the end of the chain");
+        note(p.joined ? p.name + " answers again: it goes on from what it has, at the end of the chain"
+                      : p.name + " joins at the end of the chain");
+        p.joined = true;
         p.reader = std::thread([&chain, pp = &p] { read_reports(chain, *pp); });
         changed = true;
       }
@@ -586,7 +647,7 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         if (slow && now - p.slow_since >= std::chrono::seconds(1)) {
           p.moved = true;
           p.moved_at = now;
-          notes.push_back(fmt::format("{} gets {:.1f} MB/s where {} sends up to {:.1f} MB/s: it goes to the end of the chain",
+          note(fmt::format("{} gets {:.1f} MB/s where {} sends up to {:.1f} MB/s: it goes to the end of the chain",
                                       p.name, r / 1e6, u.name, u.peak / 1e6));
           order.erase(order.begin() + static_cast<std::ptrdiff_t>(i));
           order.push_back(&p);
@@ -611,7 +672,62 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         std::lock_guard f(feeder->m);
         done = done && (feeder->forward_done || order.empty());
       }
-      if (done && !released) {
+      // Joining hosts: the chain's whole head goes once the host after it is whole too (nobody
+      // needs it), and the last host once it lingered for later joiners as long as its copy took.
+      while (joins && !cancel && !order.empty()) {
+        auto& p = *order[0];
+        if (!p.reported || p.last.state != State::whole || p.last.forwarding) break;
+        const bool next_whole = order.size() > 1 && order[1]->reported && order[1]->last.state == State::whole;
+        const auto linger = std::clamp<Clock::duration>(p.whole_at - p.joined_at, std::chrono::seconds(1),
+                                                        joins->linger_max);
+        if (!next_whole && !(order.size() == 1 && now - p.whole_at >= linger)) break;
+        p.released = true;
+        tell(p, RelayEvent::release, {});
+        order.erase(order.begin());
+        relink_all();
+      }
+      if (joins) {
+        // A joined host is final once its last word came after its release, or once it is out
+        // for good: its pull operation hears how it ended.
+        std::string source_digest;
+        {
+          std::lock_guard f(feeder->m);
+          source_digest = feeder->sent_digest;
+        }
+        for (auto& pp : chain.places) {
+          auto& p = *pp;
+          if (!p.member || p.told) continue;
+          const bool out = p.dropped && !p.rejoinable && !p.coming.valid();
+          if (!(p.released && p.gone) && !out) continue;
+          RelayHost h = p.host;
+          h.final = true;
+          if (p.whole_at != Clock::time_point{}) h.seconds = std::chrono::duration<double>(p.whole_at - p.joined_at).count();
+          h.ok = !out && p.whole_at != Clock::time_point{} && !source_digest.empty() && h.digest == source_digest &&
+                 h.code == errc::ok;
+          if (!h.ok && h.code == errc::ok) {
+            h.code = p.whole_at == Clock::time_point{} ? errc::peer_aborted : errc::integrity_error;
+            h.message = p.whole_at == Clock::time_point{} ? "it never had the whole file"
+                                                           : "its whole-file digest " + h.digest + " is not the source's";
+          }
+          p.told = true;
+          {
+            std::lock_guard m(p.member->m);
+            p.member->host = h;
+            p.member->final = true;
+          }
+          if (p.reader_done.load() && p.reader.joinable()) p.reader.join();
+        }
+        bool all_told = true;
+        for (auto& pp : chain.places) all_told = all_told && pp->told;
+        if (order.empty() && all_told) {
+          std::lock_guard j(joins->m);
+          if (joins->arriving.empty()) {
+            joins->closed = true;
+            break;
+          }
+        }
+      }
+      if (!joins && done && !released) {
         released = true;
         released_at = now;
         for (auto& p : chain.places)

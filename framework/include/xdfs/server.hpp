@@ -46,6 +46,12 @@ struct ServerConfig {
   /// each relay's start and at each change of its hops. Without it, this server takes relays
   /// only as the last host of a chain.
   std::string relay_peers;
+  /// Hops named by a relay's master are trusted as if they were relay peers: for a pulling
+  /// host's own server, which admits only the master it pulls from (xduc get).
+  bool relay_trust_master = false;
+  /// The server's key itself, instead of <state_dir>/server_x25519 (a pulling host serves with
+  /// its client key, which its master pins).
+  std::optional<xsec::Key32> key;
   std::string listen = "127.0.0.1:7721";  ///< HOST:PORT; port 0 picks a free one
   unsigned max_sessions = 64;             ///< authenticated sessions at once; more are refused
   unsigned max_channels = 256;            ///< n per session; more is refused

@@ -88,7 +88,7 @@ constexpr std::optional<DataLength> block_at(FileOffset at, std::uint64_t size, 
 }
 
 /// Which way the file moves, seen from the client.
-enum class Mode : std::uint8_t { upload = 0, download = 1, path = 2, relay = 3 };
+enum class Mode : std::uint8_t { upload = 0, download = 1, path = 2, relay = 3, pull = 4 };
 
 const char* to_string(Mode m) noexcept;
 

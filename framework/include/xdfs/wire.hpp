@@ -176,6 +176,11 @@ struct Negotiation {
   /// Mode::relay: this host's place in the chain (remote_path, file_size and source_mtime_ns
   /// name the file it receives).
   RelayPlan relay_plan;
+  /// Mode::pull: the pulling host's own server listens on this port, at the address the
+  /// session comes from, with the session's client key; the master registers its place there,
+  /// a file named pull_name in that server's root.
+  std::uint16_t pull_port = 0;
+  std::string pull_name;
   bool operator==(const Negotiation&) const = default;
 };
 

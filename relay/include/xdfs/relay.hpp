@@ -98,9 +98,41 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
                       const TransferOptions& options, const RelaySetOptions& set = {},
                       const std::function<void(const std::vector<RelayHost>&)>& progress = {});
 
+/// How pull() takes part.
+struct PullOptions {
+  /// Where this host's own server listens for the host that feeds it (the master connects to
+  /// the address this host's session comes from, at this port; port 0 picks a free one).
+  std::string listen = "0.0.0.0:0";
+  /// Sessions to the master, the first and each after one ended without the whole file (XGet's
+  /// 20 retries, each through the master).
+  unsigned tries = 21;
+  /// Called about every 200 ms with the bytes verified here so far.
+  std::function<void(std::uint64_t verified, std::uint64_t size)> progress;
+};
+
+struct PullResult {
+  std::string local;        ///< where the file is now
+  std::uint64_t size = 0;
+  double seconds = 0;       ///< from the first session until the master let this host go
+  unsigned tries = 0;       ///< sessions to the master
+};
+
+/// Asks the xdfsd `master` for its file `remote` and takes part in that file's chain until
+/// the master lets this host go: this host's own server (with this client's key, admitting only
+/// the master) takes its place at the chain's end, is fed by the host before it, verifies every
+/// block, writes it and feeds the hosts routed after it, and stays while the master says a host
+/// after it needs it. `local` is a file or an existing directory (the file's own name in it).
+/// Lost sessions to the master are tried again (PullOptions::tries); what was verified is kept
+/// and goes on. Throws TransferError when the file cannot be had (its cause), with nothing left
+/// under its name.
+PullResult pull(const Endpoint& master, const std::string& remote, const std::string& local,
+                const TransferOptions& options, const PullOptions& pull = {});
+
 namespace relay_mode {
 /// The server's side: a master's relay operation (register, forward, report).
 runtime::ModeEntry server_mode();
+/// The server's side of a pull: the host joins the file's chain, which this server runs.
+runtime::ModeEntry pull_mode();
 }  // namespace relay_mode
 
 }  // namespace xdfs

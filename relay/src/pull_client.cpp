@@ -1,0 +1,243 @@
+// The pulling host's side (xduc get): a server of its own takes this host's place in the file's
+// chain, which the master runs; a session to the master asks for the file and lasts until the
+// master lets this host go (EOFR) or says why not (EXCEPTION). A lost session is tried again,
+// and what was verified stays for the next place (its resume record is keyed by the master's
+// key and the file's name, whoever feeds it).
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "xdfs/files.hpp"
+#include "xdfs/relay.hpp"
+#include "xdfs/session.hpp"
+#include "xdfs/text.hpp"
+#include "xdfs/xftsm/server_mode.hpp"
+
+#include "forward.hpp"
+
+namespace xdfs {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Failures no other session to the master would change.
+bool lasting(errc c) {
+  return c == errc::no_such_file || c == errc::permission_denied || c == errc::path_escape || c == errc::is_directory ||
+         c == errc::not_regular_file || c == errc::bad_argument || c == errc::auth_failed || c == errc::not_supported ||
+         c == errc::disk_full || c == errc::bad_version || c == errc::insecure_key_file;
+}
+
+// How a pull session ended.
+struct Ending {
+  enum { eofr, exception, lost } how = lost;
+  wire::ExceptionHeader ex;
+};
+
+Ending await_end(Session& s, const std::function<void()>& every, const std::atomic<bool>* cancel) {
+  auto& ch = *s.channels()[0];
+  Ending e;
+  bool over = false;
+  std::vector<std::uint8_t> buf;
+  ch.async_read_header([&](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
+    if (ec) {
+      e.ex.message = ch.failure(ec, "master").message;
+      over = true;
+      return;
+    }
+    if (h.event == wire::ChannelEvent::eofr && h.length == 0) {
+      e.how = Ending::eofr;
+      over = true;
+      return;
+    }
+    if (h.event != wire::ChannelEvent::exception) {
+      e.ex.message = fmt::format("{} from the master in a pull", wire::to_string(h.event));
+      over = true;
+      return;
+    }
+    buf.resize(h.length);
+    ch.async_read_payload(buf, [&](const xdsi::ErrorCode& ec2) {
+      over = true;
+      if (ec2) {
+        e.ex.message = ch.failure(ec2, "master").message;
+        return;
+      }
+      auto x = wire::decode_exception(buf);
+      e.how = Ending::exception;
+      e.ex = x ? *x : wire::ExceptionHeader{errc::protocol_error, "a malformed exception", 0, 0};
+    });
+  });
+  while (!over) {
+    if (cancel && cancel->load()) {
+      e.how = Ending::exception;
+      e.ex = wire::ExceptionHeader{errc::cancelled, "cancelled", 0, 0};
+      break;
+    }
+    s.io().restart();
+    s.io().run_for(std::chrono::milliseconds(200));
+    if (every) every();
+  }
+  return e;
+}
+
+// Removes the pulling server's state directory (its authorized_keys) at the end.
+struct StateDir {
+  std::string path;
+  ~StateDir() {
+    if (path.empty()) return;
+    for (const char* f : {"/authorized_keys", "/authorized_keys.tmp"}) ::unlink((path + f).c_str());
+    ::rmdir(path.c_str());
+  }
+};
+
+}  // namespace
+
+PullResult pull(const Endpoint& master, const std::string& remote, const std::string& local,
+                const TransferOptions& options, const PullOptions& po) {
+  if (!options.verify) throw TransferError(errc::bad_argument, "a pull verifies every block: not with --no-verify", false);
+  // Where it goes: a directory (the file's own name in it), or a file's path.
+  std::string dir, name;
+  struct stat st {};
+  if (!local.empty() && (local.back() == '/' || (::stat(local.c_str(), &st) == 0 && S_ISDIR(st.st_mode)))) {
+    dir = local;
+    name = relay_detail::base_name(remote);
+  } else {
+    auto [d, n] = files::split_parent(local);
+    dir = d.empty() ? "." : d;
+    name = n;
+  }
+  if (name.empty() || name == "." || name == ".." || name == "/")
+    throw TransferError(errc::bad_argument, "'" + local + "': no file name to pull into", false);
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw TransferError(errc::no_such_file, "'" + dir + "' is not a directory", false);
+
+  // This client's key, which its own server proves to the master (who pins it).
+  xsec::KeyPair me;
+  try {
+    bool created = false;
+    const std::string id = options.identity_file.empty() ? xsec::default_config_dir() + "/id_x25519" : options.identity_file;
+    me = options.identity_secret ? xsec::KeyPair::from_secret(*options.identity_secret) : xsec::load_or_create_key(id, &created);
+    if (created && options.notice) options.notice("made a new client key " + xsec::fingerprint(me.public_key) + " in " + id);
+  } catch (const Error& e) {
+    throw TransferError(e.code(), e.context(), false);
+  }
+  StateDir state;
+  {
+    const char* t = std::getenv("TMPDIR");
+    std::string tmpl = std::string(t && *t ? t : "/tmp") + "/xduc-pull-XXXXXX";
+    if (!::mkdtemp(tmpl.data())) throw TransferError(errc_from_errno(errno), "a state directory for the pull's server", false);
+    state.path = tmpl;
+  }
+  ServerConfig cfg;
+  cfg.root = dir;
+  cfg.state_dir = state.path;
+  cfg.authorized_keys = state.path + "/authorized_keys";
+  cfg.relay_peers = state.path + "/relay_peers";
+  cfg.key = me.secret;
+  cfg.relay_trust_master = true;
+  cfg.listen = po.listen;
+  cfg.idle_timeout = options.idle_timeout;
+  cfg.max_sessions = 16;
+  cfg.log = [](const std::string&) {};
+  auto modes = xftsm::server_modes();
+  modes.push_back(relay_mode::server_mode());
+  std::unique_ptr<Server> server;
+  try {
+    server = std::make_unique<Server>(cfg, runtime::session_factory(std::move(modes)));
+  } catch (const Error& e) {
+    throw TransferError(e.code(), "this host's server for the pull (" + po.listen + "): " + e.context(), false);
+  }
+  std::thread serving([&] { server->run(); });
+  struct Stop {
+    Server& s;
+    std::thread& t;
+    ~Stop() {
+      s.stop();
+      if (t.joinable()) t.join();
+    }
+  } stop{*server, serving};
+
+  const auto t0 = Clock::now();
+  PullResult result;
+  result.local = dir + (dir.back() == '/' ? "" : "/") + name;
+  SessionOptions so = options;
+  so.channels = 1;
+  errc last_code = errc::peer_aborted;
+  std::string last_why = "no session to the master";
+  const unsigned tries = std::max(1u, po.tries);
+  for (unsigned attempt = 0; attempt < tries; ++attempt) {
+    if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    ++result.tries;
+    Session s(master, so);
+    wire::Negotiation n;
+    n.mode = Mode::pull;
+    n.remote_path = remote;
+    n.block_size = options.block_size;
+    n.pull_port = server->port();
+    n.pull_name = name;
+    wire::NegotiationReply reply;
+    try {
+      reply = s.begin(n);
+    } catch (const TransferError& e) {
+      if (e.remote() && lasting(e.code())) throw;
+      last_code = e.code();
+      last_why = e.what();
+      continue;
+    }
+    // The master may now register this host's place here (its key as the session proved it).
+    {
+      const std::string tmp = cfg.authorized_keys + ".tmp";
+      std::ofstream out(tmp, std::ios::trunc);
+      out << xsec::format_public(s.server_key()) << " rw\n";
+      out.close();
+      if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
+        throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
+    }
+    result.size = reply.file_size;
+    const std::string partial = dir + "/" + files::partial_name(name);
+    auto shown = [&] {
+      if (!po.progress) return;
+      struct stat p {};
+      const std::uint64_t have = ::stat(partial.c_str(), &p) == 0 ? static_cast<std::uint64_t>(p.st_size) : 0;
+      po.progress(std::min(have, reply.file_size), reply.file_size);
+    };
+    const auto end = await_end(s, shown, options.cancel);
+    if (end.how == Ending::eofr) {
+      if (reply.file_size == 0) {
+        // Nothing travels for an empty file: it is made here.
+        files::Fd d;
+        const int fd = ::open(result.local.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+        if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
+        ::close(fd);
+      }
+      wire::FrameHeader h;
+      h.event = wire::ChannelEvent::eofr;
+      s.channels()[0]->send(h, std::vector<std::uint8_t>{});
+      s.end_operation(true);
+      s.close();
+      if (::stat(result.local.c_str(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != reply.file_size)
+        throw TransferError(errc::integrity_error, "the master let this host go, but '" + result.local + "' is not whole",
+                            false);
+      if (po.progress) po.progress(reply.file_size, reply.file_size);
+      result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      return result;
+    }
+    last_code = end.how == Ending::exception ? end.ex.code : errc::peer_aborted;
+    last_why = end.ex.message.empty() ? "the master's session ended" : end.ex.message;
+    if (end.how == Ending::exception && lasting(end.ex.code))
+      throw TransferError(end.ex.code, text::escape(last_why), true);
+    if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
+  }
+  throw TransferError(last_code, fmt::format("after {} tries through the master: {}", result.tries, text::escape(last_why)),
+                      false);
+}
+
+}  // namespace xdfs
