@@ -77,6 +77,7 @@ const char* usage =
     "master. A lost session to the master is tried again (20 times); what was verified stays.\n"
     "  --listen HOST:PORT     where this host's server listens for its upstream (default\n"
     "                         0.0.0.0:0, a free port; the master connects to this host's address)\n"
+    "  --server-log FILE      append this host's server's log lines to FILE\n"
     "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
     "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
     "server. sum prints a file's manifest digest for the block size (what --json reports after\n"
@@ -582,6 +583,7 @@ int main(int argc, char** argv) {
   std::string failed_hosts = "xduc-failed-hosts";
   xdfs::RelaySetOptions chain_set;
   xdfs::PullOptions pull_opt;
+  std::string server_log;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -671,6 +673,8 @@ int main(int argc, char** argv) {
       files_from = value(i);
     } else if (a == "--listen") {
       pull_opt.listen = value(i);
+    } else if (a == "--server-log") {
+      server_log = value(i);
     } else if (a == "--hosts") {
       hosts_file = value(i);
     } else if (a == "--failed-hosts") {
@@ -720,6 +724,20 @@ int main(int argc, char** argv) {
     if (!url) bad(why);
     if (url->path.empty() || url->path.back() == '/') bad("get takes a file's path on the master, not a directory");
     if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
+    std::FILE* log = nullptr;
+    if (!server_log.empty()) {
+      log = std::fopen(server_log.c_str(), "ae");
+      if (!log) bad("--server-log '" + shown(server_log) + "': " + std::strerror(errno));
+      pull_opt.log = [log](const std::string& line) {
+        const auto t = std::time(nullptr);
+        std::tm tm{};
+        gmtime_r(&t, &tm);
+        char when[32];
+        std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+        std::fprintf(log, "%s %s\n", when, xdfs::text::escape(line).c_str());
+        std::fflush(log);
+      };
+    }
     try {
       const auto r = xdfs::pull({url->host, url->port}, url->path, positional[2], opt, pull_opt);
       if (json)
@@ -733,7 +751,7 @@ int main(int argc, char** argv) {
       return report_error(e, e.remote(), json);
     }
   }
-  if (pull_opt.listen != xdfs::PullOptions{}.listen) bad("--listen goes with get");
+  if (pull_opt.listen != xdfs::PullOptions{}.listen || !server_log.empty()) bad("--listen and --server-log go with get");
 
   static const std::vector<std::string> ops{"ls", "stat", "mkdir", "rm", "mv", "sum"};
   if (!positional.empty() && std::find(ops.begin(), ops.end(), positional[0]) != ops.end()) {

@@ -145,7 +145,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   cfg.listen = po.listen;
   cfg.idle_timeout = options.idle_timeout;
   cfg.max_sessions = 16;
-  cfg.log = [](const std::string&) {};
+  cfg.log = po.log ? po.log : [](const std::string&) {};
   auto modes = xftsm::server_modes();
   modes.push_back(relay_mode::server_mode());
   std::unique_ptr<Server> server;
@@ -187,7 +187,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     try {
       reply = s.begin(n);
     } catch (const TransferError& e) {
-      if (e.remote() && lasting(e.code())) throw;
+      if (lasting(e.code())) throw;  // (a changed server key too: another try would not change it)
       last_code = e.code();
       last_why = e.what();
       continue;
@@ -226,6 +226,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       if (::stat(result.local.c_str(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != reply.file_size)
         throw TransferError(errc::integrity_error, "the master let this host go, but '" + result.local + "' is not whole",
                             false);
+      // The source's mtime, as a copy keeps it.
+      const timespec times[2] = {{0, UTIME_OMIT},
+                                 {static_cast<time_t>(reply.mtime_ns / 1000000000), static_cast<long>(reply.mtime_ns % 1000000000)}};
+      if (reply.mtime_ns >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
       if (po.progress) po.progress(reply.file_size, reply.file_size);
       result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
       return result;

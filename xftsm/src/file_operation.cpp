@@ -94,10 +94,13 @@ public:
       if (!f) {
         relay_->whole = true;
         if (auto d = receiver_ ? receiver_->digest() : std::nullopt) relay_->digest.assign(d->begin(), d->end());
-      } else if (!relay_->cancel.load()) {
-        (void)pending_.keep();
+      } else if (f.code == errc::integrity_error || f.code == errc::size_mismatch || f.code == errc::protocol_error) {
+        settle_partial(pending_, f);  // what its upstream sent is in doubt
       } else {
-        settle_partial(pending_, f);
+        // Its place ended too (the master went away, or gave up on this host) or the upstream
+        // did: what was verified stays for the next place of the same file, from any master
+        // session of the same key (a master restarted, a host pulling again).
+        (void)pending_.keep();
       }
     } else if (f) {
       settle_partial(pending_, f);

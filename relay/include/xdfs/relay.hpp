@@ -108,6 +108,8 @@ struct PullOptions {
   unsigned tries = 21;
   /// Called about every 200 ms with the bytes verified here so far.
   std::function<void(std::uint64_t verified, std::uint64_t size)> progress;
+  /// This host's server's log lines (its place, the uploads that feed it), escaped; none if unset.
+  std::function<void(const std::string&)> log;
 };
 
 struct PullResult {

@@ -1,0 +1,296 @@
+#!/usr/bin/python3
+"""Many hosts pulling one file through a master xdfsd (xduc get), on real hosts: network
+namespaces on a bridge with tbf-limited links (scripts/testbed.sh), the master's xdfsd on the
+source, one `xduc get` per host. Run as the test suite does:
+
+    scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
+
+Cases: many, kill, late, master, bad. Each starts its own master and checks what arrived byte by
+byte, and the bytes that left the source's link; nothing here judges a timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+BUILD = os.path.abspath(sys.argv[1])
+XDUC = os.path.join(BUILD, "examples", "xduc")
+XDFSD = os.path.join(BUILD, "examples", "xdfsd")
+HERE = os.path.dirname(os.path.abspath(__file__))
+BED = os.path.join(HERE, "..", "..", "scripts", "testbed.sh")
+K = int(os.environ["XTB_HOSTS"])
+MiB = 1 << 20
+SRC_ADDR = "10.77.0.1"
+
+work = tempfile.mkdtemp(prefix="xdfs-pull-")
+failures: list[str] = []
+
+
+def cfg(i: int) -> str:
+    return os.path.join(work, f"cfg-h{i}")  # each host a key of its own
+
+
+def key_of(i: int) -> str:
+    env = dict(os.environ, XDFS_CONFIG_DIR=cfg(i))
+    return subprocess.run([XDUC, "keygen"], env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+KEYS = {i: key_of(i) for i in range(0, K + 1)}  # 0: a key the master does not know
+
+
+def check(ok: bool, what: str) -> None:
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_sent() -> int:
+    """Bytes the source's link has sent so far."""
+    r = subprocess.run([BED, "bytes", "src"], check=True, capture_output=True, text=True)
+    return int(r.stdout.split()[0])
+
+
+class Master:
+    """The master: xdfsd on the source, serving a root of its own to every host's key (read-only)."""
+
+    def __init__(self, case: str) -> None:
+        self.root = os.path.join(work, case, "master")
+        self.state = os.path.join(work, "master-state")  # one key for every case (pinned once)
+        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.state, exist_ok=True)
+        with open(os.path.join(self.state, "authorized_keys"), "w") as f:
+            f.write("".join(f"{KEYS[i]} ro\n" for i in range(1, K + 1)))
+        self.log = open(os.path.join(work, case, "master.log"), "ab")
+        self.cmd = ["ip", "netns", "exec", os.environ["XTB_SRC"], XDFSD, "--root", self.root, "--state-dir", self.state,
+                    "--listen", f"{SRC_ADDR}:7721", "--idle-timeout", "10"]
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log)
+        for _ in range(100):
+            r = subprocess.run(["ip", "netns", "exec", os.environ["XTB_NS_1"], "python3", "-c",
+                                f"import socket; socket.create_connection(('{SRC_ADDR}', 7721), 0.2)"],
+                               capture_output=True)
+            if r.returncode == 0:
+                return
+            time.sleep(0.05)
+        raise SystemExit(f"the master's xdfsd did not start; see {self.log.name}")
+
+    def file(self, name: str, size: int) -> str:
+        path = os.path.join(self.root, name)
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+        return path
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Puller:
+    """`xduc get` on host i, into a directory of its own."""
+
+    def __init__(self, i: int, case: str, path: str, args: list[str] | None = None, key: int | None = None) -> None:
+        self.i = i
+        self.dir = os.path.join(work, case, f"h{i}")
+        os.makedirs(self.dir, exist_ok=True)
+        env = dict(os.environ, XDFS_CONFIG_DIR=cfg(i if key is None else key))
+        cmd = ["ip", "netns", "exec", os.environ[f"XTB_NS_{i}"], XDUC, "-q", "--json", *(args or []), "get",
+               "--server-log", os.path.join(work, case, f"h{i}.log"),
+               f"xdfs://{SRC_ADDR}:7721/{path}", self.dir + "/"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.rc = None
+        self.out = self.err = ""
+
+    def wait(self, timeout: float = 300) -> int:
+        if self.rc is None:
+            try:
+                self.out, self.err = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.out, self.err = self.proc.communicate()
+            self.rc = self.proc.returncode
+        return self.rc
+
+    def summary(self) -> dict:
+        lines = [l for l in self.out.splitlines() if l.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def have(self, name: str) -> int:
+        """Bytes of the file here so far (its partial copy's size, or the whole)."""
+        for n in (f".{name}.xdfs-partial", name):
+            p = os.path.join(self.dir, n)
+            if os.path.exists(p):
+                return os.path.getsize(p)
+        return 0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.wait()
+
+
+def wait_for(cond, limit: float = 120) -> bool:
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def check_all(case: str, pullers: list, src: str, name: str, but=()) -> None:
+    want = sha(src)
+    for p in pullers:
+        if p in but:
+            continue
+        rc = p.wait()
+        f = p.file(name)
+        check(rc == 0 and os.path.exists(f) and sha(f) == want,
+              f"{case}: host {p.i} has the file byte for byte (exit {rc}: {p.err.strip()[-300:]})")
+
+
+def many() -> None:
+    m = Master("many")
+    size = 24 * MiB + 4321
+    src = m.file("data.bin", size)
+    try:
+        before = source_sent()
+        pullers = [Puller(i, "many", "data.bin") for i in range(1, K + 1)]
+        check_all("many", pullers, src, "data.bin")
+        sent = source_sent() - before
+        check(sent <= 1.2 * size, f"many: the source's link carried {sent} bytes for {K} hosts of a {size}-byte file")
+        s = pullers[0].summary()
+        check(s.get("bytes") == size and s.get("tries") == 1, f"many: the JSON line names the bytes and one try ({s})")
+        st = os.stat(src)
+        got = os.stat(pullers[-1].file("data.bin"))
+        check(int(got.st_mtime) == int(st.st_mtime), "many: the copy keeps the source's mtime")
+    finally:
+        m.stop()
+
+
+def kill() -> None:
+    m = Master("kill")
+    size = 64 * MiB
+    src = m.file("data.bin", size)
+    try:
+        pullers = [Puller(i, "kill", "data.bin") for i in range(1, K + 1)]
+        victim = pullers[2]
+        wait_for(lambda: victim.have("data.bin") >= 0.4 * size or victim.proc.poll() is not None)
+        at = victim.have("data.bin")
+        victim.kill()
+        check(0 < at < size, f"kill: host {victim.i} was killed mid-way ({at} of {size} bytes)")
+        check_all("kill", pullers, src, "data.bin", but=(victim,))
+        check(not os.path.exists(victim.file("data.bin")), f"kill: host {victim.i} has nothing under the file's name")
+    finally:
+        m.stop()
+
+
+def late() -> None:
+    m = Master("late")
+    size = 48 * MiB
+    src = m.file("data.bin", size)
+    try:
+        before = source_sent()
+        pullers = [Puller(i, "late", "data.bin") for i in range(1, K)]
+        first = pullers[0]
+        wait_for(lambda: first.have("data.bin") >= 0.5 * size or first.proc.poll() is not None)
+        at = first.have("data.bin")
+        pullers.append(Puller(K, "late", "data.bin"))
+        check(0 < at < size, f"late: host {K} asked when host 1 had {at} of {size} bytes")
+        check_all("late", pullers, src, "data.bin")
+        sent = source_sent() - before
+        check(sent <= 1.2 * size, f"late: the source's link carried {sent} bytes: the late host was fed by another host")
+    finally:
+        m.stop()
+
+
+def master_restart() -> None:
+    m = Master("master")
+    size = 64 * MiB
+    src = m.file("data.bin", size)
+    try:
+        pullers = [Puller(i, "master", "data.bin") for i in range(1, 4)]
+        head = pullers[0]
+        wait_for(lambda: head.have("data.bin") >= 0.4 * size or head.proc.poll() is not None)
+        m.kill()
+        at = head.have("data.bin")
+        before = source_sent()
+        time.sleep(0.5)
+        m.start()
+        check(0 < at < size, f"master: the master was killed mid-way (host 1 had {at} of {size} bytes)")
+        check_all("master", pullers, src, "data.bin")
+        sent = source_sent() - before
+        check(sent <= size - at + 8 * MiB,
+              f"master: after its restart the source sent {sent} bytes: what was verified before ({at}) stayed")
+        tries = [p.summary().get("tries", 0) for p in pullers]
+        check(all(t >= 2 for t in tries), f"master: every host asked the master again ({tries})")
+    finally:
+        m.stop()
+
+
+def bad() -> None:
+    m = Master("bad")
+    m.file("data.bin", MiB)
+    os.makedirs(os.path.join(m.root, "dir"), exist_ok=True)
+    try:
+        keep = os.path.join(work, "bad", "h1", "data.bin")
+        os.makedirs(os.path.dirname(keep), exist_ok=True)
+
+        def one(path: str, want: str, key: int | None = None, target: str | None = None) -> None:
+            with open(keep, "w") as f:
+                f.write("mine\n")
+            p = Puller(1, "bad", path, key=key)
+            rc = p.wait(60)
+            line = p.err.strip()
+            kept = open(keep).read() == "mine\n"
+            check(rc == 1 and want in line and "\n" not in line and kept,
+                  f"bad: get of '{path}' fails with one line naming it ({rc}: {line!r}), DST's file kept")
+
+        one("nothing.bin", "no such file")
+        one("dir", "directory")
+        one("../outside.bin", "path")
+        one("data.bin", "auth", key=0)
+    finally:
+        m.stop()
+
+
+CASES = {"many": many, "kill": kill, "late": late, "master": master_restart, "bad": bad}
+try:
+    for name in sys.argv[2:] or list(CASES):
+        print(f"--- {name}", flush=True)
+        CASES[name]()
+finally:
+    if failures:
+        print(f"{len(failures)} check(s) failed; servers' logs in {work}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+sys.exit(1 if failures else 0)
