@@ -560,7 +560,7 @@ TEST_CASE("unknown mode is refused") {
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i] != b[i]) diff.push_back(i);
   REQUIRE(diff.size() == 1);  // the mode field, nothing else
-  for (std::uint8_t bad : {std::uint8_t{4}, std::uint8_t{7}, std::uint8_t{0xFF}}) {
+  for (std::uint8_t bad : {std::uint8_t{5}, std::uint8_t{7}, std::uint8_t{0xFF}}) {
     auto m = a;
     m[diff[0]] = bad;
     std::string why;
@@ -703,6 +703,47 @@ TEST_CASE("check_relative_path") {
     auto s = files::check_relative_path(std::string(w::max_path_bytes, 'a'));
     CHECK(static_cast<bool>(s));
   }
+}
+
+TEST_CASE("pull: a pull's port and name travel whole; a bad one is refused with its cause") {
+  auto n = sample_negotiation();
+  n.mode = Mode::pull;
+  n.pull_port = 40123;
+  n.pull_name = "big.iso";
+  auto d = w::decode_negotiation(w::encode(n));
+  REQUIRE(d);
+  CHECK(*d == n);
+  struct Bad {
+    std::uint16_t port;
+    std::string name;
+  };
+  for (const auto& b : {Bad{0, "big.iso"}, Bad{1, ""}, Bad{1, "a/b"}, Bad{1, ".."}, Bad{1, "."},
+                        Bad{1, std::string(256, 'x')}}) {
+    auto m = n;
+    m.pull_port = b.port;
+    m.pull_name = b.name;
+    std::string why;
+    CHECK_FALSE(w::decode_negotiation(w::encode(m), &why).has_value());
+    CHECK(why.find("pull") != std::string::npos);
+  }
+  // Only a pull carries them: an upload naming a pull port is refused (a pull's bytes with the
+  // mode changed: encode() writes them only for a pull).
+  // (The mode's byte: where an upload and a download differ, at the same place in any
+  // negotiation, its data section being of fixed layout.)
+  auto up = sample_negotiation();
+  up.mode = Mode::upload;
+  auto down = up;
+  down.mode = Mode::download;
+  const auto a = w::encode(up);
+  const auto c = w::encode(down);
+  REQUIRE(a.size() == c.size());
+  const auto mode_at = static_cast<std::size_t>(std::mismatch(a.begin(), a.end(), c.begin()).first - a.begin());
+  auto m = w::encode(n);
+  REQUIRE(m[mode_at] == static_cast<std::uint8_t>(Mode::pull));
+  m[mode_at] = static_cast<std::uint8_t>(Mode::upload);
+  std::string why;
+  CHECK_FALSE(w::decode_negotiation(m, &why).has_value());
+  CHECK(why.find("only with a pull") != std::string::npos);
 }
 
 TEST_CASE("relay: a plan, a report and a relink travel whole") {

@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <boost/asio/ip/address.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
 
@@ -119,7 +120,9 @@ public:
     // The host's own server: where this session comes from, at the port it named.
     Endpoint at;
     std::uint16_t ignored = 0;
-    if (!xdsi::parse_host_port(env_.peer, 0, at.host, ignored))
+    xdsi::ErrorCode bad;
+    // (Always an address the listener saw, never a name to look up.)
+    if (!xdsi::parse_host_port(env_.peer, 0, at.host, ignored) || (boost::asio::ip::make_address(at.host, bad), bad))
       return refuse(errc::internal, "cannot tell where this session comes from");
     at.port = nego_.pull_port;
     wire::NegotiationReply reply;
