@@ -58,7 +58,8 @@ const char* usage =
     "  --allow-memory-mode      accept memory-to-memory benchmark sessions (no files touched)\n"
     "  --allow-fifo             an upload to an existing FIFO under the root writes into it, in\n"
     "                           order, for the process that has it open for reading\n"
-    "  --disable-mode MODE      refuse operations of MODE: upload, download, path or relay (repeatable)\n"
+    "  --disable-mode MODE      refuse operations of MODE: upload, download, path, relay or pull\n"
+    "                           (repeatable; pull is off with download or relay too)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
     "  -h, --help               this text\n";
 
@@ -175,9 +176,11 @@ int main(int argc, char** argv) {
       cfg.allow_fifo = true;
     } else if (a == "--disable-mode") {
       const std::string& m = value(i);
-      if (m != "upload" && m != "download" && m != "path" && m != "relay")
-        bad("--disable-mode takes upload, download, path or relay");
+      if (m != "upload" && m != "download" && m != "path" && m != "relay" && m != "pull")
+        bad("--disable-mode takes upload, download, path, relay or pull");
       disabled.push_back(m);
+      // A pull serves the file as a download does, through a chain: off with either.
+      if (m == "download" || m == "relay") disabled.push_back("pull");
     } else {
       bad("unknown option '" + a + "' (see --help)");
     }

@@ -734,7 +734,7 @@ int main(int argc, char** argv) {
         gmtime_r(&t, &tm);
         char when[32];
         std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
-        std::fprintf(log, "%s %s\n", when, xdfs::text::escape(line).c_str());
+        std::fprintf(log, "%s %s\n", when, line.c_str());  // (escaped by the server)
         std::fflush(log);
       };
     }

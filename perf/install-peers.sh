@@ -14,6 +14,9 @@ pkgs=(
   udpcast                      # multicast file transfer (relay.py)
   libglobus-xio-gridftp-multicast  # GridFTP's multicast driver: globus-url-copy -MC (relay.py)
   util-linux                   # unshare (relay.py runs GridFTP servers in a user namespace)
+  ctorrent                     # BitTorrent client and torrent maker (pull.py)
+  opentracker                  # BitTorrent tracker (pull.py)
+  aria2                        # BitTorrent client (pull.py)
   procps                       # ps, pkill-free process inspection helpers
   tar
 )

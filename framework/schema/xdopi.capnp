@@ -34,6 +34,8 @@ struct RelayPlan {
                                  # removes the pack
   packDigest @6 :Data;           # with pack: the pack's manifest digest (32 bytes), as the master
                                  # made it; a pack with any other is not written out
+  digest @7 :Data;               # empty, or the file's manifest digest (32 bytes) as the master
+                                 # computed it: a copy with any other is not kept under its name
 }
 
 # Relay: a host's progress, sent by it to the master (event REPORT) at least once a second.

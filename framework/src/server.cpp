@@ -413,6 +413,8 @@ void Server::run(bool handle_signals) {
   for (auto& [id, r] : d.sessions)
     if (r.session->thread.joinable()) r.session->thread.join();
   d.sessions.clear();
+  // Then the chains it ran as their master (their pulling hosts' sessions are gone).
+  d.relays->stop_chains();
   d.sweep_stop = true;
   if (d.sweeper.joinable()) d.sweeper.join();
   {

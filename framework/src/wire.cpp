@@ -233,6 +233,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     plan.setPack(n.relay_plan.pack);
     if (n.relay_plan.pack)
       plan.setPackDigest(kj::arrayPtr(n.relay_plan.pack_digest.data(), n.relay_plan.pack_digest.size()));
+    plan.setDigest(kj::arrayPtr(n.relay_plan.digest.data(), n.relay_plan.digest.size()));
     put_hops(plan.initNext(static_cast<unsigned>(n.relay_plan.next.size())), n.relay_plan.next);
   }
   if (n.mode == Mode::pull) {
@@ -388,6 +389,12 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
         return std::nullopt;
       }
       if (n.relay_plan.pack) std::memcpy(n.relay_plan.pack_digest.data(), pd.begin(), pd.size());
+      const auto fd = plan.getDigest();
+      if (fd.size() != 0 && fd.size() != 32) {
+        set_why(why, "a relay's file digest is 32 bytes, not " + std::to_string(fd.size()));
+        return std::nullopt;
+      }
+      n.relay_plan.digest.assign(fd.begin(), fd.end());
       if (n.relay_plan.mode > 0777) {
         char octal[16];
         std::snprintf(octal, sizeof octal, "%o", n.relay_plan.mode);

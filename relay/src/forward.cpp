@@ -40,7 +40,9 @@ void forward(const std::shared_ptr<RelaySlot>& slot, TransferOptions base,
     }
     return files::Fd();
   };
-  const bool corrupt = std::getenv("XDFS_TEST_RELAY_CORRUPT") != nullptr;  // test hook: a damaged copy
+  // Test hook: a damaged copy ("forge": damaged with digests to match, as a hostile host would).
+  const char* hook = std::getenv("XDFS_TEST_RELAY_CORRUPT");
+  const std::uint8_t corrupt = !hook ? 0 : std::string_view(hook) == "forge" ? 2 : 1;
   std::optional<std::array<std::uint8_t, 32>> delivered;  // the ticket of the hop that has it whole
   while (!slot->cancel.load()) {
     std::vector<wire::RelayHop> hops;

@@ -85,7 +85,7 @@ struct Place {
   bool joined = false;     // its place was registered once
   bool told = false;       // its member is final
   unsigned tries = 0;      // registrations tried
-  Clock::time_point joined_at{};
+  Clock::time_point joined_at{}, released_at{};
 };
 
 struct Chain {
@@ -269,6 +269,16 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
   const auto size = static_cast<std::uint64_t>(sb.st_size);
   const auto mtime = files::mtime_ns(sb);
   const auto bs = options.block_size;
+  // Hosts that join are anyone's (pull mode): each copy is checked against the source's own
+  // digest, on the host before it keeps it and here before the host counts as done.
+  std::string expected;
+  std::vector<std::uint8_t> expected_bytes;
+  if (joins) {
+    const auto c = manifest::of_file(fd, size, bs, options.cancel);
+    if (c.code != errc::ok) throw TransferError(c.code, "'" + local + "': " + c.message, false);
+    expected = manifest::hex(c.digest);
+    expected_bytes.assign(c.digest.begin(), c.digest.end());
+  }
 
   Chain chain;
   chain.size = size;
@@ -315,6 +325,7 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     n.relay_plan.mode = static_cast<std::uint32_t>(sb.st_mode & 0777);
     n.relay_plan.pack = pack != nullptr;
     if (pack) n.relay_plan.pack_digest = *pack;
+    n.relay_plan.digest = expected_bytes;
     n.relay_plan.channels = options.channels;
     return n;
   };
@@ -444,6 +455,7 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     });
   };
   auto drop = [&](Place& p, errc code, const std::string& why) {
+    if (joins && !p.dropped) note(p.name + " is out of the chain: " + why);
     p.dropped = true;
     if (p.host.code == errc::ok) {
       p.host.code = code;
@@ -468,6 +480,22 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     {
       std::lock_guard lock(chain.m);
       bool changed = false;
+      // A chain that runs in a server stops with it: every host still in it hears so.
+      if (joins && cancel) {
+        for (auto& pp : chain.places)
+          if (pp->member && !pp->told) {
+            if (!pp->gone && !pp->dropped) tell(*pp, RelayEvent::give_up, wire::encode(wire::ExceptionHeader{
+                                                                           errc::shutting_down, "the master stops", 0, 0}));
+            pp->told = true;
+            std::lock_guard m(pp->member->m);
+            pp->member->host.code = errc::shutting_down;
+            pp->member->host.message = "the master stops";
+            pp->member->final = true;
+          }
+        std::lock_guard j(joins->m);
+        joins->closed = true;
+        break;
+      }
       if (joins) {
         // Hosts asking to join: each is registered at the end of the chain, as a lost host
         // coming back is, with the key its own session proved.
@@ -499,12 +527,12 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
             }
         }
         for (auto& pp : chain.places)
-          if (pp->member && !pp->told && pp->rejoinable && pp->tries >= joins->max_tries && !pp->coming.valid()) {
+          if (pp->member && !pp->told && pp->dropped && pp->rejoinable && pp->tries >= joins->max_tries &&
+              !pp->coming.valid()) {
             pp->rejoinable = false;
-            if (pp->host.code == errc::ok) {
-              pp->host.code = errc::peer_aborted;
-              pp->host.message = fmt::format("its server could not be reached ({} tries)", pp->tries);
-            }
+            pp->host.code = errc::connection_failed;
+            pp->host.message = fmt::format("the master could not reach this host's server at {} ({} tries){}", pp->name,
+                                           pp->tries, pp->host.message.empty() ? "" : ": " + pp->host.message);
           }
       }
       for (auto* p : released ? std::vector<Place*>{} : std::vector<Place*>(order)) {
@@ -549,7 +577,10 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         try {
           back = p.coming.get();
         } catch (const std::exception& e) {
-          if (p.member) note(fmt::format("{} cannot take its place yet (try {}): {}", p.name, p.tries, e.what()));
+          if (p.member) {
+            note(fmt::format("{} cannot take its place yet (try {}): {}", p.name, p.tries, e.what()));
+            p.host.message = e.what();
+          }
           continue;  // not yet: tried again in a second
         }
         if (p.reader.joinable()) p.reader.join();  // the old session's, which ended
@@ -571,15 +602,15 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         p.most = 0;
         p.passed = 0;
         order.push_back(&p);
-        note(p.joined ? p.name + " answers again: it goes on from what it has, at the end of the chain"
-                      : p.name + " joins at the end of the chain");
+        note(p.joined || !p.member ? p.name + " answers again: it goes on from what it has, at the end of the chain"
+                                   : p.name + " joins at the end of the chain");
         p.joined = true;
         p.reader = std::thread([&chain, pp = &p] { read_reports(chain, *pp); });
         changed = true;
       }
       // Whole, but not the source's file: dropped at once.
-      std::string source_digest;
-      {
+      std::string source_digest = expected;
+      if (source_digest.empty()) {
         std::lock_guard f(feeder->m);
         source_digest = feeder->sent_digest;
       }
@@ -682,6 +713,7 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
                                                         joins->linger_max);
         if (!next_whole && !(order.size() == 1 && now - p.whole_at >= linger)) break;
         p.released = true;
+        p.released_at = now;
         tell(p, RelayEvent::release, {});
         order.erase(order.begin());
         relink_all();
@@ -689,16 +721,20 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
       if (joins) {
         // A joined host is final once its last word came after its release, or once it is out
         // for good: its pull operation hears how it ended.
-        std::string source_digest;
-        {
-          std::lock_guard f(feeder->m);
-          source_digest = feeder->sent_digest;
-        }
+        const std::string& source_digest = expected;
         for (auto& pp : chain.places) {
           auto& p = *pp;
-          if (!p.member || p.told) continue;
+          if (!p.member) continue;
+          if (p.told) {
+            if (p.reader_done.load() && p.reader.joinable()) p.reader.join();
+            continue;
+          }
           const bool out = p.dropped && !p.rejoinable && !p.coming.valid();
-          if (!(p.released && p.gone) && !out) continue;
+          // (A released host that never says its last word is let go too.)
+          const bool let_go = p.released && (p.gone || now - p.released_at > std::max<Clock::duration>(
+                                                                                  std::chrono::seconds(10),
+                                                                                  options.idle_timeout));
+          if (!let_go && !out) continue;
           RelayHost h = p.host;
           h.final = true;
           if (p.whole_at != Clock::time_point{}) h.seconds = std::chrono::duration<double>(p.whole_at - p.joined_at).count();

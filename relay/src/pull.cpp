@@ -43,24 +43,47 @@ using relay_detail::Member;
 struct Distribution {
   Joins joins;
   files::Fd file;  // the source, opened beneath the root of the first host that asked
+  std::vector<std::shared_ptr<Member>> all;  // every host that joined (under joins.m)
 };
 
-// The chains running in this process, by what makes them one (see key_of).
+// The chains running in this process, by what makes them one (see PullOperation::start).
 std::mutex registry_m;
 std::map<std::string, std::shared_ptr<Distribution>>& registry() {
   static auto* r = new std::map<std::string, std::shared_ptr<Distribution>>;  // outlives every chain's thread
   return *r;
 }
 
-// Joins `m` to the chain of this file, starting one (on a thread of its own) if none runs.
-void join(const std::string& key, const struct stat& sb, int fd, const TransferOptions& options,
-          const std::shared_ptr<Member>& m, const std::function<void(const std::string&)>& log) {
+// Every host of a chain that ended hears it, told or not (its pull operation waits for that).
+void finalize(Distribution& d, errc code, const std::string& why) {
+  std::lock_guard j(d.joins.m);
+  d.joins.closed = true;
+  d.joins.arriving.clear();
+  for (auto& m : d.all) {
+    std::lock_guard g(m->m);
+    if (m->final) continue;
+    m->host.code = code;
+    m->host.message = why;
+    m->final = true;
+  }
+}
+
+// Joins `m` to the chain of this file, starting one (on a thread of the server's) if none runs.
+void join(const std::string& key, int fd, const TransferOptions& options, const std::shared_ptr<Member>& m,
+          runtime::RelayRegistry& relays, const std::function<void(const std::string&)>& log) {
   std::lock_guard lock(registry_m);
   auto& reg = registry();
   if (auto it = reg.find(key); it != reg.end()) {
-    std::lock_guard j(it->second->joins.m);
-    if (!it->second->joins.closed) {
-      it->second->joins.arriving.push_back(m);
+    auto& d = *it->second;
+    std::lock_guard j(d.joins.m);
+    if (!d.joins.closed) {
+      // The same host and file again (it asks again before its last session was seen to end):
+      // the earlier one is out.
+      for (auto& o : d.all)
+        if (o->target.server.host == m->target.server.host && o->target.server.port == m->target.server.port &&
+            o->target.path == m->target.path)
+          o->gone.store(true);
+      d.all.push_back(m);
+      d.joins.arriving.push_back(m);
       return;
     }
   }
@@ -68,30 +91,27 @@ void join(const std::string& key, const struct stat& sb, int fd, const TransferO
   const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
   if (dup < 0) throw TransferError(errc_from_errno(errno), "the file to pull: " + std::string(std::strerror(errno)), false);
   d->file = files::Fd(dup);
+  d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
-  reg[key] = d;
-  (void)sb;
-  std::thread([d, key, options, log] {
+  auto o = options;
+  o.cancel = &relays.stopping;
+  // (The thread ends by taking registry_m: registered below first, whatever it does.)
+  relays.run_chain([d, key, o, log] {
     try {
-      (void)relay_detail::relay_file("/proc/self/fd/" + std::to_string(d->file.get()), {}, options, {}, nullptr,
-                                     &d->joins);
+      (void)relay_detail::relay_file("/proc/self/fd/" + std::to_string(d->file.get()), {}, o, {}, nullptr, &d->joins);
+      finalize(*d, errc::cancelled, "the master's chain ended");
     } catch (const std::exception& e) {
       log(std::string("pull chain: ") + e.what());
-      std::lock_guard j(d->joins.m);
-      d->joins.closed = true;
-      for (auto& a : d->joins.arriving) {
-        std::lock_guard g(a->m);
-        a->host.code = errc::internal;
-        a->host.message = std::string("the master's chain failed: ") + e.what();
-        a->final = true;
-      }
-      d->joins.arriving.clear();
+      finalize(*d, errc::internal, std::string("the master's chain failed: ") + e.what());
+    } catch (...) {
+      finalize(*d, errc::internal, "the master's chain failed");
     }
     std::lock_guard l(registry_m);
     auto& r = registry();
     if (auto it = r.find(key); it != r.end() && it->second == d) r.erase(it);
-  }).detach();
+  });
+  reg[key] = d;
 }
 
 class PullOperation final : public runtime::Operation {
@@ -143,11 +163,16 @@ public:
     o.identity_secret = env_.relays->server_key().secret;
     o.idle_timeout = env_.config.idle_timeout;
     o.verify = true;
-    const std::string key = fmt::format("{}:{}:{}:{}:{}:{}:{}", xsec::fingerprint(env_.relays->server_key().public_key),
-                                        sb.st_dev, sb.st_ino, size_, files::mtime_ns(sb), nego_.block_size,
-                                        static_cast<int>(o.protect));
+    o.limit_rate = env_.config.max_rate;  // the source's feed, as any one session's transfers
+    // One chain per file, block size and protection, and per root its hosts see (a confined
+    // key's subdirectory): hosts of different roots never feed each other nor learn of each other.
+    struct stat rs {};
+    if (::fstat(env_.root_fd, &rs) != 0) return fail(errc_from_errno(errno), "stat of the root");
+    const std::string key = fmt::format("{}:{}:{}:{}:{}:{}:{}:{}:{}:{}", xsec::fingerprint(env_.relays->server_key().public_key),
+                                        rs.st_dev, rs.st_ino, sb.st_dev, sb.st_ino, size_, files::mtime_ns(sb),
+                                        nego_.block_size, static_cast<int>(o.protect), static_cast<int>(env_.opening.cipher));
     try {
-      join(key, sb, fd.get(), o, member_, env_.log);
+      join(key, fd.get(), o, member_, *env_.relays, env_.log);
     } catch (const std::exception& e) {
       return fail(errc::internal, e.what());
     }
@@ -180,10 +205,14 @@ private:
     });
   }
 
-  // The host's copy is whole and verified: EOFR; its own EOFR ends the operation.
+  // The host's copy is whole and verified: EOFR; its own EOFR ends the operation (within 10 s).
   void finish_ok() {
     sent_eofr_ = true;
     tick_.cancel();
+    tick_.expires_after(std::chrono::seconds(10));
+    tick_.async_wait([this](const xdsi::ErrorCode& ec) {
+      if (!ec) fail(errc::timeout, "the pulling host did not end its pull within 10 s");
+    });
     wire::FrameHeader h;
     h.event = wire::ChannelEvent::eofr;
     h.offset = size_;
@@ -203,6 +232,7 @@ private:
       if (h.event == wire::ChannelEvent::eofr && h.length == 0) {
         if (!sent_eofr_) return fail(errc::cancelled, "the pulling host left before its copy was whole");
         over_ = true;
+        tick_.cancel();
         if (member_) member_->gone.store(true);
         return done_(runtime::OperationResult{errc::ok, {}, false, false, true});
       }

@@ -3,6 +3,11 @@
 // master lets this host go (EOFR) or says why not (EXCEPTION). A lost session is tried again,
 // and what was verified stays for the next place (its resume record is keyed by the master's
 // key and the file's name, whoever feeds it).
+//
+// That server admits only the master's key, takes only relay places and the uploads that feed
+// them (nothing is read from it), and its root is a staging directory of its own beside DST
+// (".xdfs-pull-" and the name): what the master or an upstream sends lands there, and only the
+// file, whole and with the digest the master gave, is renamed to its name in DST.
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -12,6 +17,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -74,28 +80,40 @@ Ending await_end(Session& s, const std::function<void()>& every, const std::atom
       e.ex = x ? *x : wire::ExceptionHeader{errc::protocol_error, "a malformed exception", 0, 0};
     });
   });
+  bool cancelled = false;
   while (!over) {
-    if (cancel && cancel->load()) {
-      e.how = Ending::exception;
-      e.ex = wire::ExceptionHeader{errc::cancelled, "cancelled", 0, 0};
-      break;
+    if (cancel && cancel->load() && !cancelled) {
+      // The read still refers to what is here: it ends (aborted) before this returns.
+      cancelled = true;
+      ch.close();
     }
     s.io().restart();
     s.io().run_for(std::chrono::milliseconds(200));
     if (every) every();
   }
+  if (cancelled) {
+    e.how = Ending::exception;
+    e.ex = wire::ExceptionHeader{errc::cancelled, "cancelled", 0, 0};
+  }
   return e;
 }
 
-// Removes the pulling server's state directory (its authorized_keys) at the end.
+// Removes the pulling server's state directory (its authorized_keys, its run's marks) at the end.
 struct StateDir {
   std::string path;
   ~StateDir() {
-    if (path.empty()) return;
-    for (const char* f : {"/authorized_keys", "/authorized_keys.tmp"}) ::unlink((path + f).c_str());
-    ::rmdir(path.c_str());
+    std::error_code ignored;
+    if (!path.empty()) std::filesystem::remove_all(path, ignored);
   }
 };
+
+// The staging directory's name for a file: stable, so a later pull of it goes on from what an
+// earlier one verified (FNV-1a of the name: any name fits).
+std::string staging_name(const std::string& name) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return fmt::format(".xdfs-pull-{:016x}", h);
+}
 
 }  // namespace
 
@@ -135,8 +153,18 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     if (!::mkdtemp(tmpl.data())) throw TransferError(errc_from_errno(errno), "a state directory for the pull's server", false);
     state.path = tmpl;
   }
+  // The staging directory: a directory of ours (not a symlink), kept while it holds a partial copy.
+  const std::string staging = dir + "/" + staging_name(name);
+  if (::mkdir(staging.c_str(), 0700) != 0 && errno != EEXIST)
+    throw TransferError(errc_from_errno(errno), "'" + staging + "': " + std::strerror(errno), false);
+  if (::lstat(staging.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    throw TransferError(errc::bad_argument, "'" + staging + "' is not this user's directory", false);
+  struct Emptied {
+    std::string path;
+    ~Emptied() { ::rmdir(path.c_str()); }  // only if nothing worth keeping is left in it
+  } emptied{staging};
   ServerConfig cfg;
-  cfg.root = dir;
+  cfg.root = staging;
   cfg.state_dir = state.path;
   cfg.authorized_keys = state.path + "/authorized_keys";
   cfg.relay_peers = state.path + "/relay_peers";
@@ -146,7 +174,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   cfg.idle_timeout = options.idle_timeout;
   cfg.max_sessions = 16;
   cfg.log = po.log ? po.log : [](const std::string&) {};
+  // Relay places and the uploads that feed them; nothing here is for reading.
   auto modes = xftsm::server_modes();
+  std::erase_if(modes, [](const runtime::ModeEntry& m) { return m.mode != Mode::upload; });
   modes.push_back(relay_mode::server_mode());
   std::unique_ptr<Server> server;
   try {
@@ -202,7 +232,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
     }
     result.size = reply.file_size;
-    const std::string partial = dir + "/" + files::partial_name(name);
+    const std::string partial = staging + "/" + files::partial_name(name);
+    const std::string staged = staging + "/" + name;
     auto shown = [&] {
       if (!po.progress) return;
       struct stat p {};
@@ -213,9 +244,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     if (end.how == Ending::eofr) {
       if (reply.file_size == 0) {
         // Nothing travels for an empty file: it is made here.
-        files::Fd d;
-        const int fd = ::open(result.local.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-        if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
+        ::unlink(staged.c_str());
+        const int fd = ::open(staged.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+        if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + staged + "': " + std::strerror(errno), false);
         ::close(fd);
       }
       wire::FrameHeader h;
@@ -223,9 +254,16 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       s.channels()[0]->send(h, std::vector<std::uint8_t>{});
       s.end_operation(true);
       s.close();
-      if (::stat(result.local.c_str(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != reply.file_size)
-        throw TransferError(errc::integrity_error, "the master let this host go, but '" + result.local + "' is not whole",
-                            false);
+      // Whole there (the server kept it only with the master's digest): now under its name.
+      if (::lstat(staged.c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
+          static_cast<std::uint64_t>(st.st_size) != reply.file_size)
+        throw TransferError(errc::integrity_error, "the master let this host go, but its copy is not whole", false);
+      if (::rename(staged.c_str(), result.local.c_str()) != 0)
+        throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
+      {
+        std::error_code ignored;  // what else the master left there
+        std::filesystem::remove_all(staging, ignored);
+      }
       // The source's mtime, as a copy keeps it.
       const timespec times[2] = {{0, UTIME_OMIT},
                                  {static_cast<time_t>(reply.mtime_ns / 1000000000), static_cast<long>(reply.mtime_ns % 1000000000)}};
@@ -236,7 +274,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     }
     last_code = end.how == Ending::exception ? end.ex.code : errc::peer_aborted;
     last_why = end.ex.message.empty() ? "the master's session ended" : end.ex.message;
-    if (end.how == Ending::exception && lasting(end.ex.code))
+    // (The master could not reach this host's server, at its address and port, after its own
+    // tries: asking it again would not change that.)
+    if (end.how == Ending::exception && (lasting(end.ex.code) || end.ex.code == errc::connection_failed))
       throw TransferError(end.ex.code, text::escape(last_why), true);
     if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
   }

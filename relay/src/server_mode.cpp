@@ -341,6 +341,8 @@ private:
         }
         if (event == wire::ChannelEvent::exception) {
           auto ex = wire::decode_exception(in_);
+          // Given up because its copy is damaged: what it verified goes too.
+          if (ex && ex->code == errc::integrity_error) slot_->discard.store(true);
           return on(RelayEvent::peer_exception, errc::cancelled,
                     "the master gave up on this host" + (ex ? ": " + ex->message : std::string()));
         }

@@ -5,7 +5,7 @@ source, one `xduc get` per host. Run as the test suite does:
 
     scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
 
-Cases: many, kill, late, master, bad. Each starts its own master and checks what arrived byte by
+Cases: many, kill, late, corrupt, forge, master, bad. Each starts its own master and checks what arrived byte by
 byte, and the bytes that left the source's link; nothing here judges a timing.
 """
 
@@ -115,11 +115,12 @@ class Master:
 class Puller:
     """`xduc get` on host i, into a directory of its own."""
 
-    def __init__(self, i: int, case: str, path: str, args: list[str] | None = None, key: int | None = None) -> None:
+    def __init__(self, i: int, case: str, path: str, args: list[str] | None = None, key: int | None = None,
+                 extra_env: dict | None = None) -> None:
         self.i = i
         self.dir = os.path.join(work, case, f"h{i}")
         os.makedirs(self.dir, exist_ok=True)
-        env = dict(os.environ, XDFS_CONFIG_DIR=cfg(i if key is None else key))
+        env = dict(os.environ, XDFS_CONFIG_DIR=cfg(i if key is None else key), **(extra_env or {}))
         cmd = ["ip", "netns", "exec", os.environ[f"XTB_NS_{i}"], XDUC, "-q", "--json", *(args or []), "get",
                "--server-log", os.path.join(work, case, f"h{i}.log"),
                f"xdfs://{SRC_ADDR}:7721/{path}", self.dir + "/"]
@@ -145,9 +146,11 @@ class Puller:
         return os.path.join(self.dir, name)
 
     def have(self, name: str) -> int:
-        """Bytes of the file here so far (its partial copy's size, or the whole)."""
-        for n in (f".{name}.xdfs-partial", name):
-            p = os.path.join(self.dir, n)
+        """Bytes of the file here so far: its partial copy's size in the staging directory beside
+        it, or the whole."""
+        import glob
+        for p in [*glob.glob(os.path.join(self.dir, ".xdfs-pull-*", f".{name}.xdfs-partial")),
+                  *glob.glob(os.path.join(self.dir, ".xdfs-pull-*", name)), os.path.join(self.dir, name)]:
             if os.path.exists(p):
                 return os.path.getsize(p)
         return 0
@@ -193,6 +196,8 @@ def many() -> None:
         st = os.stat(src)
         got = os.stat(pullers[-1].file("data.bin"))
         check(int(got.st_mtime) == int(st.st_mtime), "many: the copy keeps the source's mtime")
+        left = sorted(os.listdir(pullers[0].dir))
+        check(left == ["data.bin"], f"many: the file alone is left in DST, no staging ({left})")
     finally:
         m.stop()
 
@@ -229,6 +234,33 @@ def late() -> None:
         check_all("late", pullers, src, "data.bin")
         sent = source_sent() - before
         check(sent <= 1.2 * size, f"late: the source's link carried {sent} bytes: the late host was fed by another host")
+    finally:
+        m.stop()
+
+
+def corrupt(how: str = "1", case: str = "corrupt") -> None:
+    """A pulling host whose server damages every block it forwards (a test hook): the hosts after
+    it catch it, the master drops it, and they finish identical from the others. With "forge" the
+    damaged blocks go with digests that match them (as a hostile host's would): the hosts after it
+    do not keep a copy whose digest is not the master's."""
+    m = Master(case)
+    size = 16 * MiB
+    src = m.file("data.bin", size)
+    try:
+        # It asks first, so that it is the chain's head and feeds the others.
+        bad = Puller(2, case, "data.bin", extra_env={"XDFS_TEST_RELAY_CORRUPT": how})
+        wait_for(lambda: bad.have("data.bin") > 0 or bad.proc.poll() is not None)
+        pullers = [bad] + [Puller(i, case, "data.bin") for i in (1, 3, 4)]
+        check_all(case, pullers, src, "data.bin", but=(bad,))
+        bad.wait()
+        f = bad.file("data.bin")
+        check(not os.path.exists(f) or sha(f) == sha(src), f"{case}: the damaging host has the file whole or nothing")
+        log = open(os.path.join(work, case, "master.log")).read()
+        check("10.77.0.12" in log and "is out of the chain" in log, f"{case}: the master says it put host 2 out")
+        # The others kept no damaged copy: the host after it refused it, so none of them was put
+        # out or had to ask the master again.
+        tries = [p.summary().get("tries") for p in pullers[1:]]
+        check(tries == [1, 1, 1], f"{case}: the others needed one session to the master each ({tries})")
     finally:
         m.stop()
 
@@ -283,7 +315,8 @@ def bad() -> None:
         m.stop()
 
 
-CASES = {"many": many, "kill": kill, "late": late, "master": master_restart, "bad": bad}
+CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
+         "master": master_restart, "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
         print(f"--- {name}", flush=True)

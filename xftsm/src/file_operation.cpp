@@ -68,6 +68,14 @@ public:
 
   files::Status commit() override {
     if (!pending_.active()) return files::Status::ok();  // memory mode: nothing to make final
+    // A relay's copy is kept only if it is the master's file: its upstream's digests prove
+    // only that it arrived as that upstream sent it.
+    if (relay_ && !relay_->plan.digest.empty()) {
+      const auto d = receiver_ ? receiver_->digest() : std::nullopt;
+      if (!d || !std::equal(d->begin(), d->end(), relay_->plan.digest.begin(), relay_->plan.digest.end()))
+        return files::Status{errc::integrity_error,
+                             "its whole-file digest is not the one the relay's master gave: not kept"};
+    }
     struct stat st {};
     const bool known = ::fstat(pending_.fd(), &st) == 0;
     // A relay's copy takes the source's permission bits, as a tree copy gives what it made: once
@@ -94,8 +102,15 @@ public:
       if (!f) {
         relay_->whole = true;
         if (auto d = receiver_ ? receiver_->digest() : std::nullopt) relay_->digest.assign(d->begin(), d->end());
-      } else if (f.code == errc::integrity_error || f.code == errc::size_mismatch || f.code == errc::protocol_error) {
-        settle_partial(pending_, f);  // what its upstream sent is in doubt
+      } else if (f.code == errc::integrity_error || f.code == errc::size_mismatch || f.code == errc::protocol_error ||
+                 relay_->discard.load()) {
+        // What its upstream sent is in doubt: it goes, and the next upload starts a new file
+        // (the forwarder, reading this one, starts over with that).
+        pending_.discard();
+        relay_->file = files::Fd();
+        relay_->written.store(0);
+        ++relay_->relinks;
+        relay_->hop_cancel.store(true);
       } else {
         // Its place ended too (the master went away, or gave up on this host) or the upstream
         // did: what was verified stays for the next place of the same file, from any master

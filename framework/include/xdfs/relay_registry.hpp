@@ -16,7 +16,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <list>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "xdfs/error.hpp"
@@ -75,6 +77,8 @@ struct RelaySlot {
 
   /// Bytes of the file written here with every block checked (Sink::written).
   std::atomic<std::uint64_t> written{0};
+  /// The master gave this host up because its copy is in doubt: what it verified is not kept.
+  std::atomic<bool> discard{false};
   /// Bytes the current hop downstream has acknowledged.
   std::atomic<std::uint64_t> forwarded{0};
   /// The hop of plan.next it forwards to now (plan.next.size(): none).
@@ -110,7 +114,43 @@ class RelayRegistry {
 public:
   /// The server's own key: the forwarders open their sessions downstream with it.
   explicit RelayRegistry(const xsec::KeyPair& server) : server_(server) {}
+  ~RelayRegistry() { stop_chains(); }
+  RelayRegistry(const RelayRegistry&) = delete;
+  RelayRegistry& operator=(const RelayRegistry&) = delete;
   const xsec::KeyPair& server_key() const noexcept { return server_; }
+
+  /// Chains this server runs as their master (pull mode) stop with it: `stopping` is their
+  /// cancel; the server joins their threads once its sessions are gone (stop_chains()).
+  std::atomic<bool> stopping{false};
+  /// Runs `body` on a thread of the server's (those that ended are joined now).
+  template <class F>
+  void run_chain(F body) {
+    std::lock_guard lock(m_);
+    for (auto it = chains_.begin(); it != chains_.end();) {
+      if (it->second->load()) {
+        it->first.join();
+        it = chains_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    chains_.emplace_back(std::thread([body = std::move(body), done]() mutable {
+                           body();
+                           done->store(true);
+                         }),
+                         done);
+  }
+  void stop_chains() {
+    stopping.store(true);
+    std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> v;
+    {
+      std::lock_guard lock(m_);
+      v.swap(chains_);
+    }
+    for (auto& [t, done] : v)
+      if (t.joinable()) t.join();
+  }
 
   /// False if the ticket is taken already.
   bool add(const std::shared_ptr<RelaySlot>& s) {
@@ -138,6 +178,7 @@ private:
   xsec::KeyPair server_;
   mutable std::mutex m_;
   std::map<RelayTicket, std::shared_ptr<RelaySlot>> slots_;
+  std::list<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> chains_;
 };
 
 }  // namespace xdfs::runtime

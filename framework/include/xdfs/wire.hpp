@@ -132,6 +132,9 @@ struct RelayPlan {
   std::uint32_t mode = 0;       ///< the file's permission bits (0: the server's default)
   bool pack = false;            ///< a pack of small files, unpacked into its directory at the end
   std::array<std::uint8_t, 32> pack_digest{};  ///< with pack: its manifest digest, as the master made it
+  /// Empty, or 32 bytes: the file's manifest digest as the master computed it from the source;
+  /// a copy whose digest differs is not kept under its name (whatever its upstream's digests said).
+  std::vector<std::uint8_t> digest;
   bool operator==(const RelayPlan&) const = default;
 };
 

@@ -63,7 +63,7 @@ struct TransferOptions : SessionOptions {
   /// With `available`: the digests the blocks came with, sent instead of ones made here
   /// (piod::Source::digests), and the test hook that damages what is read (Source::test_corrupt).
   const piod::DigestLog* relay_digests = nullptr;
-  bool relay_test_corrupt = false;
+  std::uint8_t relay_test_corrupt = 0;
   /// Called on the network thread every progress_interval and once at the end.
   std::function<void(const Progress&)> progress;
   std::chrono::milliseconds progress_interval{200};
