@@ -88,7 +88,7 @@ Ending await_end(Session& s, const std::function<void()>& every, const std::atom
       ch.close();
     }
     s.io().restart();
-    s.io().run_for(std::chrono::milliseconds(200));
+    s.io().run_for(std::chrono::milliseconds(20));
     if (every) every();
   }
   if (cancelled) {
@@ -199,6 +199,35 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   result.local = dir + (dir.back() == '/' ? "" : "/") + name;
   SessionOptions so = options;
   so.channels = 1;
+  // Whole in the staging directory means verified against the master's digest (its server keeps
+  // nothing else there under the name): it goes to its name in DST at once, while this host
+  // still serves the hosts after it from its descriptor.
+  bool placed = false;
+  double placed_after = 0;
+  std::uint64_t want_size = 0;
+  std::int64_t want_mtime = -1;
+  const std::string staged = staging + "/" + name;
+  auto place = [&]() -> bool {
+    if (placed) return true;
+    if (::lstat(staged.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != want_size)
+      return false;
+    if (::rename(staged.c_str(), result.local.c_str()) != 0)
+      throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
+    // The source's mtime, as a copy keeps it.
+    const timespec times[2] = {{0, UTIME_OMIT},
+                               {static_cast<time_t>(want_mtime / 1000000000), static_cast<long>(want_mtime % 1000000000)}};
+    if (want_mtime >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
+    placed = true;
+    placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
+    return true;
+  };
+  auto finished = [&] {
+    std::error_code ignored;  // what else the master left there
+    std::filesystem::remove_all(staging, ignored);
+    if (po.progress) po.progress(want_size, want_size);
+    result.seconds = placed_after;
+    return result;
+  };
   errc last_code = errc::peer_aborted;
   std::string last_why = "no session to the master";
   const unsigned tries = std::max(1u, po.tries);
@@ -231,11 +260,13 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
         throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
     }
-    result.size = reply.file_size;
+    result.size = want_size = reply.file_size;
+    want_mtime = reply.mtime_ns;
     const std::string partial = staging + "/" + files::partial_name(name);
-    const std::string staged = staging + "/" + name;
+    auto shown_at = Clock::now();
     auto shown = [&] {
-      if (!po.progress) return;
+      if (place() || !po.progress || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
+      shown_at = Clock::now();
       struct stat p {};
       const std::uint64_t have = ::stat(partial.c_str(), &p) == 0 ? static_cast<std::uint64_t>(p.st_size) : 0;
       po.progress(std::min(have, reply.file_size), reply.file_size);
@@ -254,24 +285,11 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       s.channels()[0]->send(h, std::vector<std::uint8_t>{});
       s.end_operation(true);
       s.close();
-      // Whole there (the server kept it only with the master's digest): now under its name.
-      if (::lstat(staged.c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
-          static_cast<std::uint64_t>(st.st_size) != reply.file_size)
-        throw TransferError(errc::integrity_error, "the master let this host go, but its copy is not whole", false);
-      if (::rename(staged.c_str(), result.local.c_str()) != 0)
-        throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
-      {
-        std::error_code ignored;  // what else the master left there
-        std::filesystem::remove_all(staging, ignored);
-      }
-      // The source's mtime, as a copy keeps it.
-      const timespec times[2] = {{0, UTIME_OMIT},
-                                 {static_cast<time_t>(reply.mtime_ns / 1000000000), static_cast<long>(reply.mtime_ns % 1000000000)}};
-      if (reply.mtime_ns >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
-      if (po.progress) po.progress(reply.file_size, reply.file_size);
-      result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      return result;
+      if (!place()) throw TransferError(errc::integrity_error, "the master let this host go, but its copy is not whole", false);
+      return finished();
     }
+    // Whole and in place already: what failed was only its serving the hosts after it.
+    if (placed) return finished();
     last_code = end.how == Ending::exception ? end.ex.code : errc::peer_aborted;
     last_why = end.ex.message.empty() ? "the master's session ended" : end.ex.message;
     // (The master could not reach this host's server, at its address and port, after its own
