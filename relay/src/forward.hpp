@@ -49,6 +49,9 @@ struct Joins {
   std::chrono::milliseconds linger_max{30000};
   unsigned max_tries = 20;        ///< registrations of one host (its first and its rejoins)
   std::function<void(const std::string&)> log;  ///< the chain's notes as they happen (escaped)
+  /// Set by the chain while it runs (and cleared under `m` before it goes): wakes it. Call it
+  /// holding `m`.
+  std::function<void()> wake;
 };
 
 /// relay() itself; with `pack` (its manifest digest), the file is a pack (pack.hpp) that each

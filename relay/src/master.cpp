@@ -92,6 +92,9 @@ struct Chain {
   std::mutex m;
   std::condition_variable heard;  // a report, an end: the master looks again at once
   bool news = false;
+  // Set, with `heard` notified, without the mutex (a host asking to join, under Joins::m, which
+  // the master takes after this mutex): a wake-up lost to that race waits out one 50 ms round.
+  std::atomic<bool> poke{false};
   std::vector<std::unique_ptr<Place>> places;
   Clock::time_point t0 = Clock::now();
   std::uint64_t size = 0;
@@ -448,7 +451,17 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     p.coming_ticket = n.relay_plan.ticket;
     p.tried_at = now;
     ++p.tries;
-    p.coming = std::async(std::launch::async, [o, n, where = p.target.server]() {
+    p.coming = std::async(std::launch::async, [o, n, where = p.target.server, &chain]() {
+      // However it ends, the master looks at once (the future outlives nothing of the chain's:
+      // a Place waits for it when it goes, before the chain's mutex does).
+      struct Wake {
+        Chain& c;
+        ~Wake() {
+          std::lock_guard lock(c.m);
+          c.news = true;
+          c.heard.notify_one();
+        }
+      } wake{chain};
       auto s = std::make_unique<Session>(where, o);
       (void)s->begin(n);
       return s;
@@ -465,6 +478,23 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
     std::erase(order, &p);
   };
 
+  // A host asking to join wakes the master at once.
+  if (joins) {
+    std::lock_guard j(joins->m);
+    joins->wake = [&chain] {
+      chain.poke.store(true);
+      chain.heard.notify_one();
+    };
+  }
+  struct Unwake {
+    Joins* joins;
+    ~Unwake() {
+      if (!joins) return;
+      std::lock_guard j(joins->m);
+      joins->wake = nullptr;
+    }
+  } unwake{joins};
+  if (joins) chain.news = true;  // (its first hosts are waiting already)
   const bool cancelled_at_start = options.cancel && options.cancel->load();
   bool released = false;
   auto released_at = Clock::now();
@@ -472,8 +502,9 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
   for (;;) {
     {
       std::unique_lock lock(chain.m);
-      chain.heard.wait_for(lock, std::chrono::milliseconds(50), [&] { return chain.news; });
+      chain.heard.wait_for(lock, std::chrono::milliseconds(50), [&] { return chain.news || chain.poke.load(); });
       chain.news = false;
+      chain.poke.store(false);
     }
     const auto now = Clock::now();
     const bool cancel = cancelled_at_start || (options.cancel && options.cancel->load());

@@ -84,6 +84,7 @@ void join(const std::string& key, int fd, const TransferOptions& options, const 
           o->gone.store(true);
       d.all.push_back(m);
       d.joins.arriving.push_back(m);
+      if (d.joins.wake) d.joins.wake();
       return;
     }
   }
