@@ -163,8 +163,9 @@ def start_times(bed: Bed, k: int) -> list[float]:
     return [0.0 if k == 1 or not s else s * i / (k - 1) for i in range(k)]
 
 
-def run_tool(bed: Bed, tool: str) -> tuple[float, int, int]:
-    """One run; returns (seconds until the last host has the file, bytes the source sent, hosts whole)."""
+def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
+    """One run; returns (seconds from the first start until the last host has the file, bytes the
+    source sent, hosts whole, the longest any host took from its own start)."""
     k = 1 if tool == "one" else bed.k
     bed.clear()
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
@@ -212,6 +213,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int]:
     before = src_tx()
     t0 = time.monotonic()
     done_at: dict[int, float] = {}
+    started: dict[int, float] = {}
 
     def launch() -> None:
         for i in range(1, k + 1):
@@ -219,6 +221,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int]:
             if wait > 0:
                 time.sleep(wait)
             cmd, cwd = command(i)
+            started[i] = time.monotonic() - t0
             procs.append(subprocess.Popen(cmd, env=bed.env, cwd=cwd, **quiet))
 
     starter = threading.Thread(target=launch)
@@ -231,6 +234,8 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int]:
         time.sleep(0.01)
     starter.join()
     seconds = max(done_at.values()) if len(done_at) == k else float("inf")
+    # The longest any host took from its own start (with --spread, the late ones start late).
+    own = max(done_at[i] - started[i] for i in done_at) if len(done_at) == k else float("inf")
     sent = src_tx() - before
     for p in procs + seeders:
         p.terminate()
@@ -241,7 +246,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int]:
             p.kill()
     reached = sum(1 for i in range(1, k + 1)
                   if os.path.exists(os.path.join(bed.dest(i), NAME)) and sha(os.path.join(bed.dest(i), NAME)) == bed.want)
-    return seconds, sent, reached
+    return seconds, sent, reached, own
 
 
 def inside(a: argparse.Namespace) -> None:
@@ -251,35 +256,37 @@ def inside(a: argparse.Namespace) -> None:
     if "ctorrent" in tools or "aria2" in tools:
         bed.bittorrent()
     size = parse_size(a.size)
-    results: dict[str, list[tuple[float, int, int]]] = {t: [] for t in tools}
+    results: dict[str, list[tuple[float, int, int, float]]] = {t: [] for t in tools}
     try:
         for rep in range(a.reps):
             for tool in tools:
                 r = run_tool(bed, tool)
                 results[tool].append(r)
                 print(f"# run {rep + 1} {tool}: {r[0]:.2f} s, {r[1] / size:.3f} x the data from the source, "
-                      f"{r[2]} hosts whole", flush=True)
+                      f"{r[2]} hosts whole, {r[3]:.2f} s the longest from a host's own start", flush=True)
     finally:
         bed.stop()
     one = statistics.median(r[0] for r in results["one"]) if "one" in results else None
     when = f"starting spread over {a.spread:g} s" if a.spread else "starting together"
     print(f"\n# One file ({a.size}) pulled by {bed.k} hosts {when}, {a.rate} links both ways, xDFS --protect "
           f"{a.protect}; medians of {a.reps} runs taking turns; {os.cpu_count()} CPUs\n")
-    print("| tool | hosts whole | time to the last host (s) | x one host alone | source link bytes / data |")
-    print("|---|---|---|---|---|")
+    print("| tool | hosts whole | time to the last host (s) | x one host alone | longest from a host's start (s) | "
+          "source link bytes / data |")
+    print("|---|---|---|---|---|---|")
     table = {}
     bad = False
     for tool in tools:
         rs = results[tool]
         t = statistics.median(r[0] for r in rs)
+        own = statistics.median(r[3] for r in rs)
         b = statistics.median(r[1] for r in rs) / size
         whole = min(r[2] for r in rs)
         k = 1 if tool == "one" else bed.k
         bad |= tool in ("one", "pull", "plain") and whole != k
-        table[tool] = {"seconds": t, "source_bytes_per_data": b, "hosts_whole": whole, "hosts": k,
-                       "runs": [list(r) for r in rs]}
-        print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {b:.3f} |" if one else
-              f"| {tool} | {whole}/{k} | {t:.2f} | - | {b:.3f} |")
+        table[tool] = {"seconds": t, "longest_own_seconds": own, "source_bytes_per_data": b, "hosts_whole": whole,
+                       "hosts": k, "runs": [list(r) for r in rs]}
+        print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {own:.2f} | {b:.3f} |" if one else
+              f"| {tool} | {whole}/{k} | {t:.2f} | - | {own:.2f} | {b:.3f} |")
     out = {"hosts": bed.k, "rate": a.rate, "size": size, "spread": a.spread, "protect": a.protect, "reps": a.reps,
            "tools": table}
     name = "pull-spread" if a.spread else "pull"
