@@ -70,7 +70,9 @@ const char* usage =
     "                         packed (default 1M, at most 16M counts)\n"
     "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
     "                         (default: xduc-failed-hosts in the current directory)\n"
-    "get asks the xdfsd MASTER for its file PATH and joins that file's chain: this host's own\n"
+    "get asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
+    "regular files under that directory, as one pack, into the directory DST; at most 20000\n"
+    "files of at most 16M, 128M in all) and joins that file's chain: this host's own\n"
     "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
     "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
     "needs it). Hosts asking at once or one after another all get the file about once from the\n"
@@ -722,7 +724,10 @@ int main(int argc, char** argv) {
     std::string why;
     auto url = xdfs::cli::parse_url(positional[1], why);
     if (!url) bad(why);
-    if (url->path.empty() || url->path.back() == '/') bad("get takes a file's path on the master, not a directory");
+    // A directory (-r, or a path ending in '/'): a set, its files into DST.
+    pull_opt.set = recursive || url->path.empty() || url->path.back() == '/';
+    while (pull_opt.set && url->path.size() > 1 && url->path.back() == '/') url->path.pop_back();
+    if (url->path.empty()) url->path = ".";
     if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
     std::FILE* log = nullptr;
     if (!server_log.empty()) {
@@ -741,10 +746,13 @@ int main(int argc, char** argv) {
     try {
       const auto r = xdfs::pull({url->host, url->port}, url->path, positional[2], opt, pull_opt);
       if (json)
-        fmt::print("{{\"pulled\":\"{}\",\"local\":\"{}\",\"bytes\":{},\"seconds\":{:.3f},\"tries\":{}}}\n",
-                   json_escape(shown(url->path)), json_escape(shown(r.local)), r.size, r.seconds, r.tries);
+        fmt::print("{{\"pulled\":\"{}\",\"local\":\"{}\",\"set\":{},\"files\":{},\"bytes\":{},\"seconds\":{:.3f},"
+                   "\"tries\":{}}}\n",
+                   json_escape(shown(url->path)), json_escape(shown(r.local)), pull_opt.set, pull_opt.set ? r.files : 1,
+                   r.size, r.seconds, r.tries);
       else if (!quiet)
-        fmt::print(stderr, "xduc: {} ({}) in {:.2f} s{}\n", shown(r.local), xdfs::cli::human_bytes(double(r.size)),
+        fmt::print(stderr, "xduc: {} ({}{}) in {:.2f} s{}\n", shown(r.local),
+                   pull_opt.set ? fmt::format("{} files, ", r.files) : std::string(), xdfs::cli::human_bytes(double(r.size)),
                    r.seconds, r.tries > 1 ? fmt::format(", {} sessions to the master", r.tries) : std::string());
       return 0;
     } catch (const xdfs::TransferError& e) {

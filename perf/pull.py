@@ -91,6 +91,7 @@ class Bed:
                               capture_output=True).returncode == 0:
                 return
             time.sleep(0.05)
+        self.stop()
         fail(f"nothing listens on {SRC}:{port}")
 
     def dest(self, i: int) -> str:
@@ -253,11 +254,11 @@ def inside(a: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="xdfs-pull-perf-", dir=a.dir)
     bed = Bed(a, work)
     tools = a.tools.split(",")
-    if "ctorrent" in tools or "aria2" in tools:
-        bed.bittorrent()
     size = parse_size(a.size)
     results: dict[str, list[tuple[float, int, int, float]]] = {t: [] for t in tools}
     try:
+        if "ctorrent" in tools or "aria2" in tools:
+            bed.bittorrent()
         for rep in range(a.reps):
             for tool in tools:
                 r = run_tool(bed, tool)

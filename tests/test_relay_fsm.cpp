@@ -20,7 +20,7 @@ using rf::RelayState;
 
 namespace {
 
-constexpr RelaySide sides[] = {RelaySide::master, RelaySide::host};
+constexpr RelaySide sides[] = {RelaySide::master, RelaySide::host, RelaySide::pull_master, RelaySide::pull_host};
 
 std::vector<RelayEvent> all_events() {
   std::vector<RelayEvent> v;
@@ -146,15 +146,38 @@ TEST_CASE("relay tables: a master and a host end a place together") {
   CHECK_FALSE(dropped.fire(RelayEvent::report));
 }
 
+TEST_CASE("pull tables: the master lets a host go with EOFR, answered by the host's; nothing ends it early") {
+  RelayMachine master(RelaySide::pull_master), host(RelaySide::pull_host);
+  CHECK(master.fire(RelayEvent::accepted) == RelayAction::watch);
+  CHECK(host.fire(RelayEvent::accepted) == RelayAction::none);
+  CHECK_FALSE(master.fire(RelayEvent::ended));  // a host's EOFR before its release is no ending
+  RelayMachine early(RelaySide::pull_master);
+  REQUIRE(early.fire(RelayEvent::accepted));
+  CHECK(early.fire(RelayEvent::release) == RelayAction::send_eofr);
+  CHECK(host.fire(RelayEvent::ended) == RelayAction::send_eofr_back);
+  CHECK(early.fire(RelayEvent::ended) == RelayAction::finish);
+  CHECK(early.state() == RelayState::done);
+  CHECK(host.state() == RelayState::done);
+  // An empty file: released at once, no chain.
+  RelayMachine empty(RelaySide::pull_master);
+  CHECK(empty.fire(RelayEvent::release) == RelayAction::send_eofr);
+  // Put out by the chain: the host hears why, and the operation is over.
+  RelayMachine out(RelaySide::pull_master);
+  REQUIRE(out.fire(RelayEvent::accepted));
+  CHECK(out.fire(RelayEvent::give_up) == RelayAction::tell_and_drop);
+  CHECK(out.finished());
+}
+
 TEST_CASE("relay tables: names") {
   std::set<std::string> names;
   for (int s = 0; s <= static_cast<int>(RelayState::failed); ++s)
     CHECK(names.insert(std::string("s:") + rf::to_string(static_cast<RelayState>(s))).second);
   for (auto e : all_events()) CHECK(names.insert(std::string("e:") + rf::to_string(e)).second);
-  for (int a = 0; a <= static_cast<int>(RelayAction::abort); ++a)
+  for (int a = 0; a <= static_cast<int>(RelayAction::send_eofr_back); ++a)
     CHECK(names.insert(std::string("a:") + rf::to_string(static_cast<RelayAction>(a))).second);
   for (const auto& n : names) CHECK(n.find('?') == std::string::npos);
   CHECK(std::string(rf::to_string(RelaySide::master)) == "relay-master");
+  for (auto side : sides) CHECK(std::string(rf::to_string(side)).find('?') == std::string::npos);
 }
 
 }  // TEST_SUITE("cfsm")

@@ -713,6 +713,11 @@ TEST_CASE("pull: a pull's port and name travel whole; a bad one is refused with 
   auto d = w::decode_negotiation(w::encode(n));
   REQUIRE(d);
   CHECK(*d == n);
+  auto set = n;
+  set.pull_set = true;
+  d = w::decode_negotiation(w::encode(set));
+  REQUIRE(d);
+  CHECK(d->pull_set);
   struct Bad {
     std::uint16_t port;
     std::string name;

@@ -108,6 +108,7 @@ struct Negotiation {
   pullPort @15 :UInt16;          # pull: the port the pulling host's own server listens on (at the
                                  # address its session comes from; its key is the session's key)
   pullName @16 :Text;            # pull: the file's name in that server's root (one name, no '/')
+  pullSet @17 :Bool;             # pull: remotePath is a directory, whose files come as one pack
 }
 
 

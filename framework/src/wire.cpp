@@ -239,6 +239,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
   if (n.mode == Mode::pull) {
     r.setPullPort(n.pull_port);
     r.setPullName(n.pull_name);
+    r.setPullSet(n.pull_set);
   }
   return to_bytes(msg);
 }
@@ -423,7 +424,8 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
         return std::nullopt;
       }
       n.pull_name.assign(nm);
-    } else if (r.getPullPort() != 0 || r.getPullName().size() != 0) {
+      n.pull_set = r.getPullSet();
+    } else if (r.getPullPort() != 0 || r.getPullName().size() != 0 || r.getPullSet()) {
       set_why(why, "a pull's port and name go only with a pull");
       return std::nullopt;
     }

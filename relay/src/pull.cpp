@@ -22,16 +22,22 @@
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/core.h>
 
+#include <dirent.h>
+
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/relay_registry.hpp"
 #include "xdfs/text.hpp"
 
 #include "forward.hpp"
+#include "pack.hpp"
 
 namespace xdfs::relay_mode {
 namespace {
@@ -42,7 +48,8 @@ using relay_detail::Member;
 // One file's chain while anyone is in it or joining.
 struct Distribution {
   Joins joins;
-  files::Fd file;  // the source, opened beneath the root of the first host that asked
+  files::Fd file;  // the source, opened beneath the root of the first host that asked (or a set's pack)
+  std::uint64_t size = 0;
   std::vector<std::shared_ptr<Member>> all;  // every host that joined (under joins.m)
 };
 
@@ -51,6 +58,87 @@ std::mutex registry_m;
 std::map<std::string, std::shared_ptr<Distribution>>& registry() {
   static auto* r = new std::map<std::string, std::shared_ptr<Distribution>>;  // outlives every chain's thread
   return *r;
+}
+
+// A running chain's source (a descriptor of its own) and size, if one runs under `key`.
+std::optional<std::pair<files::Fd, std::uint64_t>> running(const std::string& key) {
+  std::lock_guard lock(registry_m);
+  auto it = registry().find(key);
+  if (it == registry().end()) return std::nullopt;
+  std::lock_guard j(it->second->joins.m);
+  if (it->second->joins.closed) return std::nullopt;
+  const int fd = ::fcntl(it->second->file.get(), F_DUPFD_CLOEXEC, 3);
+  if (fd < 0) return std::nullopt;
+  return std::pair{files::Fd(fd), it->second->size};
+}
+
+// A set: the regular files under the directory `dir` (symlinks and other kinds are left out),
+// written as one pack (pack.hpp) into an unnamed file in `state` (outside the root; it goes with
+// its last descriptor). Within a pack's limits: at most max_pack_files files of at most
+// max_pack_file bytes, max_pack_size in all.
+files::Status make_set(int dir, const std::string& state, files::Fd& out, std::uint64_t& size) {
+  int fd = ::open(state.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return files::Status::from_errno(errno, "a set's pack in the state directory " + state);
+  out = files::Fd(fd);
+  std::uint64_t files = 0, bytes = 0;
+  bool first = true;
+  std::function<files::Status(int, const std::string&, unsigned)> walk = [&](int d, const std::string& at,
+                                                                               unsigned depth) -> files::Status {
+    if (depth > 64) return files::Status{errc::limit_exceeded, "a set nests more than 64 directories deep"};
+    const int dd = ::fcntl(d, F_DUPFD_CLOEXEC, 3);
+    if (dd < 0) return files::Status::from_errno(errno, "'" + at + "'");
+    DIR* list = ::fdopendir(dd);
+    if (!list) {
+      ::close(dd);
+      return files::Status::from_errno(errno, "'" + at + "'");
+    }
+    std::vector<std::string> names;
+    while (auto* e = ::readdir(list)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(n);
+      if (names.size() > relay_detail::max_pack_files) break;
+    }
+    ::closedir(list);
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) {
+      const std::string path = at.empty() ? n : at + "/" + n;
+      struct stat st {};
+      if (::fstatat(d, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // gone meanwhile
+      if (S_ISDIR(st.st_mode)) {
+        const int sub = ::openat(d, n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (sub < 0) return files::Status::from_errno(errno, "'" + path + "'");
+        files::Fd hold(sub);
+        if (auto s = walk(sub, path, depth + 1); !s) return s;
+        continue;
+      }
+      if (!S_ISREG(st.st_mode)) continue;
+      const auto sz = static_cast<std::uint64_t>(st.st_size);
+      if (++files > relay_detail::max_pack_files || sz > relay_detail::max_pack_file ||
+          bytes + sz + path.size() + 32 > relay_detail::max_pack_size)
+        return files::Status{errc::limit_exceeded,
+                             fmt::format("a set is at most {} files of at most {} MiB, {} MiB in all ('{}' is past that): "
+                                         "pull its files one by one",
+                                         relay_detail::max_pack_files, relay_detail::max_pack_file >> 20,
+                                         relay_detail::max_pack_size >> 20, text::escape(path))};
+      bytes += sz + path.size() + 32;
+      const int in = ::openat(d, n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+      if (in < 0) return files::Status::from_errno(errno, "'" + path + "'");
+      files::Fd data(in);
+      relay_detail::PackEntry pe{path, static_cast<std::uint32_t>(st.st_mode & 0777), files::mtime_ns(st), sz};
+      if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get()); !s) return s;
+      first = false;
+    }
+    return files::Status::ok();
+  };
+  if (auto s = walk(dir, "", 0); !s) return s;
+  if (first) {  // an empty set is a pack of its magic alone
+    if (::pwrite(out.get(), relay_detail::pack_magic.data(), relay_detail::pack_magic.size(), 0) < 0)
+      return files::Status::from_errno(errno, "a set's pack");
+  }
+  struct stat st {};
+  if (::fstat(out.get(), &st) != 0) return files::Status::from_errno(errno, "a set's pack");
+  size = static_cast<std::uint64_t>(st.st_size);
+  return files::Status::ok();
 }
 
 // Every host of a chain that ended hears it, told or not (its pull operation waits for that).
@@ -68,8 +156,9 @@ void finalize(Distribution& d, errc code, const std::string& why) {
 }
 
 // Joins `m` to the chain of this file, starting one (on a thread of the server's) if none runs.
-void join(const std::string& key, int fd, const TransferOptions& options, const std::shared_ptr<Member>& m,
-          runtime::RelayRegistry& relays, const std::function<void(const std::string&)>& log) {
+void join(const std::string& key, int fd, std::uint64_t size, const TransferOptions& options,
+          const std::shared_ptr<Member>& m, runtime::RelayRegistry& relays,
+          const std::function<void(const std::string&)>& log) {
   std::lock_guard lock(registry_m);
   auto& reg = registry();
   if (auto it = reg.find(key); it != reg.end()) {
@@ -92,6 +181,7 @@ void join(const std::string& key, int fd, const TransferOptions& options, const 
   const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
   if (dup < 0) throw TransferError(errc_from_errno(errno), "the file to pull: " + std::string(std::strerror(errno)), false);
   d->file = files::Fd(dup);
+  d->size = size;
   d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
@@ -125,35 +215,63 @@ public:
   }
 
   void start() override {
-    if (!env_.relays) return refuse(errc::not_supported, "relays (and so pulls) are disabled on this server");
+    if (!env_.relays) return on(E::local_error, errc::not_supported, "relays (and so pulls) are disabled on this server");
     if (!(nego_.extended_flags & wire::flag_manifest))
-      return refuse(errc::bad_argument, "a pull verifies every block: not without the content manifest (--no-verify)");
+      return on(E::local_error, errc::bad_argument,
+                "a pull verifies every block: not without the content manifest (--no-verify)");
     if (nego_.channel_count != 1 || env_.channels.size() != 1)
-      return refuse(errc::bad_argument, "a pull's own session has one channel");
+      return on(E::local_error, errc::bad_argument, "a pull's own session has one channel");
     files::Fd fd;
     if (auto st = files::open_beneath(env_.root_fd, nego_.remote_path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, fd); !st)
-      return refuse(st.code, st.message);
+      return on(E::local_error, st.code, st.message);
     struct stat sb {};
-    if (::fstat(fd.get(), &sb) != 0) return refuse(errc_from_errno(errno), "stat '" + nego_.remote_path + "'");
-    if (S_ISDIR(sb.st_mode)) return refuse(errc::is_directory, "'" + nego_.remote_path + "' is a directory");
-    if (!S_ISREG(sb.st_mode)) return refuse(errc::not_regular_file, "'" + nego_.remote_path + "' is not a regular file");
+    if (::fstat(fd.get(), &sb) != 0) return on(E::local_error, errc_from_errno(errno), "stat '" + nego_.remote_path + "'");
+    if (nego_.pull_set && !S_ISDIR(sb.st_mode))
+      return on(E::local_error, errc::bad_argument, "'" + nego_.remote_path + "' is not a directory (a set is one)");
+    if (!nego_.pull_set && S_ISDIR(sb.st_mode))
+      return on(E::local_error, errc::is_directory, "'" + nego_.remote_path + "' is a directory");
+    if (!nego_.pull_set && !S_ISREG(sb.st_mode))
+      return on(E::local_error, errc::not_regular_file, "'" + nego_.remote_path + "' is not a regular file");
     size_ = static_cast<std::uint64_t>(sb.st_size);
-    // The host's own server: where this session comes from, at the port it named.
+    // The host's own server: where this session comes from (always an address the listener saw,
+    // never a name to look up), at the port it named.
     Endpoint at;
     std::uint16_t ignored = 0;
     xdsi::ErrorCode bad;
-    // (Always an address the listener saw, never a name to look up.)
     if (!xdsi::parse_host_port(env_.peer, 0, at.host, ignored) || (boost::asio::ip::make_address(at.host, bad), bad))
-      return refuse(errc::internal, "cannot tell where this session comes from");
+      return on(E::local_error, errc::internal, "cannot tell where this session comes from");
     at.port = nego_.pull_port;
+    struct stat rs {};
+    if (::fstat(env_.root_fd, &rs) != 0) return on(E::local_error, errc_from_errno(errno), "stat of the root");
+    // One chain per file (a set: per directory, as it stood when its chain began), block size
+    // and protection, and per root its hosts see (a confined key's subdirectory): hosts of
+    // different roots never feed each other nor learn of each other.
+    const std::string key =
+        fmt::format("{}:{}:{}:{}:{}:{}:{}:{}:{}:{}:{}", xsec::fingerprint(env_.relays->server_key().public_key),
+                    nego_.pull_set ? "set" : "file", rs.st_dev, rs.st_ino, sb.st_dev, sb.st_ino, size_,
+                    files::mtime_ns(sb), nego_.block_size, static_cast<int>(env_.opening.protect),
+                    static_cast<int>(env_.opening.cipher));
+    if (nego_.pull_set) {
+      // A set's pack: the running chain's, or made now (reading every file once).
+      if (auto r = running(key)) {
+        fd = std::move(r->first);
+        size_ = r->second;
+      } else {
+        files::Fd pack;
+        if (auto st = make_set(fd.get(), env_.config.state_dir, pack, size_); !st)
+          return on(E::local_error, st.code, st.message);
+        fd = std::move(pack);
+      }
+    }
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
     reply.file_size = size_;
     reply.mtime_ns = files::mtime_ns(sb);
     env_.channels[0]->send_control(wire::ChannelEvent::nego_reply, wire::encode(reply));
-    env_.log(fmt::format("session {} pull of '{}' ({} bytes) for {} at {}", env_.id.short_hex(),
-                         text::escape(nego_.remote_path), size_, env_.client.fingerprint, text::escape(env_.peer)));
-    if (size_ == 0) return finish_ok();  // nothing to route: the host makes it empty
+    env_.log(fmt::format("session {} pull of {}'{}' ({} bytes) for {} at {}", env_.id.short_hex(),
+                         nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path), size_,
+                         env_.client.fingerprint, text::escape(env_.peer)));
+    if (size_ == 0) return on(E::release);  // nothing to route: the host makes it empty
     member_ = std::make_shared<Member>();
     member_->target = RelayTarget{at, nego_.pull_name};
     member_->key = env_.client.key;
@@ -165,30 +283,51 @@ public:
     o.idle_timeout = env_.config.idle_timeout;
     o.verify = true;
     o.limit_rate = env_.config.max_rate;  // the source's feed, as any one session's transfers
-    // One chain per file, block size and protection, and per root its hosts see (a confined
-    // key's subdirectory): hosts of different roots never feed each other nor learn of each other.
-    struct stat rs {};
-    if (::fstat(env_.root_fd, &rs) != 0) return fail(errc_from_errno(errno), "stat of the root");
-    const std::string key = fmt::format("{}:{}:{}:{}:{}:{}:{}:{}:{}:{}", xsec::fingerprint(env_.relays->server_key().public_key),
-                                        rs.st_dev, rs.st_ino, sb.st_dev, sb.st_ino, size_, files::mtime_ns(sb),
-                                        nego_.block_size, static_cast<int>(o.protect), static_cast<int>(env_.opening.cipher));
+    on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
-      join(key, fd.get(), o, member_, *env_.relays, env_.log);
+      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log);
     } catch (const std::exception& e) {
-      return fail(errc::internal, e.what());
+      on(E::local_error, errc::internal, e.what());
     }
-    read();
-    tick();
   }
 
-  void abort(errc code, const std::string& message) override { fail(code, message); }
+  void abort(errc code, const std::string& message) override { on(E::local_error, code, message); }
 
   std::uint64_t bytes() const noexcept override { return 0; }
 
 private:
-  // Every 20 ms: has the chain let this host go?
+  using E = relay_fsm::RelayEvent;
+  using A = relay_fsm::RelayAction;
+
+  // What happens goes through the table (relay_fsm, pull-master); the row's action runs here.
+  void on(E e, errc code = errc::ok, const std::string& why = {}) {
+    if (machine_.finished()) return;
+    auto a = machine_.fire(e);
+    if (!a) return on(E::local_error, errc::state_violation, machine_.why());
+    switch (*a) {
+      case A::watch:
+        read();
+        return tick();
+      case A::send_eofr: return send_eofr();
+      case A::finish:
+        tick_.cancel();
+        if (member_) member_->gone.store(true);
+        return done_(runtime::OperationResult{errc::ok, {}, false, false, true});
+      case A::refuse: return done_(runtime::OperationResult{code, why, false, true, true});
+      case A::tell_and_drop:
+      case A::abort: {
+        tick_.cancel();
+        if (member_) member_->gone.store(true);
+        xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, why, 0, 0}, linger_, std::chrono::seconds(2));
+        return done_(runtime::OperationResult{code, why, e == E::peer_exception, false, false});
+      }
+      default: return on(E::local_error, errc::internal, "pull-master: no such action here");
+    }
+  }
+
+  // Every 20 ms: has the chain let this host go, or put it out?
   void tick() {
-    if (over_) return;
+    if (machine_.finished()) return;
     bool final = false;
     RelayHost h;
     {
@@ -196,63 +335,46 @@ private:
       final = member_->final;
       if (final) h = member_->host;
     }
-    if (final) {
-      if (h.ok) return finish_ok();
-      return fail(h.code == errc::ok ? errc::internal : h.code, h.message);
-    }
+    if (final && h.ok) return on(E::release);
+    if (final) return on(E::give_up, h.code == errc::ok ? errc::internal : h.code, h.message);
     tick_.expires_after(std::chrono::milliseconds(20));
     tick_.async_wait([this](const xdsi::ErrorCode& ec) {
       if (!ec) tick();
     });
   }
 
-  // The host's copy is whole and verified: EOFR; its own EOFR ends the operation (within 10 s).
-  void finish_ok() {
-    sent_eofr_ = true;
+  // The host's copy is whole and verified (or empty): EOFR; its own EOFR ends the operation,
+  // within 10 s.
+  void send_eofr() {
     tick_.cancel();
-    tick_.expires_after(std::chrono::seconds(10));
-    tick_.async_wait([this](const xdsi::ErrorCode& ec) {
-      if (!ec) fail(errc::timeout, "the pulling host did not end its pull within 10 s");
-    });
     wire::FrameHeader h;
     h.event = wire::ChannelEvent::eofr;
     h.offset = size_;
     env_.channels[0]->send(h, std::vector<std::uint8_t>{});
-    if (!member_) read();
+    tick_.expires_after(std::chrono::seconds(10));
+    tick_.async_wait([this](const xdsi::ErrorCode& ec) {
+      if (!ec) on(E::timeout, errc::timeout, "the pulling host did not end its pull within 10 s");
+    });
+    if (!reading_) read();
   }
 
   // The host says nothing but its EOFR (after ours: done; before: it leaves).
   void read() {
+    reading_ = true;
     auto& ch = *env_.channels[0];
     ch.async_read_header([this, &ch](const xdsi::ErrorCode& ec, const wire::FrameHeader& h) {
-      if (over_) return;
+      if (machine_.finished()) return;
       if (ec) {
         auto f = ch.failure(ec, "client");
-        return fail(f.code, f.message);
+        return on(E::channel_lost, f.code, f.message);
       }
       if (h.event == wire::ChannelEvent::eofr && h.length == 0) {
-        if (!sent_eofr_) return fail(errc::cancelled, "the pulling host left before its copy was whole");
-        over_ = true;
-        tick_.cancel();
-        if (member_) member_->gone.store(true);
-        return done_(runtime::OperationResult{errc::ok, {}, false, false, true});
+        if (machine_.state() == relay_fsm::RelayState::placed)
+          return on(E::local_error, errc::cancelled, "the pulling host left before its copy was whole");
+        return on(E::ended);
       }
-      fail(errc::protocol_error, fmt::format("{} from a pulling host", wire::to_string(h.event)));
+      on(E::local_error, errc::protocol_error, fmt::format("{} from a pulling host", wire::to_string(h.event)));
     });
-  }
-
-  void fail(errc code, const std::string& message) {
-    if (over_) return;
-    over_ = true;
-    tick_.cancel();
-    if (member_) member_->gone.store(true);
-    xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, message, 0, 0}, linger_, std::chrono::seconds(2));
-    done_(runtime::OperationResult{code, message, false, false, false});
-  }
-
-  void refuse(errc code, const std::string& message) {
-    over_ = true;
-    done_(runtime::OperationResult{code, message, false, true, true});
   }
 
   runtime::OperationEnv& env_;
@@ -262,8 +384,8 @@ private:
   boost::asio::steady_timer linger_;
   std::shared_ptr<Member> member_;
   std::uint64_t size_ = 0;
-  bool sent_eofr_ = false;
-  bool over_ = false;
+  bool reading_ = false;  // the host's EOFR is awaited (one read at a time)
+  relay_fsm::RelayMachine machine_{relay_fsm::RelaySide::pull_master};
 };
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <thread>
 
+#include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/session.hpp"
@@ -28,6 +29,7 @@
 #include "xdfs/xftsm/server_mode.hpp"
 
 #include "forward.hpp"
+#include "pack.hpp"
 
 namespace xdfs {
 namespace {
@@ -123,7 +125,11 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   // Where it goes: a directory (the file's own name in it), or a file's path.
   std::string dir, name;
   struct stat st {};
-  if (!local.empty() && (local.back() == '/' || (::stat(local.c_str(), &st) == 0 && S_ISDIR(st.st_mode)))) {
+  if (po.set) {
+    // A set: its files go into the directory `local`; its pack is a file of the staging directory.
+    dir = local;
+    name = ".xdfs-set";
+  } else if (!local.empty() && (local.back() == '/' || (::stat(local.c_str(), &st) == 0 && S_ISDIR(st.st_mode)))) {
     dir = local;
     name = relay_detail::base_name(remote);
   } else {
@@ -154,7 +160,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     state.path = tmpl;
   }
   // The staging directory: a directory of ours (not a symlink), kept while it holds a partial copy.
-  const std::string staging = dir + "/" + staging_name(name);
+  const std::string staging = dir + "/" + staging_name(po.set ? "set " + remote : name);
   if (::mkdir(staging.c_str(), 0700) != 0 && errno != EEXIST)
     throw TransferError(errc_from_errno(errno), "'" + staging + "': " + std::strerror(errno), false);
   if (::lstat(staging.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
@@ -196,7 +202,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
 
   const auto t0 = Clock::now();
   PullResult result;
-  result.local = dir + (dir.back() == '/' ? "" : "/") + name;
+  result.local = po.set ? dir : dir + (dir.back() == '/' ? "" : "/") + name;
   SessionOptions so = options;
   so.channels = 1;
   // Whole in the staging directory means verified against the master's digest (its server keeps
@@ -211,6 +217,21 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     if (placed) return true;
     if (::lstat(staged.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != want_size)
       return false;
+    if (po.set) {
+      // The set's pack, whole with the master's digest: its files go into DST, each checked as
+      // any pack's are (paths within DST, sizes against what the pack holds), nothing written
+      // unless the whole pack reads well.
+      files::Fd pack(::open(staged.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+      files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+      if (!pack || !root) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
+      pathm::TreeWriter writer(root.get(), fmt::format("pull{}", ::getpid()), options.fsync, options.block_size);
+      const auto u = relay_detail::unpack(pack.get(), want_size, writer, "", 0, options.cancel);
+      if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
+      result.files = u.files;
+      placed = true;
+      placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
+      return true;
+    }
     if (::rename(staged.c_str(), result.local.c_str()) != 0)
       throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
     // The source's mtime, as a copy keeps it.
@@ -242,6 +263,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     n.block_size = options.block_size;
     n.pull_port = server->port();
     n.pull_name = name;
+    n.pull_set = po.set;
     wire::NegotiationReply reply;
     try {
       reply = s.begin(n);
@@ -271,8 +293,14 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       const std::uint64_t have = ::stat(partial.c_str(), &p) == 0 ? static_cast<std::uint64_t>(p.st_size) : 0;
       po.progress(std::min(have, reply.file_size), reply.file_size);
     };
+    // This side's table (relay_fsm, pull-host): answered, then the master's EOFR or EXCEPTION.
+    relay_fsm::RelayMachine machine(relay_fsm::RelaySide::pull_host);
+    (void)machine.fire(relay_fsm::RelayEvent::accepted);
     const auto end = await_end(s, shown, options.cancel);
-    if (end.how == Ending::eofr) {
+    const auto action = machine.fire(end.how == Ending::eofr        ? relay_fsm::RelayEvent::ended
+                                     : end.how == Ending::exception ? relay_fsm::RelayEvent::peer_exception
+                                                                    : relay_fsm::RelayEvent::channel_lost);
+    if (action == relay_fsm::RelayAction::send_eofr_back) {
       if (reply.file_size == 0) {
         // Nothing travels for an empty file: it is made here.
         ::unlink(staged.c_str());

@@ -35,13 +35,38 @@ constexpr RelayTransition master_rows[] = {
     XDFS_RELAY_FAILURES(S::releasing),
 };
 
+// The xdfsd that runs a pulled file's chain, per host that asked (relay/src/pull.cpp). An empty
+// file needs no chain: it is released at once.
+constexpr RelayTransition pull_master_rows[] = {
+    {S::idle, E::accepted, S::placed, A::watch},
+    {S::idle, E::release, S::releasing, A::send_eofr},
+    {S::idle, E::local_error, S::failed, A::refuse},
+    {S::placed, E::release, S::releasing, A::send_eofr},
+    {S::placed, E::give_up, S::failed, A::tell_and_drop},
+    XDFS_RELAY_FAILURES(S::placed),
+    {S::releasing, E::ended, S::done, A::finish},
+    XDFS_RELAY_FAILURES(S::releasing),
+};
+
+// The host that asked (xduc get, relay/src/pull_client.cpp): the master's EOFR or EXCEPTION ends it.
+constexpr RelayTransition pull_host_rows[] = {
+    {S::idle, E::accepted, S::placed, A::none},
+    {S::placed, E::ended, S::done, A::send_eofr_back},
+    XDFS_RELAY_FAILURES(S::placed),
+};
+
 #undef XDFS_RELAY_FAILURES
 
 }  // namespace
 
 std::span<const RelayTransition> table(RelaySide s) noexcept {
-  return s == RelaySide::master ? std::span<const RelayTransition>(master_rows)
-                                : std::span<const RelayTransition>(host_rows);
+  switch (s) {
+    case RelaySide::master: return master_rows;
+    case RelaySide::host: return host_rows;
+    case RelaySide::pull_master: return pull_master_rows;
+    case RelaySide::pull_host: return pull_host_rows;
+  }
+  return host_rows;
 }
 
 const char* to_string(RelayState s) noexcept {
@@ -86,10 +111,20 @@ const char* to_string(RelayAction a) noexcept {
     case RelayAction::tell_and_drop: return "tell_and_drop";
     case RelayAction::refuse: return "refuse";
     case RelayAction::abort: return "abort";
+    case RelayAction::watch: return "watch";
+    case RelayAction::send_eofr_back: return "send_eofr_back";
   }
   return "?";
 }
 
-const char* to_string(RelaySide s) noexcept { return s == RelaySide::master ? "relay-master" : "relay-host"; }
+const char* to_string(RelaySide s) noexcept {
+  switch (s) {
+    case RelaySide::master: return "relay-master";
+    case RelaySide::host: return "relay-host";
+    case RelaySide::pull_master: return "pull-master";
+    case RelaySide::pull_host: return "pull-host";
+  }
+  return "?";
+}
 
 }  // namespace xdfs::relay_fsm

@@ -5,7 +5,7 @@ source, one `xduc get` per host. Run as the test suite does:
 
     scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
 
-Cases: many, kill, late, corrupt, forge, master, bad. Each starts its own master and checks what arrived byte by
+Cases: many, kill, late, corrupt, forge, master, set, bad. Each starts its own master and checks what arrived byte by
 byte, and the bytes that left the source's link; nothing here judges a timing.
 """
 
@@ -289,6 +289,57 @@ def master_restart() -> None:
         m.stop()
 
 
+def tree_of(root: str) -> dict:
+    """Every regular file under root: relative path -> (SHA-256, permission bits)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out[os.path.relpath(p, root)] = (sha(p), os.stat(p).st_mode & 0o777)
+    return out
+
+
+def set_case() -> None:
+    """A set: 4 hosts pull a directory (nested, an empty file, odd modes, a symlink that stays
+    behind) as one pack; one host pulls only a subdirectory of it and gets only that."""
+    m = Master("set")
+    top = os.path.join(m.root, "set")
+    for d in ("a", "a/b", "c"):
+        os.makedirs(os.path.join(top, d), exist_ok=True)
+    sizes = [0, 1, 4095, 65536, 300000, 2 * MiB + 7] * 5
+    for n, size in enumerate(sizes):
+        p = os.path.join(top, ("a", "a/b", "c", "")[n % 4], f"f{n}.bin")
+        with open(p, "wb") as f:
+            f.write(os.urandom(size))
+        os.chmod(p, (0o644, 0o600, 0o755, 0o640)[n % 4])
+    os.symlink("/etc/passwd", os.path.join(top, "c", "link"))
+    want = tree_of(top)
+    want.pop("c/link", None)
+    try:
+        before = source_sent()
+        pullers = [Puller(i, "set", "set/", args=["-r"]) for i in range(1, 5)]
+        for p in pullers:
+            rc = p.wait()
+            got = tree_of(p.dir)
+            check(rc == 0 and got == want, f"set: host {p.i} has the set's {len(want)} files with their modes "
+                                           f"(exit {rc}: {p.err.strip()[-300:]}; {len(got)} files)")
+            check(not os.path.lexists(os.path.join(p.dir, "c", "link")), f"set: host {p.i} got no symlink")
+        total = sum(os.path.getsize(os.path.join(top, f)) for f in want)
+        sent = source_sent() - before
+        check(sent <= 1.2 * total + MiB, f"set: the source's link carried {sent} bytes for a {total}-byte set")
+        s = pullers[0].summary()
+        check(s.get("set") is True and s.get("files") == len(want), f"set: the JSON line names the set's files ({s})")
+        part = Puller(5, "set", "set/a/b/")
+        rc = part.wait()
+        sub = {k[len("a/b/"):]: v for k, v in want.items() if k.startswith("a/b/")}
+        got = tree_of(part.dir)
+        check(rc == 0 and got == sub, f"set: a host asking for a/b/ gets its {len(sub)} files and nothing else "
+                                      f"({len(got)}; {part.err.strip()[-200:]})")
+    finally:
+        m.stop()
+
+
 def bad() -> None:
     m = Master("bad")
     m.file("data.bin", MiB)
@@ -311,12 +362,21 @@ def bad() -> None:
         one("dir", "directory")
         one("../outside.bin", "path")
         one("data.bin", "auth", key=0)
+        # A set larger than a pack takes: refused, naming the limit.
+        big = os.path.join(m.root, "big")
+        os.makedirs(big, exist_ok=True)
+        with open(os.path.join(big, "huge.bin"), "wb") as f:
+            f.truncate(17 * MiB)
+        p = Puller(1, "bad", "big/")
+        rc = p.wait(60)
+        check(rc == 1 and "16 MiB" in p.err and "\n" not in p.err.strip(),
+              f"bad: a set with a file over 16 MiB is refused, naming the limit ({rc}: {p.err.strip()!r})")
     finally:
         m.stop()
 
 
 CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
-         "master": master_restart, "bad": bad}
+         "master": master_restart, "set": set_case, "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
         print(f"--- {name}", flush=True)

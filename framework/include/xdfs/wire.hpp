@@ -184,6 +184,8 @@ struct Negotiation {
   /// a file named pull_name in that server's root.
   std::uint16_t pull_port = 0;
   std::string pull_name;
+  /// Mode::pull: remote_path is a directory, whose files travel as one pack (a set).
+  bool pull_set = false;
   bool operator==(const Negotiation&) const = default;
 };
 

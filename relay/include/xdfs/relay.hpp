@@ -110,6 +110,9 @@ struct PullOptions {
   std::function<void(std::uint64_t verified, std::uint64_t size)> progress;
   /// This host's server's log lines (its place, the uploads that feed it), escaped; none if unset.
   std::function<void(const std::string&)> log;
+  /// `remote` is a directory: its regular files (a set, at most 20000 files of at most 16 MiB,
+  /// 128 MiB in all) travel as one pack through the chain, and go into `local`, a directory.
+  bool set = false;
 };
 
 struct PullResult {
@@ -117,6 +120,7 @@ struct PullResult {
   std::uint64_t size = 0;
   double seconds = 0;       ///< from the first session until the master let this host go
   unsigned tries = 0;       ///< sessions to the master
+  std::uint64_t files = 0;  ///< a set's files written
 };
 
 /// Asks the xdfsd `master` for its file `remote` and takes part in that file's chain until

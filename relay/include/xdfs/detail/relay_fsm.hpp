@@ -1,5 +1,11 @@
 // The relay's communicating state machines, as data: the master's side of a place (what its
-// session to one host does) and the host's (the relay operation in xdfsd).
+// session to one host does) and the host's (the relay operation in xdfsd); and a pull's two
+// sides: the xdfsd that runs the file's chain (its pull operation) and the host that asked
+// (xduc get), whose session lasts until the chain lets it go.
+//
+// A pull is answered (NEGO_REPLY) and the host joins the chain; the master ends it with EOFR once
+// the host's copy is whole and nobody needs it (release), which the host answers with EOFR
+// (ended); or with an EXCEPTION when the chain put the host out (give_up).
 //
 // A place is registered (NEGO, NEGO_REPLY), then the host reports ten times a second while the
 // master may RELINK it; the master ends it with EOFR, which the host answers with its last report
@@ -51,9 +57,11 @@ enum class RelayAction : std::uint8_t {
   tell_and_drop, ///< master: an EXCEPTION to the host, then nothing more from it counts
   refuse,        ///< host: the operation is refused before it began (nothing was sent)
   abort,         ///< stop the forwarder, remove the place, tell the peer, close the channel
+  watch,         ///< pull master: watch the chain for how this host ends
+  send_eofr_back,  ///< pulling host: its EOFR, then its copy goes to DST
 };
 
-enum class RelaySide : std::uint8_t { master, host };
+enum class RelaySide : std::uint8_t { master, host, pull_master, pull_host };
 
 const char* to_string(RelayState s) noexcept;
 const char* to_string(RelayEvent e) noexcept;
