@@ -2,7 +2,7 @@
 """Many hosts pulling one file, side by side on the namespace test bed (scripts/testbed.sh: one
 source and K hosts on a bridge, each link tbf-limited to the same rate both ways):
 
-    perf/pull.py [--xdfs-bin DIR] [--hosts 16] [--rate 200mbit] [--size 256M] [--reps 3]
+    perf/pull.py [--xdfs-bin DIR] [--hosts 16] [--rate 200mbit] [--size 128M] [--reps 3] [--set FILES]
                  [--spread SECONDS] [--tools one,pull,plain,ctorrent,aria2] [--protect clear] [--smoke]
 
 The source holds the file; every host asks for it by itself, all at once or (--spread S) one after
@@ -17,9 +17,11 @@ runs, the tools taking turns:
             (a host is done when ctorrent runs its completion command); opentracker runs as nobody
             in a user namespace of its own (it refuses root), with the torrent on its list
   aria2     the same with aria2c on every host
+With --set FILES the source is a directory of that many files, --size in all: xduc get -r pulls
+it as one pack (a set), plain is xduc -r, the BitTorrent clients get a torrent of the directory.
 xDFS runs in --protect clear by default (BitTorrent neither encrypts nor authenticates); every
-xDFS block is still checked against its digest. Results go to perf/results/pull.json (or
-pull-spread.json) and, with matplotlib, perf/plots/pull.png (pull-spread.png). Timings are printed,
+xDFS block is still checked against its digest. Results go to perf/results/pull.json (pull-spread.json,
+pull-set.json) and, with matplotlib, perf/plots/pull.png (pull-spread.png, pull-set.png). Timings are printed,
 never judged: --smoke (4 hosts, 8 MiB, 1 run, xDFS only) fails only when a copy fails or differs.
 Run it with nothing else busy.
 """
@@ -39,7 +41,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from relay import BED, addr, netns, parse_size, sha, src_tx  # noqa: E402  (the same bed, the same measures)
+from relay import BED, addr, digest, netns, parse_size, sha, src_tx  # noqa: E402  (the same bed, the same measures)
 
 SRC = "10.77.0.1"
 NAME = "data.bin"
@@ -68,20 +70,30 @@ class Bed:
         os.makedirs(self.state)
         with open(os.path.join(self.state, "authorized_keys"), "w") as f:
             f.write(f"{pub} ro\n")
-        self.src = os.path.join(self.root, NAME)
-        with open(self.src, "wb") as f:
-            left = parse_size(a.size)
-            while left:
-                n = min(left, 1 << 24)
-                f.write(os.urandom(n))
-                left -= n
-        self.want = sha(self.src)
+        # One file, or a set: a directory of --set files.
+        self.name = "set" if a.set else NAME
+        self.src = os.path.join(self.root, self.name)
+        size = parse_size(a.size)
+        if a.set:
+            os.makedirs(self.src)
+            for n in range(a.set):
+                with open(os.path.join(self.src, f"f{n:04d}.bin"), "wb") as f:
+                    f.write(os.urandom(size // a.set))
+            self.last = os.path.join(f"f{a.set - 1:04d}.bin")  # the last a set's pack writes
+        else:
+            with open(self.src, "wb") as f:
+                left = size
+                while left:
+                    n = min(left, 1 << 24)
+                    f.write(os.urandom(n))
+                    left -= n
+        self.want = digest(self.src)
         log = open(os.path.join(work, "master.log"), "ab")
         self.servers = [subprocess.Popen(netns(None) + [self.xdfsd, "--root", self.root, "--state-dir", self.state,
                                                         "--listen", f"{SRC}:7721"], stdout=log, stderr=log)]
         self.wait_listening(7721)
         # The master's key pinned once, before the hosts ask at once.
-        subprocess.run(netns(1) + [self.xduc, "-q", "stat", f"xdfs://{SRC}:7721/{NAME}"], env=self.env, check=True,
+        subprocess.run(netns(1) + [self.xduc, "-q", "stat", f"xdfs://{SRC}:7721/{self.name}"], env=self.env, check=True,
                        capture_output=True)
         self.torrent = ""
 
@@ -106,7 +118,7 @@ class Bed:
         """The file's torrent (256 KiB pieces), and opentracker on the source, which serves only
         torrents on its list (Debian's is built so)."""
         self.torrent = os.path.join(self.work, "data.torrent")
-        subprocess.run(["ctorrent", "-t", "-u", TRACKER, "-l", "262144", "-s", self.torrent, NAME], cwd=self.root,
+        subprocess.run(["ctorrent", "-t", "-u", TRACKER, "-l", "262144", "-s", self.torrent, self.name], cwd=self.root,
                        check=True, capture_output=True)
         listed = os.path.join(self.work, "whitelist")
         with open(listed, "w") as f:
@@ -158,6 +170,21 @@ def info_hash(torrent: str) -> str:
     return ""
 
 
+def digest_of(path: str) -> str:
+    """relay.py's digest, without the bookkeeping files this script and the clients leave."""
+    if not os.path.isdir(path):
+        return sha(path)
+    import hashlib
+    h = hashlib.sha256()
+    for d, dirs, names in sorted(os.walk(path)):
+        dirs.sort()
+        for n in sorted(names):
+            if n == ".done" or n.endswith(".aria2") or n.endswith(".bf"):
+                continue
+            h.update(f"{os.path.relpath(os.path.join(d, n), path)} {sha(os.path.join(d, n))}\n".encode())
+    return h.hexdigest()
+
+
 def start_times(bed: Bed, k: int) -> list[float]:
     """When each host starts, from the first: at once, or spread evenly over --spread seconds."""
     s = bed.a.spread
@@ -175,17 +202,27 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
     hook = os.path.join(bed.work, "done-hook.sh")
     # When is host i done: its file whole under its name (xDFS renames a verified copy into place),
     # or its BitTorrent client's completion command ran.
-    if tool in ("ctorrent", "aria2"):
+    # (A set: its last file, which xduc get writes last; xduc -r writes in any order, so plain's
+    # marker is a file of the script's own, made when xduc exits.)
+    set_ = bool(bed.a.set)
+    if tool in ("ctorrent", "aria2") or (set_ and tool == "plain"):
         def marker(i: int) -> str:
             return os.path.join(bed.dest(i), ".done")
     else:
         def marker(i: int) -> str:
-            return os.path.join(bed.dest(i), NAME)
+            return os.path.join(bed.dest(i), bed.last if set_ else NAME)
+
+    def copy(i: int) -> str:
+        """Where host i's copy is: the file, or the set's directory."""
+        if set_:
+            return os.path.join(bed.dest(i), "set") if tool in ("ctorrent", "aria2") else bed.dest(i)
+        return os.path.join(bed.dest(i), NAME)
     if tool in ("ctorrent", "aria2"):
         # The seed on the source is aria2c for both (ctorrent seeding with -f served nothing here).
-        with open(hook, "w") as f:
-            f.write('#!/bin/sh\ntouch "$(dirname "$3")/.done"\n')
-        os.chmod(hook, 0o755)
+        for i in range(1, k + 1):
+            with open(f"{hook}.{i}", "w") as f:
+                f.write(f'#!/bin/sh\ntouch "{marker(i)}"\n')
+            os.chmod(f"{hook}.{i}", 0o755)
         seeders.append(subprocess.Popen(netns(None) + ["aria2c", "-d", bed.root, "--seed-ratio=0.0", "--seed-time=60",
                                                        "--bt-seed-unverified=true", "-V", "--enable-dht=false",
                                                        "--bt-enable-lpd=false", "--listen-port=6881",
@@ -194,19 +231,22 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
         time.sleep(1)
 
     def command(i: int) -> tuple[list[str], str | None]:
+        what = f"xdfs://{SRC}:7721/set/" if set_ else f"xdfs://{SRC}:7721/{NAME}"
         if tool in ("one", "pull"):
-            return netns(i) + [bed.xduc, "-q", "--protect", bed.a.protect, "get", f"xdfs://{SRC}:7721/{NAME}",
-                               bed.dest(i) + "/"], None
+            return netns(i) + [bed.xduc, "-q", "--protect", bed.a.protect, "get", what, bed.dest(i) + "/"], None
         if tool == "plain":
-            return netns(i) + [bed.xduc, "-q", "--protect", bed.a.protect, "-p", "1", "--retries", "0", "--no-resume",
-                               f"xdfs://{SRC}:7721/{NAME}", bed.dest(i) + "/"], None
+            cmd = [bed.xduc, "-q", "--protect", bed.a.protect, "-p", "1", "--retries", "0", "--no-resume",
+                   *(["-r"] if set_ else []), what, bed.dest(i) + "/"]
+            if set_:  # done when xduc -r is
+                return netns(i) + ["sh", "-c", '"$0" "$@" && touch ' + marker(i), *cmd], None
+            return netns(i) + cmd, None
         if tool == "ctorrent":
             return netns(i) + ["ctorrent", "-e", "1", "-p", "2706", "-M", "100", "-X", f"touch {marker(i)}",
                                bed.torrent], bed.dest(i)
         if tool == "aria2":
             return netns(i) + ["aria2c", "-d", bed.dest(i), "--seed-time=60", "--enable-dht=false", "--bt-enable-lpd=false",
                                "--listen-port=6881", "--file-allocation=none", "--summary-interval=0",
-                               "--console-log-level=error", f"--on-bt-download-complete={hook}", bed.torrent], None
+                               "--console-log-level=error", f"--on-bt-download-complete={hook}.{i}", bed.torrent], None
         fail(f"unknown tool {tool}")
         return [], None
 
@@ -245,8 +285,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
-    reached = sum(1 for i in range(1, k + 1)
-                  if os.path.exists(os.path.join(bed.dest(i), NAME)) and sha(os.path.join(bed.dest(i), NAME)) == bed.want)
+    reached = sum(1 for i in range(1, k + 1) if os.path.exists(copy(i)) and digest_of(copy(i)) == bed.want)
     return seconds, sent, reached, own
 
 
@@ -269,7 +308,8 @@ def inside(a: argparse.Namespace) -> None:
         bed.stop()
     one = statistics.median(r[0] for r in results["one"]) if "one" in results else None
     when = f"starting spread over {a.spread:g} s" if a.spread else "starting together"
-    print(f"\n# One file ({a.size}) pulled by {bed.k} hosts {when}, {a.rate} links both ways, xDFS --protect "
+    what = f"A set of {a.set} files ({a.size})" if a.set else f"One file ({a.size})"
+    print(f"\n# {what} pulled by {bed.k} hosts {when}, {a.rate} links both ways, xDFS --protect "
           f"{a.protect}; medians of {a.reps} runs taking turns; {os.cpu_count()} CPUs\n")
     print("| tool | hosts whole | time to the last host (s) | x one host alone | longest from a host's start (s) | "
           "source link bytes / data |")
@@ -288,9 +328,9 @@ def inside(a: argparse.Namespace) -> None:
                        "hosts": k, "runs": [list(r) for r in rs]}
         print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {own:.2f} | {b:.3f} |" if one else
               f"| {tool} | {whole}/{k} | {t:.2f} | - | {own:.2f} | {b:.3f} |")
-    out = {"hosts": bed.k, "rate": a.rate, "size": size, "spread": a.spread, "protect": a.protect, "reps": a.reps,
-           "tools": table}
-    name = "pull-spread" if a.spread else "pull"
+    out = {"hosts": bed.k, "rate": a.rate, "size": size, "set_files": a.set, "spread": a.spread, "protect": a.protect,
+           "reps": a.reps, "tools": table}
+    name = "pull-set" if a.set else "pull-spread" if a.spread else "pull"
     if not a.smoke:
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
         with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
@@ -315,7 +355,8 @@ def plot(out: dict, name: str) -> None:
     ax2.bar(tools, [out["tools"][t]["source_bytes_per_data"] for t in tools])
     ax2.set_ylabel("bytes on the source's link / file size")
     when = f"starting over {out['spread']:g} s" if out["spread"] else "starting together"
-    fig.suptitle(f"one file, {out['size'] >> 20} MiB, pulled by {out['hosts']} hosts {when}, {out['rate']} links")
+    what = f"a set of {out['set_files']} files" if out.get("set_files") else "one file"
+    fig.suptitle(f"{what}, {out['size'] >> 20} MiB, pulled by {out['hosts']} hosts {when}, {out['rate']} links")
     fig.tight_layout()
     os.makedirs(os.path.join(HERE, "plots"), exist_ok=True)
     fig.savefig(os.path.join(HERE, "plots", name + ".png"))
@@ -326,7 +367,8 @@ def main() -> None:
     p.add_argument("--xdfs-bin", default=os.path.join(HERE, "..", "build-perf", "examples"))
     p.add_argument("--hosts", type=int, default=16)
     p.add_argument("--rate", default="200mbit")
-    p.add_argument("--size", default="256M")
+    p.add_argument("--size", default="128M")
+    p.add_argument("--set", type=int, default=0, metavar="FILES")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--spread", type=float, default=0.0)
     p.add_argument("--protect", default="clear")
@@ -346,7 +388,7 @@ def main() -> None:
             if not shutil.which(need):
                 fail(f"{need} is missing: perf/install-peers.sh installs it")
     args = [sys.executable, os.path.abspath(__file__), "--inside", "--xdfs-bin", a.xdfs_bin, "--size", a.size, "--reps",
-            str(a.reps), "--spread", str(a.spread), "--protect", a.protect, "--tools", a.tools, "--rate", a.rate,
+            str(a.reps), "--set", str(a.set), "--spread", str(a.spread), "--protect", a.protect, "--tools", a.tools, "--rate", a.rate,
             "--timeout", str(a.timeout)]
     if a.dir:
         args += ["--dir", a.dir]
