@@ -561,9 +561,13 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
           if (pp->member && !pp->told && pp->dropped && pp->rejoinable && pp->tries >= joins->max_tries &&
               !pp->coming.valid()) {
             pp->rejoinable = false;
-            pp->host.code = errc::connection_failed;
-            pp->host.message = fmt::format("the master could not reach this host's server at {} ({} tries){}", pp->name,
-                                           pp->tries, pp->host.message.empty() ? "" : ": " + pp->host.message);
+            // (Only registrations that failed say its server cannot be reached: a host dropped
+            // as stalled keeps its own reason.)
+            if (pp->host.code == errc::ok) {
+              pp->host.code = errc::connection_failed;
+              pp->host.message = fmt::format("the master could not reach this host's server at {} ({} tries){}", pp->name,
+                                             pp->tries, pp->host.message.empty() ? "" : ": " + pp->host.message);
+            }
           }
       }
       for (auto* p : released ? std::vector<Place*>{} : std::vector<Place*>(order)) {

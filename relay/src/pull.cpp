@@ -25,6 +25,7 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -60,6 +61,27 @@ std::map<std::string, std::shared_ptr<Distribution>>& registry() {
   return *r;
 }
 
+// Sets whose pack is being made, by chain key: those asking meanwhile wait for the one pack.
+struct Making {
+  std::mutex m;
+  std::condition_variable ready;
+  bool done = false;
+  files::Status status = files::Status::ok();
+  files::Fd pack;
+  std::uint64_t size = 0;
+};
+std::map<std::string, std::shared_ptr<Making>>& making() {
+  static auto* m = new std::map<std::string, std::shared_ptr<Making>>;
+  return *m;
+}
+
+// The pack being made under `key` is done with (only `mk`, if given).
+void forget(const std::string& key, const std::shared_ptr<Making>& mk) {
+  std::lock_guard lock(registry_m);
+  auto it = making().find(key);
+  if (it != making().end() && (!mk || it->second == mk)) making().erase(it);
+}
+
 // A running chain's source (a descriptor of its own) and size, if one runs under `key`.
 std::optional<std::pair<files::Fd, std::uint64_t>> running(const std::string& key) {
   std::lock_guard lock(registry_m);
@@ -80,11 +102,20 @@ files::Status make_set(int dir, const std::string& state, files::Fd& out, std::u
   int fd = ::open(state.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) return files::Status::from_errno(errno, "a set's pack in the state directory " + state);
   out = files::Fd(fd);
-  std::uint64_t files = 0, bytes = 0;
+  std::uint64_t files = 0, bytes = 0, seen = 0;
   bool first = true;
+  // Entries looked at in all (directories and what is left out too): the walk is bounded.
+  const std::uint64_t max_seen = 4 * relay_detail::max_pack_files;
+  const auto too_large = [](const std::string& why) {
+    return files::Status{errc::not_supported,
+                         fmt::format("a set is at most {} files of at most {} MiB, {} MiB in all, and {} entries ({}): "
+                                     "pull its files one by one",
+                                     relay_detail::max_pack_files, relay_detail::max_pack_file >> 20,
+                                     relay_detail::max_pack_size >> 20, 4 * relay_detail::max_pack_files, why)};
+  };
   std::function<files::Status(int, const std::string&, unsigned)> walk = [&](int d, const std::string& at,
                                                                                unsigned depth) -> files::Status {
-    if (depth > 64) return files::Status{errc::limit_exceeded, "a set nests more than 64 directories deep"};
+    if (depth > 64) return too_large("it nests more than 64 directories deep");
     const int dd = ::fcntl(d, F_DUPFD_CLOEXEC, 3);
     if (dd < 0) return files::Status::from_errno(errno, "'" + at + "'");
     DIR* list = ::fdopendir(dd);
@@ -95,8 +126,12 @@ files::Status make_set(int dir, const std::string& state, files::Fd& out, std::u
     std::vector<std::string> names;
     while (auto* e = ::readdir(list)) {
       const std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(n);
-      if (names.size() > relay_detail::max_pack_files) break;
+      if (n == "." || n == "..") continue;
+      if (++seen > max_seen) {
+        ::closedir(list);
+        return too_large("'" + text::escape(at.empty() ? "." : at) + "' is past that");
+      }
+      names.push_back(n);
     }
     ::closedir(list);
     std::sort(names.begin(), names.end());
@@ -115,15 +150,14 @@ files::Status make_set(int dir, const std::string& state, files::Fd& out, std::u
       const auto sz = static_cast<std::uint64_t>(st.st_size);
       if (++files > relay_detail::max_pack_files || sz > relay_detail::max_pack_file ||
           bytes + sz + path.size() + 32 > relay_detail::max_pack_size)
-        return files::Status{errc::limit_exceeded,
-                             fmt::format("a set is at most {} files of at most {} MiB, {} MiB in all ('{}' is past that): "
-                                         "pull its files one by one",
-                                         relay_detail::max_pack_files, relay_detail::max_pack_file >> 20,
-                                         relay_detail::max_pack_size >> 20, text::escape(path))};
+        return too_large("'" + text::escape(path) + "' is past that");
       bytes += sz + path.size() + 32;
       const int in = ::openat(d, n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
       if (in < 0) return files::Status::from_errno(errno, "'" + path + "'");
       files::Fd data(in);
+      struct stat now {};
+      if (::fstat(in, &now) != 0 || !S_ISREG(now.st_mode) || now.st_ino != st.st_ino || now.st_dev != st.st_dev)
+        return files::Status{errc::io_error, "'" + text::escape(path) + "' changed while the set was packed"};
       relay_detail::PackEntry pe{path, static_cast<std::uint32_t>(st.st_mode & 0777), files::mtime_ns(st), sz};
       if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get()); !s) return s;
       first = false;
@@ -164,6 +198,8 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   if (auto it = reg.find(key); it != reg.end()) {
     auto& d = *it->second;
     std::lock_guard j(d.joins.m);
+    if (!d.joins.closed && d.size != size)
+      throw TransferError(errc::size_mismatch, "the set changed while this host asked for it: ask again", false);
     if (!d.joins.closed) {
       // The same host and file again (it asks again before its last session was seen to end):
       // the earlier one is out.
@@ -252,15 +288,46 @@ public:
                     files::mtime_ns(sb), nego_.block_size, static_cast<int>(env_.opening.protect),
                     static_cast<int>(env_.opening.cipher));
     if (nego_.pull_set) {
-      // A set's pack: the running chain's, or made now (reading every file once).
+      // A set's pack: the running chain's, or one made now (reading every file once), by the
+      // first to ask while the others asking meanwhile wait for it.
       if (auto r = running(key)) {
         fd = std::move(r->first);
         size_ = r->second;
       } else {
-        files::Fd pack;
-        if (auto st = make_set(fd.get(), env_.config.state_dir, pack, size_); !st)
-          return on(E::local_error, st.code, st.message);
-        fd = std::move(pack);
+        std::shared_ptr<Making> mk;
+        bool mine = false;
+        {
+          std::lock_guard lock(registry_m);
+          auto& slot = making()[key];
+          if (!slot) {
+            slot = std::make_shared<Making>();
+            mine = true;
+          }
+          mk = slot;
+        }
+        if (mine) {
+          files::Fd pack;
+          std::uint64_t size = 0;
+          auto st = make_set(fd.get(), env_.config.state_dir, pack, size);
+          std::lock_guard lock(mk->m);
+          mk->status = st;
+          mk->pack = std::move(pack);
+          mk->size = size;
+          mk->done = true;
+          mk->ready.notify_all();
+        }
+        std::unique_lock lock(mk->m);
+        if (!mk->ready.wait_for(lock, std::chrono::seconds(120), [&] { return mk->done; }))
+          return on(E::local_error, errc::timeout, "the set's pack was not made within 120 s");
+        if (!mk->status) {
+          lock.unlock();
+          forget(key, mk);  // the next to ask tries again
+          return on(E::local_error, mk->status.code, mk->status.message);
+        }
+        const int dup = mk->pack ? ::fcntl(mk->pack.get(), F_DUPFD_CLOEXEC, 3) : -1;
+        if (dup < 0) return on(E::local_error, errc_from_errno(errno), "the set's pack");
+        fd = files::Fd(dup);
+        size_ = mk->size;
       }
     }
     wire::NegotiationReply reply;
@@ -286,9 +353,13 @@ public:
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
       join(key, fd.get(), size_, o, member_, *env_.relays, env_.log);
+    } catch (const TransferError& e) {
+      on(E::local_error, e.code(), e.what());
     } catch (const std::exception& e) {
       on(E::local_error, errc::internal, e.what());
     }
+    // A set's pack now lives with its chain: the next to ask takes it from there.
+    if (nego_.pull_set) forget(key, nullptr);
   }
 
   void abort(errc code, const std::string& message) override { on(E::local_error, code, message); }

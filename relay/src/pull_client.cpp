@@ -160,7 +160,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     state.path = tmpl;
   }
   // The staging directory: a directory of ours (not a symlink), kept while it holds a partial copy.
-  const std::string staging = dir + "/" + staging_name(po.set ? "set " + remote : name);
+  // One staging directory per master, remote path and local name: two pulls never share one.
+  const std::string staging =
+      dir + "/" + staging_name(fmt::format("{}:{} {} {} {}", master.host, master.port, po.set ? "set" : "file", remote, name));
   if (::mkdir(staging.c_str(), 0700) != 0 && errno != EEXIST)
     throw TransferError(errc_from_errno(errno), "'" + staging + "': " + std::strerror(errno), false);
   if (::lstat(staging.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
@@ -194,11 +196,15 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   struct Stop {
     Server& s;
     std::thread& t;
-    ~Stop() {
+    void now() {
       s.stop();
       if (t.joinable()) t.join();
     }
+    ~Stop() { now(); }
   } stop{*server, serving};
+  // Only the partial copy (and its record) is taken from an earlier pull: a whole file left in
+  // staging is not one this run's server kept, and is not trusted.
+  ::unlink((staging + "/" + name).c_str());
 
   const auto t0 = Clock::now();
   PullResult result;
@@ -224,6 +230,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       files::Fd pack(::open(staged.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
       files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
       if (!pack || !root) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
+      if (::fstat(pack.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != want_size)
+        return false;
       pathm::TreeWriter writer(root.get(), fmt::format("pull{}", ::getpid()), options.fsync, options.block_size);
       const auto u = relay_detail::unpack(pack.get(), want_size, writer, "", 0, options.cancel);
       if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
@@ -243,6 +251,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     return true;
   };
   auto finished = [&] {
+    stop.now();  // (nothing more lands in staging)
     std::error_code ignored;  // what else the master left there
     std::filesystem::remove_all(staging, ignored);
     if (po.progress) po.progress(want_size, want_size);
@@ -282,6 +291,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
         throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
     }
+    if (po.set && reply.file_size > relay_detail::max_pack_size)
+      throw TransferError(errc::protocol_error, fmt::format("the master's set is {} bytes, more than a pack holds",
+                                                            reply.file_size), true);
     result.size = want_size = reply.file_size;
     want_mtime = reply.mtime_ns;
     const std::string partial = staging + "/" + files::partial_name(name);
