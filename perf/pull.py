@@ -41,7 +41,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from relay import BED, addr, digest, netns, parse_size, sha, src_tx  # noqa: E402  (the same bed, the same measures)
+from relay import BED, addr, bars, digest, netns, parse_size, src_tx  # noqa: E402  (the same bed, the same measures)
 
 SRC = "10.77.0.1"
 NAME = "data.bin"
@@ -172,17 +172,7 @@ def info_hash(torrent: str) -> str:
 
 def digest_of(path: str) -> str:
     """relay.py's digest, without the bookkeeping files this script and the clients leave."""
-    if not os.path.isdir(path):
-        return sha(path)
-    import hashlib
-    h = hashlib.sha256()
-    for d, dirs, names in sorted(os.walk(path)):
-        dirs.sort()
-        for n in sorted(names):
-            if n == ".done" or n.endswith(".aria2") or n.endswith(".bf"):
-                continue
-            h.update(f"{os.path.relpath(os.path.join(d, n), path)} {sha(os.path.join(d, n))}\n".encode())
-    return h.hexdigest()
+    return digest(path, skip=lambda n: n == ".done" or n.endswith(".aria2") or n.endswith(".bf"))
 
 
 def start_times(bed: Bed, k: int) -> list[float]:
@@ -342,24 +332,9 @@ def inside(a: argparse.Namespace) -> None:
 
 
 def plot(out: dict, name: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    tools = list(out["tools"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(tools, [out["tools"][t]["seconds"] for t in tools])
-    ax1.set_ylabel("seconds until the last host has the file")
-    ax2.bar(tools, [out["tools"][t]["source_bytes_per_data"] for t in tools])
-    ax2.set_ylabel("bytes on the source's link / file size")
     when = f"starting over {out['spread']:g} s" if out["spread"] else "starting together"
     what = f"a set of {out['set_files']} files" if out.get("set_files") else "one file"
-    fig.suptitle(f"{what}, {out['size'] >> 20} MiB, pulled by {out['hosts']} hosts {when}, {out['rate']} links")
-    fig.tight_layout()
-    os.makedirs(os.path.join(HERE, "plots"), exist_ok=True)
-    fig.savefig(os.path.join(HERE, "plots", name + ".png"))
+    bars(out, f"{what}, {out['size'] >> 20} MiB, pulled by {out['hosts']} hosts {when}, {out['rate']} links", name)
 
 
 def main() -> None:

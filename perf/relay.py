@@ -76,14 +76,17 @@ def sha(path: str) -> str:
     return h.hexdigest()
 
 
-def digest(path: str) -> str:
-    """A file's SHA-256, or a tree's: every file's relative path and SHA-256, in order."""
+def digest(path: str, skip=lambda name: False) -> str:
+    """A file's SHA-256, or a tree's: every file's relative path and SHA-256, in order (files
+    whose name `skip` accepts left out)."""
     if not os.path.isdir(path):
         return sha(path)
     h = hashlib.sha256()
     for d, dirs, names in sorted(os.walk(path)):
         dirs.sort()
         for n in sorted(names):
+            if skip(n):
+                continue
             h.update(f"{os.path.relpath(os.path.join(d, n), path)} {sha(os.path.join(d, n))}\n".encode())
     return h.hexdigest()
 
@@ -322,7 +325,9 @@ def inside(a: argparse.Namespace) -> None:
         fail("an xDFS copy did not reach every host whole")
 
 
-def plot(out: dict) -> None:
+def bars(out: dict, title: str, name: str) -> None:
+    """perf/plots/NAME.png: per tool, the time to the last host and the source's bytes (with
+    matplotlib; nothing without it)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -335,11 +340,16 @@ def plot(out: dict) -> None:
     ax1.set_ylabel("seconds until the last host has the file")
     ax2.bar(tools, [out["tools"][t]["source_bytes_per_data"] for t in tools])
     ax2.set_ylabel("bytes on the source's link / file size")
-    what = f"a tree of {out['tree_files']} files" if out.get("tree_files") else "one file"
-    fig.suptitle(f"{what}, {out['size'] >> 20} MiB, to {out['hosts']} hosts, {out['rate']} links")
+    fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.join(HERE, "plots"), exist_ok=True)
-    fig.savefig(os.path.join(HERE, "plots", "relay-tree.png" if out.get("tree_files") else "relay.png"))
+    fig.savefig(os.path.join(HERE, "plots", name + ".png"))
+
+
+def plot(out: dict) -> None:
+    what = f"a tree of {out['tree_files']} files" if out.get("tree_files") else "one file"
+    bars(out, f"{what}, {out['size'] >> 20} MiB, to {out['hosts']} hosts, {out['rate']} links",
+         "relay-tree" if out.get("tree_files") else "relay")
 
 
 def main() -> None:
