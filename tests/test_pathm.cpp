@@ -19,6 +19,7 @@
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
 #include "xdfs/files.hpp"
+#include "xdfs/pathm/fsops.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/xdfs.hpp"
 
@@ -163,6 +164,60 @@ bool nul_inside(pm::Encoded& enc, const std::string& text) {
 }  // namespace
 
 TEST_SUITE("pathm") {
+
+TEST_CASE("copy_exact copies a range in the kernel or through a buffer; put_copy from a short source leaves nothing") {
+  xt::TempDir d;
+  xt::write_random_file(d / "src", 3 << 20, 7);
+  const std::string src = xt::read_file(d / "src");
+  // Same file system (the kernel copies), and from tmpfs to this one where /dev/shm is one
+  // (copy_file_range refuses across file systems of different kinds: the buffer copies).
+  std::vector<std::string> from{d / "src"};
+  if (fs::is_directory("/dev/shm")) {
+    char shm[] = "/dev/shm/xdfs-copy-XXXXXX";
+    const int f = ::mkstemp(shm);
+    REQUIRE(f >= 0);
+    ::close(f);
+    fs::copy_file(d / "src", shm, fs::copy_options::overwrite_existing);
+    from.push_back(shm);
+  }
+  for (const auto& path : from) {
+    CAPTURE(path);
+    xdfs::files::Fd in(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    xdfs::files::Fd out(::open((d / "dst").c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    REQUIRE(in);
+    REQUIRE(out);
+    REQUIRE(pm::copy_exact(in.get(), 1000, out.get(), 5, (2 << 20) + 3, "dst"));
+    CHECK(xt::read_file(d / "dst") == std::string(5, '\0') + src.substr(1000, (2 << 20) + 3));
+    // Past the source's end: a size mismatch, whichever way it copies.
+    const auto s = pm::copy_exact(in.get(), (3 << 20) - 10, out.get(), 0, 100, "dst");
+    CHECK(s.code == errc::size_mismatch);
+    CHECK(pm::copy_exact(in.get(), 0, out.get(), std::uint64_t(1) << 63, 1, "dst").code == errc::bad_argument);
+    if (path != d / "src") fs::remove(path);
+  }
+  // A whole file from the pack-like source, and one the source cannot fill: nothing under its
+  // name, no temporary file.
+  fs::create_directory(d / "tree");
+  xdfs::files::Fd root(::open((d / "tree").c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  xdfs::files::Fd in(::open((d / "src").c_str(), O_RDONLY | O_CLOEXEC));
+  pm::TreeWriter w(root.get(), "t", false, 65536);
+  pm::Entry e;
+  e.path = "a/b";
+  e.mode = 0640;
+  e.mtime_ns = 1'600'000'000'000'000'000;
+  e.size = 70000;
+  REQUIRE(w.put_copy(e, in.get(), 12345));
+  CHECK(xt::read_file(d / "tree/a/b") == src.substr(12345, 70000));
+  struct stat st {};
+  REQUIRE(::stat((d / "tree/a/b").c_str(), &st) == 0);
+  CHECK(st.st_mtim.tv_sec == 1'600'000'000);
+  e.path = "a/c";
+  CHECK(w.put_copy(e, in.get(), (3 << 20) - 100).code == errc::size_mismatch);
+  CHECK(!fs::exists(d / "tree/a/c"));
+  CHECK(std::distance(fs::directory_iterator(d / "tree/a"), fs::directory_iterator{}) == 1);
+  e.path = "../x";
+  CHECK(!w.put_copy(e, in.get(), 0));
+  CHECK(!fs::exists(d / "x"));
+}
 
 TEST_CASE("path messages round trip and hostile ones are refused") {
   pm::Request r;

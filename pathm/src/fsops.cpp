@@ -13,7 +13,9 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <set>
+#include <vector>
 
 #include "xdfs/ranges.hpp"
 #include "xdfs/types.hpp"
@@ -375,6 +377,45 @@ Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, con
   return Status::ok();
 }
 
+Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_offset, std::uint64_t n,
+                  const std::string& path) {
+  constexpr auto off_max = static_cast<std::uint64_t>(std::numeric_limits<off_t>::max());
+  if (from_offset > off_max || to_offset > off_max || n > off_max - std::max(from_offset, to_offset))
+    return {errc::bad_argument, "a copy into " + quoted(path) + " past the largest offset"};
+  auto in = static_cast<off_t>(from_offset), out = static_cast<off_t>(to_offset);
+  std::uint64_t left = n;
+  // In the kernel first: page cache to page cache, or the file system's own copy.
+  while (left) {
+    const ssize_t c = ::copy_file_range(from, &in, to, &out, static_cast<std::size_t>(std::min<std::uint64_t>(left, 1u << 30)), 0);
+    if (c < 0 && errno == EINTR) continue;
+    if (c <= 0) {
+      // Where the file systems cannot (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS...), or at what looks
+      // like the source's end: the buffer decides, and tells an error from a short source.
+      if (c < 0 && (errno == EIO || errno == ENOSPC || errno == EDQUOT || errno == EFBIG))
+        return Status::from_errno(errno, "write " + quoted(path));
+      break;
+    }
+    left -= static_cast<std::uint64_t>(c);
+  }
+  if (!left) return Status::ok();
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(left, 1u << 20)));
+  while (left) {
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));
+    if (auto s = read_exact(from, std::span(buf.data(), want), static_cast<std::uint64_t>(in), path); !s) return s;
+    std::size_t done = 0;
+    while (done < want) {
+      const ssize_t w = ::pwrite(to, buf.data() + done, want - done, out + static_cast<off_t>(done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return Status::from_errno(w < 0 ? errno : EIO, "write " + quoted(path));
+      done += static_cast<std::size_t>(w);
+    }
+    in += static_cast<off_t>(want);
+    out += static_cast<off_t>(want);
+    left -= want;
+  }
+  return Status::ok();
+}
+
 Status checksum(int root, const std::string& path, std::uint64_t offset, std::uint64_t length,
                 std::vector<std::uint8_t>& digest, Stop stop) {
   Fd fd;
@@ -653,8 +694,15 @@ Status TreeWriter::put(const Entry& e) {
   return {errc::not_regular_file, quoted(e.path) + " is neither a file, a directory nor a symlink"};
 }
 
-Status TreeWriter::put_file(const Entry& e) {
-  if (e.data.size() != e.size)
+Status TreeWriter::put_copy(const Entry& e, int src_fd, std::uint64_t src_offset) {
+  if (auto s = check_path(e.path); !s) return s;
+  if (e.type != Type::file || e.file_id != 0 || src_fd < 0 || e.path.empty() || e.path == "." || e.path.back() == '/')
+    return {errc::bad_argument, "'" + e.path + "' is not a whole file to create"};
+  return put_file(e, src_fd, src_offset);
+}
+
+Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset) {
+  if (src_fd < 0 && e.data.size() != e.size)
     return {errc::size_mismatch, quoted(e.path) + " announced " + std::to_string(e.size) + " bytes and carries " +
                                      std::to_string(e.data.size())};
   Fd dir;
@@ -663,7 +711,7 @@ Status TreeWriter::put_file(const Entry& e) {
   const std::string temp = temp_name(name, tag_);
   Fd fd(::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!fd) return Status::from_errno(errno, "create " + quoted(e.path));
-  Status st = write_all(fd.get(), e.data, 0, e.path);
+  Status st = src_fd < 0 ? write_all(fd.get(), e.data, 0, e.path) : copy_exact(src_fd, src_offset, fd.get(), 0, e.size, e.path);
   if (st) st = finish_file(fd.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_);
   fd.reset();
   if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {

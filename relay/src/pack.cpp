@@ -67,17 +67,13 @@ files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd) {
   put_le<std::int64_t>(head, e.mtime_ns);
   put_le<std::uint64_t>(head, e.size);
   if (auto s = write_all(fd, head.data(), head.size()); !s) return s;
-  std::vector<char> buf(std::min<std::uint64_t>(e.size, 1 << 20));
-  std::uint64_t left = e.size, at = 0;
-  while (left) {
-    const ssize_t r = ::pread(data_fd, buf.data(), std::min<std::uint64_t>(left, buf.size()), static_cast<off_t>(at));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return files::Status::from_errno(errno, "read '" + e.path + "'");
-    if (r == 0) return {errc::size_mismatch, "'" + e.path + "' shrank while it was packed"};
-    if (auto s = write_all(fd, buf.data(), static_cast<std::size_t>(r)); !s) return s;
-    left -= static_cast<std::uint64_t>(r);
-    at += static_cast<std::uint64_t>(r);
+  const off_t end = ::lseek(fd, 0, SEEK_CUR);
+  if (end < 0) return files::Status::from_errno(errno, "the pack's end");
+  if (auto s = pathm::copy_exact(data_fd, 0, fd, static_cast<std::uint64_t>(end), e.size, e.path); !s) {
+    if (s.code == errc::size_mismatch) s.message = "'" + e.path + "' shrank while it was packed";
+    return s;
   }
+  if (::lseek(fd, end + static_cast<off_t>(e.size), SEEK_SET) < 0) return files::Status::from_errno(errno, "the pack's end");
   return files::Status::ok();
 }
 
@@ -95,7 +91,6 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
     return failed(errc::protocol_error, "not a pack (its first bytes are not the pack's)");
   // Two passes: the first checks every header, path and size (reading headers only), the second
   // writes; so a damaged pack writes nothing.
-  std::vector<std::uint8_t> data;
   for (const bool write : {false, true}) {
     std::uint64_t at = magic.size(), files = 0;
     while (at < pack_size) {
@@ -133,11 +128,9 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
         continue;
       }
       e.path = dir.empty() || dir == "." ? path : dir + "/" + path;
-      data.resize(e.size);  // what arrived: e.size is within the pack
-      if (e.size && !read_at(pack_fd, data.data(), data.size(), at)) return failed(errc::io_error, "read " + named);
-      e.data = std::span<const std::uint8_t>(data.data(), data.size());
+      // Straight from the pack (e.size is within it), in the kernel where it can.
+      if (auto s = writer.put_copy(e, pack_fd, at); !s) return failed(s.code, text::escape(s.message));
       at += e.size;
-      if (auto s = writer.put(e); !s) return failed(s.code, text::escape(s.message));
       ++u.files;
       u.bytes += e.size;
     }
