@@ -411,8 +411,9 @@ def parse_rate(rate: str) -> int:
 class Server:
     """A fresh server process for one run. `ready` parses its log into a port (or None yet)."""
 
-    def __init__(self, name, argv, log_path, ready, netns=None, self_exits=False):
+    def __init__(self, name, argv, log_path, ready, netns=None, self_exits=False, settled=None):
         self.name = name
+        self.settled = settled  # (server) -> True once what its clients did is in its log
         self.argv = argv
         self.netns = netns
         self.log_path = log_path
@@ -456,6 +457,11 @@ class Server:
         self.pid is xrun; its one child is the server; the server's children are sessions."""
         if self.usage is not None:
             return self.usage
+        # A client may exit a moment before the server logs the end of its session: a server
+        # stopped then would never write it.
+        deadline = time.time() + 5
+        while self.settled and not self.settled(self) and time.time() < deadline:
+            time.sleep(0.01)
         deadline = time.time() + 5
         while time.time() < deadline:
             if self.self_exits and (u := H.try_wait(self.pid)) is not None:
@@ -579,7 +585,7 @@ def xdfsd_server(ctx: Ctx, host: str, netns=None, streams=1, memory=False) -> Se
     if memory:
         argv.append("--allow-memory-mode")
     argv += ctx.xdfsd_auth + ctx.xdfsd_extra
-    return Server("xdfsd", argv, ctx.runlog("xdfsd.log"), ready_port_file(pf), netns)
+    return Server("xdfsd", argv, ctx.runlog("xdfsd.log"), ready_port_file(pf), netns, settled=xdfsd_settled)
 
 
 def gridftp_server(ctx: Ctx, host: str, netns=None) -> Server:
@@ -718,6 +724,11 @@ def parse_xduc_json(out: str, expect: int) -> float:
     if j.get("bytes") != expect:
         raise RunError(f"xduc moved {j.get('bytes')} bytes, expected {expect}")
     return float(j["seconds"])
+
+
+def xdfsd_settled(srv: Server) -> bool:
+    """The xdfsd has logged the end of a session (a run's client opens one)."""
+    return re.search(r"session \S+ end ", srv.log_text()) is not None
 
 
 def xdfsd_check(srv: Server, expect: int) -> float:
