@@ -471,11 +471,11 @@ void DiskReader::read_blocks() {
     if (hasher_) {
       std::uint8_t* data = pipe_.slot_data(b.slot);
       manifest::Digest d;
-      if (source_.test_corrupt == 2) data[0] ^= 1;
+      if (source_.test_corrupt == 2) data[b.length.value() - 1] ^= 1;
       if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
         d = hasher_->digest(data, b.length.value());
       manifest::BlockHasher::put(data + b.length.value(), d);
-      if (source_.test_corrupt == 1) data[0] ^= 1;
+      if (source_.test_corrupt == 1) data[b.length.value() - 1] ^= 1;
     }
     pipe_.disk_push(b);
     pipe_.net_wake().notify();
@@ -548,11 +548,11 @@ void DiskReader::finish(Block& b) {
   std::uint32_t len = b.length.value();
   if (source_.manifest) {
     manifest::Digest d;
-    if (source_.test_corrupt == 2) data[0] ^= 1;
+    if (source_.test_corrupt == 2) data[len - 1] ^= 1;
     if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
       d = hasher_->digest(data, len);
     manifest::BlockHasher::put(data + len, d);
-    if (source_.test_corrupt == 1) data[0] ^= 1;
+    if (source_.test_corrupt == 1) data[len - 1] ^= 1;
     (void)source_.manifest->add(b.offset, d);  // read in order: always taken at once
     len += manifest::digest_size;
   }

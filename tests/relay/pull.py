@@ -238,23 +238,45 @@ def late() -> None:
         m.stop()
 
 
-def corrupt(how: str = "1", case: str = "corrupt") -> None:
+def corrupt(how: str = "1", case: str = "corrupt", set_: bool = False) -> None:
     """A pulling host whose server damages every block it forwards (a test hook): the hosts after
     it catch it, the master drops it, and they finish identical from the others. With "forge" the
     damaged blocks go with digests that match them (as a hostile host's would): the hosts after it
-    do not keep a copy whose digest is not the master's."""
+    do not keep a copy whose digest is not the master's. With set_, what travels is a set's pack,
+    forged so that it still reads as a pack (the hook damages each block's last byte): none of
+    its files may reach a host's directory."""
     m = Master(case)
     size = 16 * MiB
-    src = m.file("data.bin", size)
+    if set_:
+        top = os.path.join(m.root, "set")
+        os.makedirs(os.path.join(top, "d"))
+        for n in range(16):
+            with open(os.path.join(top, "d" if n % 2 else "", f"f{n}.bin"), "wb") as f:
+                f.write(os.urandom(size // 16 - n))
+        want = tree_of(top)
+        path, args, name = "set/", ["-r"], ".xdfs-set"
+    else:
+        src = m.file("data.bin", size)
+        path, args, name = "data.bin", [], "data.bin"
     try:
         # It asks first, so that it is the chain's head and feeds the others.
-        bad = Puller(2, case, "data.bin", extra_env={"XDFS_TEST_RELAY_CORRUPT": how})
-        wait_for(lambda: bad.have("data.bin") > 0 or bad.proc.poll() is not None)
-        pullers = [bad] + [Puller(i, case, "data.bin") for i in (1, 3, 4)]
-        check_all(case, pullers, src, "data.bin", but=(bad,))
-        bad.wait()
-        f = bad.file("data.bin")
-        check(not os.path.exists(f) or sha(f) == sha(src), f"{case}: the damaging host has the file whole or nothing")
+        bad = Puller(2, case, path, args=args, extra_env={"XDFS_TEST_RELAY_CORRUPT": how})
+        wait_for(lambda: bad.have(name) > 0 or bad.proc.poll() is not None)
+        pullers = [bad] + [Puller(i, case, path, args=args) for i in (1, 3, 4)]
+        if set_:
+            for p in pullers[1:]:
+                rc = p.wait()
+                got = tree_of(p.dir)
+                check(rc == 0 and got == want, f"{case}: host {p.i} has the set, identical (exit {rc}: "
+                                               f"{p.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
+            bad.wait()
+            got = tree_of(bad.dir)
+            check(got in ({}, want), f"{case}: the damaging host has the set whole or nothing ({len(got)} files)")
+        else:
+            check_all(case, pullers, src, "data.bin", but=(bad,))
+            bad.wait()
+            f = bad.file("data.bin")
+            check(not os.path.exists(f) or sha(f) == sha(src), f"{case}: the damaging host has the file whole or nothing")
         log = open(os.path.join(work, case, "master.log")).read()
         check("10.77.0.12" in log and "is out of the chain" in log, f"{case}: the master says it put host 2 out")
         # The others kept no damaged copy: the host after it refused it, so none of them was put
@@ -376,7 +398,8 @@ def bad() -> None:
 
 
 CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
-         "master": master_restart, "set": set_case, "bad": bad}
+         "master": master_restart, "set": set_case,
+         "set-forge": lambda: corrupt("forge", "set-forge", set_=True), "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
         print(f"--- {name}", flush=True)

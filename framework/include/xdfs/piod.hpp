@@ -215,8 +215,9 @@ struct Source {
   /// If set (with a manifest): a block goes with the digest kept here for it, where there is
   /// one, instead of one made from what was read (which is then not hashed at all).
   const DigestLog* digests = nullptr;
-  /// Test hook (a relay host whose copy is damaged): every block's first byte is flipped, 1:
-  /// after its digest is taken; 2: before (a forgery whose digests match it).
+  /// Test hook (a relay host whose copy is damaged): every block's last byte is flipped (a
+  /// pack's magic, at its start, stays), 1: after its digest is taken; 2: before (a forgery
+  /// whose digests match it).
   std::uint8_t test_corrupt = 0;
 };
 
