@@ -2,6 +2,7 @@
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -26,6 +27,7 @@
 #include "xdfs/xdfs.hpp"
 #include "xdfs/text.hpp"
 #include "xdfs/wire.hpp"
+#include "xdfs/xdsi.hpp"
 
 namespace {
 
@@ -586,6 +588,7 @@ int main(int argc, char** argv) {
   xdfs::RelaySetOptions chain_set;
   xdfs::PullOptions pull_opt;
   std::string server_log;
+  bool listen_given = false;
   std::vector<std::string> args(argv + 1, argv + argc);
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= args.size()) bad(args[i] + " needs a value");
@@ -675,6 +678,7 @@ int main(int argc, char** argv) {
       files_from = value(i);
     } else if (a == "--listen") {
       pull_opt.listen = value(i);
+      listen_given = true;
     } else if (a == "--server-log") {
       server_log = value(i);
     } else if (a == "--hosts") {
@@ -729,6 +733,15 @@ int main(int argc, char** argv) {
     while (pull_opt.set && url->path.size() > 1 && url->path.back() == '/') url->path.pop_back();
     if (url->path.empty()) url->path = ".";
     if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
+    {
+      // This host's server binds there: an IP address of this host and a port (0: any free one).
+      std::string host;
+      std::uint16_t port = 0;
+      unsigned char addr[sizeof(in6_addr)];
+      if (!xdfs::xdsi::parse_host_port(pull_opt.listen, 0, host, port) ||
+          (::inet_pton(AF_INET, host.c_str(), addr) != 1 && ::inet_pton(AF_INET6, host.c_str(), addr) != 1))
+        bad("--listen takes an IP address and a port, e.g. 0.0.0.0:0 or [::]:7722 (not '" + shown(pull_opt.listen) + "')");
+    }
     std::FILE* log = nullptr;
     if (!server_log.empty()) {
       log = std::fopen(server_log.c_str(), "ae");
@@ -759,7 +772,7 @@ int main(int argc, char** argv) {
       return report_error(e, e.remote(), json);
     }
   }
-  if (pull_opt.listen != xdfs::PullOptions{}.listen || !server_log.empty()) bad("--listen and --server-log go with get");
+  if (listen_given || !server_log.empty()) bad("--listen and --server-log go with get");
 
   static const std::vector<std::string> ops{"ls", "stat", "mkdir", "rm", "mv", "sum"};
   if (!positional.empty() && std::find(ops.begin(), ops.end(), positional[0]) != ops.end()) {

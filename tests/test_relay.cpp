@@ -166,6 +166,36 @@ TEST_CASE("relay: xduc's bad chain arguments exit 2 with one line naming the cau
   }
 }
 
+TEST_CASE("pull: xduc get's bad arguments exit 2 with one line naming the cause, and leave DST alone") {
+  xt::TempDir dir;
+  xt::write_file(dir / "keep", "kept");
+  const std::string url = "xdfs://127.0.0.1:1/f";
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  for (const auto& c : std::vector<Case>{
+           {{"get", "--listen", "nonsense", url, dir.path()}, "--listen takes"},
+           {{"get", "--listen", "localhost:7722", url, dir.path()}, "--listen takes"},
+           {{"get", "--listen", "127.0.0.1:99999", url, dir.path()}, "--listen takes"},
+           {{"get", "--listen", "[::1", url, dir.path()}, "--listen takes"},
+           {{"get", "--server-log", dir / "no/such/dir/log", url, dir.path()}, "--server-log"},
+           {{"--listen", "0.0.0.0:0", dir / "keep", url}, "--listen and --server-log go with get"},
+           {{"--server-log", dir / "log", dir / "keep", url}, "--listen and --server-log go with get"},
+           {{"get", url}, "get takes"},
+           {{"get", dir / "keep", dir.path()}, "get takes"},
+           {{"get", url, "xdfs://127.0.0.1:2/x"}, "get takes"},
+       }) {
+    CAPTURE(c.says);
+    auto r = xt::xduc(c.args);
+    CHECK(r.status == 2);
+    CHECK(r.err.find(c.says) != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+  CHECK(xt::read_file(dir / "keep") == "kept");
+  CHECK(!std::filesystem::exists(dir / "log"));
+}
+
 TEST_CASE("relay: a malformed relay peers line is refused, naming the file and the line") {
   xt::TempDir root, state;
   auto cfg = relay_config(root);
