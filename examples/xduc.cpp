@@ -1,8 +1,8 @@
 // xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
+#include <boost/asio/ip/address.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -734,12 +734,14 @@ int main(int argc, char** argv) {
     if (url->path.empty()) url->path = ".";
     if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
     {
-      // This host's server binds there: an IP address of this host and a port (0: any free one).
+      // This host's server binds there: an IP address of this host and a port (0: any free one),
+      // both given (the server's own default port is not what a pulling host wants).
       std::string host;
-      std::uint16_t port = 0;
-      unsigned char addr[sizeof(in6_addr)];
-      if (!xdfs::xdsi::parse_host_port(pull_opt.listen, 0, host, port) ||
-          (::inet_pton(AF_INET, host.c_str(), addr) != 1 && ::inet_pton(AF_INET6, host.c_str(), addr) != 1))
+      std::uint16_t port = 0, port2 = 0;
+      boost::system::error_code ec;
+      if (!xdfs::xdsi::parse_host_port(pull_opt.listen, 1, host, port) ||
+          !xdfs::xdsi::parse_host_port(pull_opt.listen, 2, host, port2) || port != port2 ||
+          (boost::asio::ip::make_address(host, ec), ec))
         bad("--listen takes an IP address and a port, e.g. 0.0.0.0:0 or [::]:7722 (not '" + shown(pull_opt.listen) + "')");
     }
     std::FILE* log = nullptr;

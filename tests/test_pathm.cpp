@@ -186,13 +186,23 @@ TEST_CASE("copy_exact copies a range in the kernel or through a buffer; put_copy
     xdfs::files::Fd out(::open((d / "dst").c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     REQUIRE(in);
     REQUIRE(out);
-    REQUIRE(pm::copy_exact(in.get(), 1000, out.get(), 5, (2 << 20) + 3, "dst"));
+    REQUIRE(pm::copy_exact(in.get(), 1000, out.get(), 5, (2 << 20) + 3, "src", "dst"));
     CHECK(xt::read_file(d / "dst") == std::string(5, '\0') + src.substr(1000, (2 << 20) + 3));
     // Past the source's end: a size mismatch, whichever way it copies.
-    const auto s = pm::copy_exact(in.get(), (3 << 20) - 10, out.get(), 0, 100, "dst");
+    const auto s = pm::copy_exact(in.get(), (3 << 20) - 10, out.get(), 0, 100, "src", "dst");
     CHECK(s.code == errc::size_mismatch);
-    CHECK(pm::copy_exact(in.get(), 0, out.get(), std::uint64_t(1) << 63, 1, "dst").code == errc::bad_argument);
+    CHECK(pm::copy_exact(in.get(), 0, out.get(), std::uint64_t(1) << 63, 1, "src", "dst").code == errc::bad_argument);
     if (path != d / "src") fs::remove(path);
+  }
+  {
+    // Not into an appending descriptor (its writes would not land where told), not over itself.
+    xdfs::files::Fd app(::open((d / "app").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+    xdfs::files::Fd in(::open((d / "src").c_str(), O_RDONLY | O_CLOEXEC));
+    CHECK(pm::copy_exact(in.get(), 0, app.get(), 0, 10, "src", "app").code == errc::bad_argument);
+    xdfs::files::Fd self(::open((d / "src").c_str(), O_RDWR | O_CLOEXEC));
+    CHECK(pm::copy_exact(self.get(), 0, self.get(), 100, 1000, "src", "src").code == errc::bad_argument);
+    CHECK(pm::copy_exact(self.get(), 0, self.get(), 1000, 1000, "src", "src"));
+    CHECK(xt::read_file(d / "src") == src.substr(0, 1000) + src.substr(0, 1000) + src.substr(2000));
   }
   // A whole file from the pack-like source, and one the source cannot fill: nothing under its
   // name, no temporary file.

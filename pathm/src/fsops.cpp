@@ -378,10 +378,19 @@ Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, con
 }
 
 Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_offset, std::uint64_t n,
-                  const std::string& path) {
+                  const std::string& from_name, const std::string& to_name) {
   constexpr auto off_max = static_cast<std::uint64_t>(std::numeric_limits<off_t>::max());
   if (from_offset > off_max || to_offset > off_max || n > off_max - std::max(from_offset, to_offset))
-    return {errc::bad_argument, "a copy into " + quoted(path) + " past the largest offset"};
+    return {errc::bad_argument, "a copy into " + quoted(to_name) + " past the largest offset"};
+  // Where it writes must be where it was told: not an appending descriptor (pwrite would append),
+  // not a range of the same file it reads (the buffer would copy over what it has yet to read).
+  const int flags = ::fcntl(to, F_GETFL);
+  if (flags < 0) return Status::from_errno(errno, "write " + quoted(to_name));
+  if (flags & O_APPEND) return {errc::bad_argument, "a copy into " + quoted(to_name) + " opened for appending"};
+  struct stat a {}, b {};
+  if (n && ::fstat(from, &a) == 0 && ::fstat(to, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino &&
+      from_offset < to_offset + n && to_offset < from_offset + n)
+    return {errc::bad_argument, "a copy of " + quoted(from_name) + " onto itself"};
   auto in = static_cast<off_t>(from_offset), out = static_cast<off_t>(to_offset);
   std::uint64_t left = n;
   // In the kernel first: page cache to page cache, or the file system's own copy.
@@ -392,7 +401,7 @@ Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_
       // Where the file systems cannot (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS...), or at what looks
       // like the source's end: the buffer decides, and tells an error from a short source.
       if (c < 0 && (errno == EIO || errno == ENOSPC || errno == EDQUOT || errno == EFBIG))
-        return Status::from_errno(errno, "write " + quoted(path));
+        return Status::from_errno(errno, "copy " + quoted(from_name) + " into " + quoted(to_name));
       break;
     }
     left -= static_cast<std::uint64_t>(c);
@@ -401,12 +410,12 @@ Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_
   std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(left, 1u << 20)));
   while (left) {
     const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));
-    if (auto s = read_exact(from, std::span(buf.data(), want), static_cast<std::uint64_t>(in), path); !s) return s;
+    if (auto s = read_exact(from, std::span(buf.data(), want), static_cast<std::uint64_t>(in), from_name); !s) return s;
     std::size_t done = 0;
     while (done < want) {
       const ssize_t w = ::pwrite(to, buf.data() + done, want - done, out + static_cast<off_t>(done));
       if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) return Status::from_errno(w < 0 ? errno : EIO, "write " + quoted(path));
+      if (w <= 0) return Status::from_errno(w < 0 ? errno : EIO, "write " + quoted(to_name));
       done += static_cast<std::size_t>(w);
     }
     in += static_cast<off_t>(want);
@@ -496,10 +505,8 @@ Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, 
   std::size_t done = 0;
   while (done < d.size()) {
     const ssize_t n = ::pwrite(fd, d.data() + done, d.size() - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::from_errno(errno, "write " + quoted(path));
-    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::from_errno(n < 0 ? errno : EIO, "write " + quoted(path));
     done += static_cast<std::size_t>(n);
   }
   return Status::ok();
@@ -694,14 +701,14 @@ Status TreeWriter::put(const Entry& e) {
   return {errc::not_regular_file, quoted(e.path) + " is neither a file, a directory nor a symlink"};
 }
 
-Status TreeWriter::put_copy(const Entry& e, int src_fd, std::uint64_t src_offset) {
+Status TreeWriter::put_copy(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name) {
   if (auto s = check_path(e.path); !s) return s;
   if (e.type != Type::file || e.file_id != 0 || src_fd < 0 || e.path.empty() || e.path == "." || e.path.back() == '/')
     return {errc::bad_argument, "'" + e.path + "' is not a whole file to create"};
-  return put_file(e, src_fd, src_offset);
+  return put_file(e, src_fd, src_offset, src_name);
 }
 
-Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset) {
+Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name) {
   if (src_fd < 0 && e.data.size() != e.size)
     return {errc::size_mismatch, quoted(e.path) + " announced " + std::to_string(e.size) + " bytes and carries " +
                                      std::to_string(e.data.size())};
@@ -711,7 +718,7 @@ Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset
   const std::string temp = temp_name(name, tag_);
   Fd fd(::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!fd) return Status::from_errno(errno, "create " + quoted(e.path));
-  Status st = src_fd < 0 ? write_all(fd.get(), e.data, 0, e.path) : copy_exact(src_fd, src_offset, fd.get(), 0, e.size, e.path);
+  Status st = src_fd < 0 ? write_all(fd.get(), e.data, 0, e.path) : copy_exact(src_fd, src_offset, fd.get(), 0, e.size, src_name, e.path);
   if (st) st = finish_file(fd.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_);
   fd.reset();
   if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {

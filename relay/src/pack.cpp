@@ -69,7 +69,7 @@ files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd) {
   if (auto s = write_all(fd, head.data(), head.size()); !s) return s;
   const off_t end = ::lseek(fd, 0, SEEK_CUR);
   if (end < 0) return files::Status::from_errno(errno, "the pack's end");
-  if (auto s = pathm::copy_exact(data_fd, 0, fd, static_cast<std::uint64_t>(end), e.size, e.path); !s) {
+  if (auto s = pathm::copy_exact(data_fd, 0, fd, static_cast<std::uint64_t>(end), e.size, e.path, "the pack"); !s) {
     if (s.code == errc::size_mismatch) s.message = "'" + e.path + "' shrank while it was packed";
     return s;
   }
@@ -129,7 +129,7 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
       }
       e.path = dir.empty() || dir == "." ? path : dir + "/" + path;
       // Straight from the pack (e.size is within it), in the kernel where it can.
-      if (auto s = writer.put_copy(e, pack_fd, at); !s) return failed(s.code, text::escape(s.message));
+      if (auto s = writer.put_copy(e, pack_fd, at, "the pack"); !s) return failed(s.code, text::escape(s.message));
       at += e.size;
       ++u.files;
       u.bytes += e.size;

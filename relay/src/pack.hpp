@@ -34,8 +34,8 @@ struct PackEntry {
   std::uint64_t size = 0;
 };
 
-/// Appends to the pack at fd (its magic first, on the first entry): the entry and `size` bytes
-/// read from data_fd. The file must still have its size (one that changed fails, naming it).
+/// Appends to the pack at fd (a regular file, not opened for appending: its magic first, on the
+/// first entry): the entry and `size` bytes read from data_fd. The file must still have its size (one that changed fails, naming it).
 files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd);
 
 struct Unpacked {

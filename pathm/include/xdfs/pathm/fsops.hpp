@@ -67,9 +67,10 @@ Status open_file(int root, const std::string& path, files::Fd& fd, Entry& e);
 Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, const std::string& path);
 /// Copies n bytes of `from` at from_offset to `to` at to_offset, in the kernel where the file
 /// systems allow it (copy_file_range: no copy through user space), else through a buffer. A
-/// source that ends first is a size_mismatch; `path` names the copy in errors.
+/// source that ends first is a size_mismatch; a destination opened for appending, or a range of
+/// the same file that overlaps, is refused. from_name and to_name name them in errors.
 Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_offset, std::uint64_t n,
-                  const std::string& path);
+                  const std::string& from_name, const std::string& to_name);
 
 /// Creates entries beneath a root: directories, symlinks, whole files and chunks of large
 /// files, each file under a temporary name until whole. Safe to call from several threads.
@@ -100,7 +101,7 @@ public:
   Status put(const Entry& e);
   /// A whole file (e.type file, e.file_id 0) whose e.size bytes are src_fd's from src_offset
   /// (e.data unused): copied by copy_exact, then renamed into place as put does.
-  Status put_copy(const Entry& e, int src_fd, std::uint64_t src_offset);
+  Status put_copy(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name = "its source");
   /// Sets mtime, and the mode of what this writer's copy made (Made: the same thing still at
   /// that path), directories after their contents are in place. What was there before keeps
   /// its mode: a peer must not be able to open up what it did not make.
@@ -120,7 +121,7 @@ public:
 private:
   struct Partial;
   /// src_fd < 0: the bytes are e.data.
-  Status put_file(const Entry& e, int src_fd = -1, std::uint64_t src_offset = 0);
+  Status put_file(const Entry& e, int src_fd = -1, std::uint64_t src_offset = 0, const std::string& src_name = {});
   Status put_chunk(const Entry& e);
   Status parent_of(const std::string& path, files::Fd& dir, std::string& name, bool create);
   /// Makes the missing directories of path (relative to the root), noting each one made.
