@@ -649,10 +649,19 @@ Status TreeWriter::parent_of(const std::string& path, Fd& dir, std::string& name
   return Status::ok();
 }
 
+namespace {
+
+// A path a writer may create an entry at: beneath its root, and a name, not the root itself.
+Status creatable(const std::string& path) {
+  if (auto s = check_path(path); !s) return s;
+  if (path.empty() || path == "." || path.back() == '/') return {errc::bad_argument, "'" + path + "' is not a name to create"};
+  return Status::ok();
+}
+
+}  // namespace
+
 Status TreeWriter::put(const Entry& e) {
-  if (auto s = check_path(e.path); !s) return s;
-  if (e.path.empty() || e.path == "." || e.path.back() == '/')
-    return {errc::bad_argument, "'" + e.path + "' is not a name to create"};
+  if (auto s = creatable(e.path); !s) return s;
   switch (e.type) {
     case Type::file: return e.file_id == 0 ? put_file(e) : put_chunk(e);
     case Type::directory: {
@@ -702,8 +711,8 @@ Status TreeWriter::put(const Entry& e) {
 }
 
 Status TreeWriter::put_copy(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name) {
-  if (auto s = check_path(e.path); !s) return s;
-  if (e.type != Type::file || e.file_id != 0 || src_fd < 0 || e.path.empty() || e.path == "." || e.path.back() == '/')
+  if (auto s = creatable(e.path); !s) return s;
+  if (e.type != Type::file || e.file_id != 0 || src_fd < 0)
     return {errc::bad_argument, "'" + e.path + "' is not a whole file to create"};
   return put_file(e, src_fd, src_offset, src_name);
 }

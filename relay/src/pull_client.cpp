@@ -236,16 +236,14 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       const auto u = relay_detail::unpack(pack.get(), want_size, writer, "", 0, options.cancel);
       if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
       result.files = u.files;
-      placed = true;
-      placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
-      return true;
+    } else {
+      if (::rename(staged.c_str(), result.local.c_str()) != 0)
+        throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
+      // The source's mtime, as a copy keeps it.
+      const timespec times[2] = {{0, UTIME_OMIT},
+                                 {static_cast<time_t>(want_mtime / 1000000000), static_cast<long>(want_mtime % 1000000000)}};
+      if (want_mtime >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
     }
-    if (::rename(staged.c_str(), result.local.c_str()) != 0)
-      throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
-    // The source's mtime, as a copy keeps it.
-    const timespec times[2] = {{0, UTIME_OMIT},
-                               {static_cast<time_t>(want_mtime / 1000000000), static_cast<long>(want_mtime % 1000000000)}};
-    if (want_mtime >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
     placed = true;
     placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
     return true;
