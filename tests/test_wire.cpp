@@ -749,6 +749,17 @@ TEST_CASE("pull: a pull's port and name travel whole; a bad one is refused with 
   std::string why;
   CHECK_FALSE(w::decode_negotiation(m, &why).has_value());
   CHECK(why.find("only with a pull") != std::string::npos);
+  // The set flag alone too (no port, no name).
+  auto flag = n;
+  flag.pull_port = 0;
+  flag.pull_name.clear();
+  flag.pull_set = true;
+  auto f = w::encode(flag);
+  REQUIRE(f[mode_at] == static_cast<std::uint8_t>(Mode::pull));
+  f[mode_at] = static_cast<std::uint8_t>(Mode::upload);
+  why.clear();
+  CHECK_FALSE(w::decode_negotiation(f, &why).has_value());
+  CHECK(why.find("only with a pull") != std::string::npos);
 }
 
 TEST_CASE("relay: a plan, a report and a relink travel whole") {
