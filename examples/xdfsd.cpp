@@ -61,6 +61,9 @@ const char* usage =
     "  --disable-mode MODE      refuse operations of MODE: upload, download, path, relay or pull\n"
     "                           (repeatable; pull is off with download or relay too)\n"
     "  --path-workers N         threads per path-mode session doing file-system work (default 4)\n"
+    "  --no-zero-copy           read every block a download or relay sends into memory first,\n"
+    "                           instead of sending it from the page cache by sendfile\n"
+    "  --debug                  debug lines in the log too (zero copy, or why not)\n"
     "  -h, --help               this text\n";
 
 [[noreturn]] void bad(const std::string& why) {
@@ -174,6 +177,10 @@ int main(int argc, char** argv) {
       cfg.allow_memory_mode = true;
     } else if (a == "--allow-fifo") {
       cfg.allow_fifo = true;
+    } else if (a == "--no-zero-copy") {
+      cfg.zero_copy = false;
+    } else if (a == "--debug") {
+      cfg.debug = true;
     } else if (a == "--disable-mode") {
       const std::string& m = value(i);
       if (m != "upload" && m != "download" && m != "path" && m != "relay" && m != "pull")

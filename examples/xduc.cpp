@@ -93,7 +93,9 @@ const char* usage =
     "  --limit-rate RATE      bytes per second for file transfers over all channels together,\n"
     "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
     "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
-    "                         faster; in clear mode nothing then checks the data\n"
+    "                         faster; in clear mode nothing then checks the data\n"    "  --no-zero-copy         an upload reads every block into memory first, instead of\n"
+    "                         sending it from the page cache by sendfile (clear mode)\n"
+    "  --debug                debug lines on standard error (zero copy, or why not)\n"
     "  --retries N            a copy whose session is lost (the server gone or restarting, the\n"
     "                         link cut, a timeout) goes on in a new session, resuming where it\n"
     "                         was, up to N times in a row, waiting 1, 2, 4 ... 30 s with jitter; not\n"
@@ -619,6 +621,10 @@ int main(int argc, char** argv) {
       opt.limit_rate = *v;
     } else if (a == "--no-verify") {
       opt.verify = false;
+    } else if (a == "--no-zero-copy") {
+      opt.zero_copy = false;
+    } else if (a == "--debug") {
+      opt.debug = [](const std::string& line) { fmt::print(stderr, "xduc: debug: {}\n", xdfs::text::escape(line)); };
     } else if (a == "--no-resume") {
       opt.resume = false;
     } else if (a == "--retries") {

@@ -72,6 +72,34 @@ TEST_CASE("xduc -p 8 moves a 1 GiB random file up and down byte-identically") {
   CHECK(xt::files_equal(local / "gig", local / "gig.back"));
 }
 
+TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --no-zero-copy on either side turns it off") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "data", (4 << 20) + 9, 17);
+  {
+    xt::XdfsdProcess d(root.path(), {"--debug"});
+    auto up = xt::xduc({"--debug", "--protect", "clear", "-p", "2", local / "data", url(d, "data")});
+    REQUIRE_MESSAGE(up.status == 0, up.err);
+    CHECK(xt::files_equal(local / "data", root / "data"));
+    CHECK_MESSAGE(up.err.find("xduc: debug: zero copy: 4194313 bytes by sendfile") != std::string::npos, up.err);
+    auto down = xt::xduc({"-q", "--protect", "clear", url(d, "data"), local / "back"});
+    REQUIRE_MESSAGE(down.status == 0, down.err);
+    CHECK(xt::files_equal(local / "data", local / "back"));
+    CHECK(d.wait_for_log("debug: zero copy: 4194313 bytes by sendfile"));
+    up = xt::xduc({"--debug", "--no-zero-copy", "--protect", "clear", local / "data", url(d, "again")});
+    REQUIRE_MESSAGE(up.status == 0, up.err);
+    CHECK(xt::files_equal(local / "data", root / "again"));
+    CHECK(up.err.find("xduc: debug: zero copy off: switched off by a setting") != std::string::npos);
+    CHECK(up.err.find("by sendfile") == std::string::npos);
+  }
+  xt::XdfsdProcess d(root.path(), {"--debug", "--no-zero-copy"});
+  ::unlink((local / "back").c_str());
+  auto down = xt::xduc({"-q", "--protect", "clear", url(d, "data"), local / "back"});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "data", local / "back"));
+  CHECK(d.wait_for_log("debug: zero copy off: switched off by a setting"));
+  CHECK(d.log().find("by sendfile") == std::string::npos);
+}
+
 TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

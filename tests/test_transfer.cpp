@@ -55,6 +55,26 @@ xdfs::ServerConfig config_for(const xt::TempDir& root) {
   return c;
 }
 
+// What a client's debug lines say, kept for a check.
+struct DebugLines {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back(l);
+    };
+  }
+  bool has(const std::string& text) {
+    std::lock_guard lock(mu);
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; });
+  }
+  void clear() {
+    std::lock_guard lock(mu);
+    lines.clear();
+  }
+};
+
 // Temporary files left beside the final names would mean a failure path forgot to clean up.
 
 
@@ -304,23 +324,136 @@ TEST_CASE("cancelling a transfer removes the partial file on both sides") {
 TEST_CASE("a source file that shrinks while it is sent: the upload fails, naming it, and no file appears") {
   xt::TempDir root, local;
   xt::InProcessServer srv(config_for(root));
-  xt::write_random_file(local / "f", 32ull << 20, 11);
+  // Read into memory (private), and sent by sendfile (clear): without the manifest nothing
+  // reads the file but sendfile, which must see the end itself.
+  struct Case {
+    xdfs::xsec::Protect protect;
+    bool verify;
+  };
+  for (const Case& c : {Case{xdfs::xsec::Protect::private_, true}, Case{xdfs::xsec::Protect::clear, false},
+                        Case{xdfs::xsec::Protect::clear, true}}) {
+    CAPTURE(c.verify);
+    CAPTURE(static_cast<int>(c.protect));
+    xt::write_random_file(local / "f", 32ull << 20, 11);
+    DebugLines dbg;
+    xdfs::TransferOptions opt;
+    opt.protect = c.protect;
+    opt.verify = c.verify;
+    opt.block_size = 64 * 1024;
+    opt.ring_bytes = 256 * 1024;  // the reader stays close behind the network
+    opt.progress_interval = std::chrono::milliseconds(1);
+    opt.debug = dbg.sink();
+    bool cut = false;
+    opt.progress = [&](const xdfs::Progress& p) {
+      if (!cut && p.bytes > 0) {
+        cut = true;
+        REQUIRE(::truncate((local / "f").c_str(), 1 << 20) == 0);
+      }
+    };
+    std::string what;
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt); }, nullptr, &what) ==
+          xdfs::errc::size_mismatch);
+    CHECK_MESSAGE(what.find("source file shrank to") != std::string::npos, what);
+    CHECK(dbg.has(c.protect == xdfs::xsec::Protect::clear ? "zero copy: file data goes to the sockets by sendfile"
+                                                           : "zero copy off: blocks are sealed"));
+    CHECK_FALSE(xt::exists(root / "f"));
+    xt::check_no_partials(root.path());
+  }
+}
+
+TEST_CASE("zero copy: clear-mode blocks go from the page cache by sendfile, byte for byte, both ways") {
+  xt::TempDir root, local;
+  auto cfg = config_for(root);
+  cfg.debug = true;
+  xt::InProcessServer srv(cfg);
+  const std::uint32_t bs = 64 * 1024;
+  DebugLines dbg;
+  for (bool verify : {true, false}) {
+    for (std::uint64_t size : {std::uint64_t(0), std::uint64_t(1), std::uint64_t(bs - 1), std::uint64_t(bs),
+                               std::uint64_t(7 * bs + 3), std::uint64_t(8u << 20)}) {
+      for (unsigned n : {1u, 4u}) {
+        CAPTURE(verify);
+        CAPTURE(size);
+        CAPTURE(n);
+        const std::string name = fmt::format("z{}_{}_{}", size, n, verify);
+        xt::write_random_file(local / name, size, size * 7 + n);
+        xdfs::TransferOptions opt;
+        opt.protect = xdfs::xsec::Protect::clear;
+        opt.verify = verify;
+        opt.channels = n;
+        opt.block_size = bs;
+        opt.ring_bytes = 8 * bs;
+        opt.debug = dbg.sink();
+        dbg.clear();
+        auto up = xdfs::upload(local / name, {"127.0.0.1", srv.port()}, name, opt);
+        CHECK(up.bytes == size);
+        CHECK(xt::files_equal(local / name, root / name));
+        // Every byte went by sendfile: none through the pool.
+        CHECK(dbg.has(fmt::format("zero copy: {} bytes by sendfile", size)));
+        auto down = xdfs::download({"127.0.0.1", srv.port()}, name, local / (name + ".back"), opt);
+        CHECK(down.bytes == size);
+        CHECK(xt::files_equal(local / name, local / (name + ".back")));
+        CHECK(srv.wait_for_log(fmt::format("debug: zero copy: {} bytes by sendfile", size)));
+        CHECK(up.digest == down.digest);
+      }
+    }
+  }
+  xt::check_no_partials(root.path());
+  xt::check_no_partials(local.path());
+}
+
+TEST_CASE("zero copy falls back to reading blocks, saying why: a setting, sealed blocks, a FIFO") {
+  xt::TempDir root, local;
+  auto cfg = config_for(root);
+  cfg.debug = true;
+  cfg.zero_copy = false;
+  xt::InProcessServer srv(cfg);
+  xt::write_random_file(local / "f", (3u << 20) + 5, 21);
+  DebugLines dbg;
   xdfs::TransferOptions opt;
   opt.block_size = 64 * 1024;
-  opt.ring_bytes = 256 * 1024;  // the reader stays close behind the network
-  opt.progress_interval = std::chrono::milliseconds(1);
-  bool cut = false;
-  opt.progress = [&](const xdfs::Progress& p) {
-    if (!cut && p.bytes > 0) {
-      cut = true;
-      REQUIRE(::truncate((local / "f").c_str(), 1 << 20) == 0);
-    }
+  opt.debug = dbg.sink();
+  struct Case {
+    xdfs::xsec::Protect protect;
+    bool zero_copy;
+    const char* why;
   };
-  std::string what;
-  CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt); }, nullptr, &what) ==
-        xdfs::errc::size_mismatch);
-  CHECK(what.find("source file shrank to") != std::string::npos);
-  CHECK_FALSE(xt::exists(root / "f"));
+  for (const Case& c : {Case{xdfs::xsec::Protect::clear, false, "zero copy off: switched off by a setting"},
+                        Case{xdfs::xsec::Protect::integrity, true, "zero copy off: blocks are sealed"},
+                        Case{xdfs::xsec::Protect::private_, true, "zero copy off: blocks are sealed"}}) {
+    CAPTURE(c.why);
+    opt.protect = c.protect;
+    opt.zero_copy = c.zero_copy;
+    dbg.clear();
+    xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt);
+    CHECK(xt::files_equal(local / "f", root / "f"));
+    CHECK(dbg.has(c.why));
+    CHECK_FALSE(dbg.has("bytes by sendfile"));
+  }
+  // The server's own setting: a clear download is read into memory, not sent by sendfile.
+  opt.protect = xdfs::xsec::Protect::clear;
+  opt.zero_copy = true;
+  xdfs::download({"127.0.0.1", srv.port()}, "f", local / "back", opt);
+  CHECK(xt::files_equal(local / "f", local / "back"));
+  CHECK(srv.wait_for_log("debug: zero copy off: switched off by a setting"));
+  // A FIFO is a stream: read, not sent from a file.
+  REQUIRE(::mkfifo((local / "fifo").c_str(), 0600) == 0);
+  std::thread writer([&] {
+    int fd = ::open((local / "fifo").c_str(), O_WRONLY);
+    const std::string data = xt::read_file(local / "f");
+    std::size_t at = 0;
+    while (fd >= 0 && at < data.size()) {
+      const ssize_t w = ::write(fd, data.data() + at, data.size() - at);
+      if (w <= 0) break;
+      at += static_cast<std::size_t>(w);
+    }
+    if (fd >= 0) ::close(fd);
+  });
+  dbg.clear();
+  xdfs::upload(local / "fifo", {"127.0.0.1", srv.port()}, "from-fifo", opt);
+  writer.join();
+  CHECK(xt::files_equal(local / "f", root / "from-fifo"));
+  CHECK(dbg.has("zero copy off: a stream"));
   xt::check_no_partials(root.path());
 }
 

@@ -464,7 +464,7 @@ void DiskReader::read_blocks() {
       pipe_.set_error(errc::internal, "a sealed block cannot be sent again");
       return false;
     }
-    if (!source_.zero) {
+    if (!source_.zero && needs_bytes(&b, 1)) {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;
     }
@@ -535,12 +535,21 @@ void DiskReader::read_blocks() {
       pipe_.disk_wait(seen);
       continue;
     }
-    if (!source_.zero && !read_all(iov, static_cast<int>(n), next_)) return;
+    if (!source_.zero && needs_bytes(batch, n) && !read_all(iov, static_cast<int>(n), next_)) return;
     next_ = off;
     for (std::size_t i = 0; i < n; ++i) finish(batch[i]);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
   }
+}
+
+bool DiskReader::needs_bytes(const Block* blocks, std::size_t n) const noexcept {
+  if (!source_.zero_copy) return true;  // the slot's bytes are what is sent
+  if (!source_.manifest) return false;  // nothing is made from them
+  manifest::Digest d;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!source_.digests || !source_.digests->get(blocks[i].offset.value() / pipe_.block_size(), d)) return true;
+  return false;  // every digest is kept already (a relay's copy)
 }
 
 void DiskReader::finish(Block& b) {

@@ -6,9 +6,17 @@
 
 #include <fmt/core.h>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include <charconv>
+#include <stdexcept>
 #include <utility>
 
 namespace xdfs::xdsi {
@@ -70,6 +78,9 @@ Failure Channel::failure(const ErrorCode& ec, std::string_view peer) const {
   if (ec == boost::system::errc::protocol_error) {
     f.code = errc::protocol_error;
     f.message = fmt::format("{}: {} sent {}", on, peer, error_text_);
+  } else if (ec == source_failure) {
+    f.code = source_code_;
+    f.message = fmt::format("{}: {}", on, source_text_);
   } else if (ec == integrity_failure) {
     f.code = errc::integrity_error;
     f.message = fmt::format("{}: {}", on, error_text_);
@@ -180,27 +191,114 @@ void Channel::send_control(wire::ChannelEvent ev, std::vector<std::uint8_t> payl
   send(hdr, std::move(payload), std::move(h));
 }
 
+void Channel::send_file(const wire::FrameHeader& hdr, int fd, std::uint64_t offset, std::uint32_t length,
+                        std::span<std::uint8_t> trailer, Handler h) {
+  if (!clear_frames(hdr.event)) throw std::logic_error("send_file: frames of this event are sealed");
+  Out o{wire::encode(hdr), false, {}, trailer, std::move(h)};
+  o.file_fd = fd;
+  o.file_offset = offset;
+  o.file_length = length;
+  enqueue(std::move(o));
+}
+
 void Channel::pump() {
   // std::deque keeps element addresses stable on push_back, so the front's buffers stay valid.
   Out& o = out_.front();
+  if (o.file_fd >= 0) return pump_file();
   std::array<asio::const_buffer, 3> bufs{asio::buffer(o.header, o.raw ? 0 : o.header.size()),
                                          asio::buffer(o.payload.data(), o.payload.size()),
                                          asio::buffer(o.tag.data(), o.tag_len)};
-  asio::async_write(socket_, bufs, [this](const ErrorCode& ec, std::size_t) {
-    Handler done = std::move(out_.front().done);
-    out_.pop_front();
-    if (ec) {
-      // Fail everything queued behind it too: the stream is broken.
-      std::deque<Out> rest;
-      rest.swap(out_);
-      if (done) done(ec);
-      for (auto& r : rest)
-        if (r.done) r.done(ec);
-      return;
+  asio::async_write(socket_, bufs, [this](const ErrorCode& ec, std::size_t) { complete_front(ec); });
+}
+
+namespace {
+
+// Errors of sendfile(2) that come from the connection rather than from the file.
+bool socket_errno(int e) noexcept {
+  switch (e) {
+    case EPIPE: case ECONNRESET: case ENOTCONN: case ETIMEDOUT: case ECONNABORTED: case ESHUTDOWN:
+    case EHOSTUNREACH: case ENETUNREACH: case ENETDOWN: case ENETRESET: case ENOBUFS: case ENOMEM:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void set_cork(int s, bool on) noexcept {
+  const int v = on ? 1 : 0;
+  (void)::setsockopt(s, IPPROTO_TCP, TCP_CORK, &v, sizeof v);
+}
+
+}  // namespace
+
+void Channel::pump_file() {
+  Out& o = out_.front();
+  const int s = socket_.native_handle();
+  ErrorCode ec;
+  socket_.native_non_blocking(true, ec);
+  if (ec) return complete_front(ec);
+  // Header, data and trailer leave as full segments: corked until the frame (and any file
+  // frame queued behind it) is out.
+  if (!corked_) {
+    set_cork(s, true);
+    corked_ = true;
+  }
+  const std::size_t head = o.header.size();
+  const std::size_t body = head + o.file_length;
+  const std::size_t total = body + o.payload.size();
+  while (o.written < total) {
+    ssize_t r;
+    if (o.written < head) {
+      r = ::send(s, o.header.data() + o.written, head - o.written, MSG_NOSIGNAL);
+    } else if (o.written < body) {
+      const std::uint64_t at = o.file_offset + (o.written - head);
+      auto off = static_cast<off_t>(at);
+      r = ::sendfile(s, o.file_fd, &off, body - o.written);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && !socket_errno(errno))) {
+        source_code_ = r == 0 ? errc::size_mismatch : errc_from_errno(errno);
+        source_text_ = r == 0 ? fmt::format("source file shrank to {} bytes while being sent", at)
+                              : fmt::format("sending the file from offset {}: {}", at, std::strerror(errno));
+        return complete_front(source_failure);
+      }
+      if (r > 0) zero_copy_bytes_ += static_cast<std::uint64_t>(r);
+    } else {
+      r = ::send(s, o.payload.data() + (o.written - body), total - o.written, MSG_NOSIGNAL);
     }
-    if (!out_.empty()) pump();
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        socket_.async_wait(tcp::socket::wait_write, [this](const ErrorCode& e) {
+          if (e) return complete_front(e);
+          pump_file();
+        });
+        return;
+      }
+      return complete_front(ErrorCode(errno, boost::system::system_category()));
+    }
+    o.written += static_cast<std::size_t>(r);
+  }
+  complete_front({});
+}
+
+void Channel::complete_front(const ErrorCode& ec) {
+  Handler done = std::move(out_.front().done);
+  out_.pop_front();
+  // Uncorked once no file frame follows: what is held leaves now.
+  if (corked_ && (ec || out_.empty() || out_.front().file_fd < 0)) {
+    set_cork(socket_.native_handle(), false);
+    corked_ = false;
+  }
+  if (ec) {
+    // Fail everything queued behind it too: the stream is broken.
+    std::deque<Out> rest;
+    rest.swap(out_);
     if (done) done(ec);
-  });
+    for (auto& r : rest)
+      if (r.done) r.done(ec);
+    return;
+  }
+  if (!out_.empty()) pump();
+  if (done) done(ec);
 }
 
 void Channel::shutdown_send() noexcept {

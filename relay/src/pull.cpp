@@ -350,6 +350,11 @@ public:
     o.idle_timeout = env_.config.idle_timeout;
     o.verify = true;
     o.limit_rate = env_.config.max_rate;  // the source's feed, as any one session's transfers
+    o.zero_copy = env_.config.zero_copy;
+    if (env_.config.debug)
+      o.debug = [log = env_.log, path = nego_.remote_path](const std::string& line) {
+        log(fmt::format("pull of '{}' debug: {}", path, line));
+      };
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
       join(key, fd.get(), size_, o, member_, *env_.relays, env_.log);

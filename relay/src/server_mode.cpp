@@ -150,6 +150,11 @@ private:
     base.protect = static_cast<xsec::Protect>(plan.protect);
     base.identity_secret = env_.relays->server_key().secret;
     base.idle_timeout = env_.config.idle_timeout;
+    base.zero_copy = env_.config.zero_copy;
+    if (env_.config.debug)
+      base.debug = [log = env_.log, path = slot->path](const std::string& line) {
+        log(fmt::format("relay of '{}' debug: {}", path, line));
+      };
     try {
       // A failure in the forwarder ends its forwarding, never the process.
       forwarder_ = std::thread([slot, base, log = env_.log] {

@@ -206,6 +206,9 @@ private:
     return "xdfs://" + e.host + ":" + std::to_string(e.port) + "/" + nego_.remote_path;
   }
 
+  void debug(const std::string& line) override {
+    if (session_.options().debug) session_.options().debug(line);
+  }
   void say(const std::string& notice) {
     if (!notice.empty() && session_.options().notice) session_.options().notice(notice);
   }
@@ -295,6 +298,7 @@ private:
     p.slots = slots_;
     p.idle_timeout = session_.options().idle_timeout;
     p.manifest = session_.manifest();
+    p.zero_copy = session_.options().zero_copy;
     if (opt_.limit_rate) {
       limit_ = std::make_unique<RateLimiter>(opt_.limit_rate);
       p.limits.push_back(limit_.get());

@@ -92,6 +92,10 @@ public:
     return s;
   }
 
+  void debug(const std::string& line) override {
+    if (env_.config.debug) env_.log(fmt::format("session {} debug: {}", env_.id.short_hex(), line));
+  }
+
   void finished(const Failure& f) override {
     if (relay_) {
       // Every block written was checked first: what is here stays for the next upstream.
@@ -205,6 +209,7 @@ private:
     p.idle_timeout = env_.config.idle_timeout;
     p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
     p.limits = {env_.session_rate, env_.total_rate};
+    p.zero_copy = env_.config.zero_copy;
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
     // A stream may grow to this server's file size limit; without one, to what its file system
     // had free when it began (a file's size is checked against that before it starts).

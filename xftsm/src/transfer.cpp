@@ -4,6 +4,9 @@
 
 #include <fmt/core.h>
 
+#include <fcntl.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -283,11 +286,39 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   source_.stream = p.open_ended && !source_.zero;
   spare_ = pipe_.slots() - 1;
   ready_.reserve(pipe_.slots());
+  const std::string refusal = zero_copy_refusal();
+  source_.zero_copy = refusal.empty();
+  for (auto& ch : channels_) zero_copy_from_ += ch->zero_copy_bytes();
+  host_.debug(source_.zero_copy ? "zero copy: file data goes to the sockets by sendfile"
+                                : "zero copy off: " + refusal);
   // A resumed transfer: what the receiver has counts as sent and acknowledged.
   queued_ = acked_ = done_bytes_ = params_.start_offset;
 }
 
 Sender::~Sender() { stop_disk(); }
+
+std::string Sender::zero_copy_refusal() const {
+  if (!params_.zero_copy) return "switched off by a setting";
+  if (source_.zero) return "a memory source";
+  if (source_.stream) return "a stream (a pipe or FIFO) is read, not sent from a file";
+  if (source_.sealer) return "blocks are sealed (integrity or private protection)";
+  if (source_.test_corrupt) return "the test hook damages blocks in memory";
+  for (const auto& ch : channels_)
+    if (!ch->clear_frames(params_.data_event)) return "data frames are protected";
+  struct stat sb {};
+  if (::fstat(source_.fd, &sb) != 0) return std::string("fstat: ") + std::strerror(errno);
+  if (!S_ISREG(sb.st_mode)) return "not a regular file";
+  // Whether the file system can splice the file at all: one byte into a pipe.
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return std::string("pipe: ") + std::strerror(errno);
+  off_t off = 0;
+  const ssize_t r = ::sendfile(fds[1], source_.fd, &off, 1);
+  const int err = errno;
+  ::close(fds[0]);
+  ::close(fds[1]);
+  if (r < 0) return std::string("the file system does not send this file by sendfile: ") + std::strerror(err);
+  return {};
+}
 
 void Sender::stop_disk() noexcept {
   pace_timer_.cancel();  // a block waiting for its rate does not outlive the transfer
@@ -410,22 +441,29 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
   h.length = frame.value();
   h.offset = b.offset.value();
   auto& ch = *channels_[pick];
-  ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()),
-          [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
-            if (machine_.finished()) return;
-            if (ec) return channel_error(ch, ec);
-            --inflight_[pick];
-            touch();
-            if (b.retry) {
-              resending_.erase(b.offset.value());
-              spare_busy_ = false;  // the spare slot reads the next block asked for, if any
-              resend();
-            } else {
-              pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
-            }
-            on(TransferEvent::block_sent);
-            maybe_finish();
-          });
+  auto sent = [this, pick, b, &ch](const xdsi::ErrorCode& ec) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    --inflight_[pick];
+    touch();
+    if (b.retry) {
+      resending_.erase(b.offset.value());
+      spare_busy_ = false;  // the spare slot reads the next block asked for, if any
+      resend();
+    } else {
+      pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
+    }
+    on(TransferEvent::block_sent);
+    maybe_finish();
+  };
+  if (source_.zero_copy) {
+    // The slot holds the block's trailer (its digest) alone: the data goes from the file.
+    const auto trailer =
+        std::span<std::uint8_t>(pipe_.slot_data(b.slot) + b.length.value(), frame.value() - b.length.value());
+    ch.send_file(h, source_.fd, b.offset.value(), b.length.value(), trailer, std::move(sent));
+  } else {
+    ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()), std::move(sent));
+  }
 }
 
 bool Sender::may_send(std::uint64_t n) {
@@ -543,6 +581,11 @@ void Sender::maybe_finish() {
   for (auto q : inflight_)
     if (q != 0) return;
   if (!digests_agree()) return;
+  if (source_.zero_copy) {
+    std::uint64_t moved = 0;
+    for (auto& ch : channels_) moved += ch->zero_copy_bytes();
+    host_.debug(fmt::format("zero copy: {} bytes by sendfile", moved - zero_copy_from_));
+  }
   on(TransferEvent::committed);
 }
 

@@ -215,6 +215,11 @@ struct Source {
   /// If set (with a manifest): a block goes with the digest kept here for it, where there is
   /// one, instead of one made from what was read (which is then not hashed at all).
   const DigestLog* digests = nullptr;
+  /// Zero copy: the network thread sends each block's data from `fd` itself (sendfile), so a
+  /// block is read here only where its digest must be made from it; a slot carries the
+  /// block's trailer (digest) alone. Never with a sealer, a stream, a memory source or the test
+  /// hook, which all need the bytes in the slot.
+  bool zero_copy = false;
   /// Test hook (a relay host whose copy is damaged): every block's last byte is flipped (a
   /// pack's magic, at its start, stays), 1: after its digest is taken; 2: before (a forgery
   /// whose digests match it).
@@ -361,6 +366,9 @@ private:
   /// A block just read (its offset and length set): its digest after its data and into the
   /// manifest, then sealed, as the source says.
   void finish(Block& b);
+  /// Whether these blocks must be read into their slots: always, but with zero copy only if a
+  /// digest is to be made from one.
+  bool needs_bytes(const Block* blocks, std::size_t n) const noexcept;
   DiskIo& io() const noexcept { return source_.io ? *source_.io : DiskIo::system(); }
   /// Slots read in one go: with a sealer or digests at most crypto_group's bytes, hashed and
   /// sealed while still in cache.

@@ -89,6 +89,11 @@ struct ServerConfig {
   /// reading it (which must have it open); without this, such an upload replaces the FIFO.
   bool allow_fifo = false;
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
+  /// Downloads send file data to the sockets by sendfile(2) where they can (clear mode, a
+  /// regular file); false (xdfsd --no-zero-copy) reads every block into user space first.
+  bool zero_copy = true;
+  /// Debug lines in the log too (xdfsd --debug): how each transfer goes.
+  bool debug = false;
   /// Where log lines go (one line each, no newline, escaped: nothing from a peer can break a
   /// line or drive a terminal). Default: stderr with a timestamp.
   std::function<void(const std::string&)> log;

@@ -67,6 +67,8 @@ struct SessionOptions {
   bool strict_host_key = false;
   /// One-line notices for the user (a new key made, a server key pinned).
   std::function<void(const std::string&)> notice;
+  /// Debug lines: how a transfer goes (zero copy, or why not). Null: none.
+  std::function<void(const std::string&)> debug;
   /// Set to true from any thread (a signal handler too) to cancel; partial files are removed.
   const std::atomic<bool>* cancel = nullptr;
   /// Memory-to-memory benchmark sessions (no file at the server; it must allow them).
@@ -75,6 +77,9 @@ struct SessionOptions {
   /// checked before it counts, and both ends compare the whole-file digest. false (xduc
   /// --no-verify) saves the hashing for raw speed; memory sessions never hash.
   bool verify = true;
+  /// Uploads send file data to the sockets by sendfile(2) where they can (clear mode, a regular
+  /// file); false (xduc --no-zero-copy) reads every block into user space first.
+  bool zero_copy = true;
 };
 
 class Session {

@@ -56,6 +56,9 @@ public:
 
 /// Error a read reports when a frame fails the guard's check.
 inline const ErrorCode integrity_failure = make_error_code(boost::system::errc::bad_message);
+/// Error a write reports when the file a frame's data comes from failed (send_file): it shrank,
+/// or reading it failed. Channel::failure() tells which.
+inline const ErrorCode source_failure = make_error_code(boost::system::errc::io_error);
 
 /// One framed, full-duplex xDFS channel. All calls happen on the owning session's thread.
 /// Writes are queued, so control frames may be sent while a data block is in flight.
@@ -97,6 +100,18 @@ public:
   void send(const wire::FrameHeader& hdr, std::span<std::uint8_t> payload, Handler h);
   /// Queues a frame that owns its payload.
   void send(const wire::FrameHeader& hdr, std::vector<std::uint8_t> payload, Handler h = {});
+  /// Zero copy: queues a frame whose payload is `length` bytes of the file `fd` at `offset`,
+  /// moved from the page cache to the socket by sendfile(2) without passing through user
+  /// space, then `trailer` (which the caller keeps alive until h runs). Only for an event whose
+  /// frames go without a tag (clear_frames()): nothing here reads the data. A file that ends
+  /// before offset + length fails the write with source_failure (size_mismatch).
+  void send_file(const wire::FrameHeader& hdr, int fd, std::uint64_t offset, std::uint32_t length,
+                 std::span<std::uint8_t> trailer, Handler h);
+  /// Whether frames of event e leave as they are, with no tag (no guard, or one that passes
+  /// them, as xSec's clear mode does data frames).
+  bool clear_frames(wire::ChannelEvent e) const noexcept { return !guard_ || guard_->tag_bytes(e) == 0; }
+  /// Payload bytes this channel has moved by sendfile(2) so far.
+  std::uint64_t zero_copy_bytes() const noexcept { return zero_copy_bytes_; }
   /// Queues bytes that are not a frame (the channel preamble).
   void send_raw(std::vector<std::uint8_t> bytes, Handler h = {});
   /// Queues a control frame of the given event with a Cap'n Proto payload.
@@ -146,9 +161,18 @@ private:
     Handler done;
     std::array<std::uint8_t, 16> tag{};
     std::size_t tag_len = 0;
+    // send_file: the data between header and payload (the trailer) comes from this file.
+    int file_fd = -1;
+    std::uint64_t file_offset = 0;
+    std::uint32_t file_length = 0;
+    std::size_t written = 0;  // of header, file data and trailer
   };
   void enqueue(Out o);
   void pump();
+  /// Writes the front frame of send_file() with non-blocking calls, waiting for the socket
+  /// between them; then completes it as pump() does.
+  void pump_file();
+  void complete_front(const ErrorCode& ec);
   void read_tag_then(std::span<std::uint8_t> payload, Handler h);
 
   tcp::socket socket_;
@@ -160,6 +184,10 @@ private:
   std::unique_ptr<std::array<std::uint8_t, 4096>> drain_;  // only while lingering
   std::array<std::uint8_t, 16> in_tag_{};
   std::unique_ptr<FrameGuard> guard_;
+  std::uint64_t zero_copy_bytes_ = 0;
+  bool corked_ = false;
+  errc source_code_ = errc::ok;  // what source_failure stands for, and why
+  std::string source_text_;
 };
 
 /// A session's channels by index (a slot may be empty while its channel has not joined).

@@ -48,6 +48,8 @@ public:
   /// After a failure: the peer has been told (or could not be) and every channel is closed;
   /// nothing of the engine's is left on the channels. Called once, on the loop.
   virtual void closed() {}
+  /// A line for the debug log (how the transfer goes: zero copy or why not).
+  virtual void debug(const std::string&) {}
 };
 
 struct TransferParams {
@@ -81,6 +83,10 @@ struct TransferParams {
   /// acknowledged, as for a file). With a manifest no block is sent again: the sender cannot
   /// read a stream twice.
   bool open_ended = false;
+  /// Sender: move file data from the page cache to the sockets with sendfile(2), without a
+  /// copy through user space, where it can (clear data frames, a regular file whose file
+  /// system supports it); false: always read into the pool (a setting switched it off).
+  bool zero_copy = true;
 };
 
 /// Where a resumed transfer starts, given the prefix a receiver recorded: whole blocks, and
@@ -237,8 +243,11 @@ private:
   void keep_alive();
   void read_loop(xdsi::Channel& ch);
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
+  /// Why the blocks cannot go by sendfile(2) from the source, or nothing if they can.
+  std::string zero_copy_refusal() const;
 
   piod::Source source_;
+  std::uint64_t zero_copy_from_ = 0;     // the channels' sendfile bytes when the transfer began
   std::optional<piod::DiskReader> reader_;
   std::vector<piod::Block> ready_;       // filled blocks in offset order, consumed from ready_head_
   std::size_t ready_head_ = 0;
