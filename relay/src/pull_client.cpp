@@ -182,6 +182,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   cfg.idle_timeout = options.idle_timeout;
   cfg.max_sessions = 16;
   cfg.log = po.log ? po.log : [](const std::string&) {};
+  // This host forwards as it uploads: by sendfile, or not, as the user said (xduc --no-zero-copy).
+  cfg.zero_copy = options.zero_copy;
+  cfg.debug = static_cast<bool>(options.debug) && static_cast<bool>(po.log);
   // Relay places and the uploads that feed them; nothing here is for reading.
   auto modes = xftsm::server_modes();
   std::erase_if(modes, [](const runtime::ModeEntry& m) { return m.mode != Mode::upload; });
