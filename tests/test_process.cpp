@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <regex>
+#include <thread>
 #include <string>
 
 #include "support.hpp"
@@ -75,17 +77,22 @@ TEST_CASE("xduc -p 8 moves a 1 GiB random file up and down byte-identically") {
 TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --no-zero-copy on either side turns it off") {
   xt::TempDir root, local;
   xt::write_random_file(local / "data", (4 << 20) + 9, 17);
+  const std::vector<std::string> clear = {"--protect", "clear", "--no-verify"};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), clear.begin(), clear.end());
+    return xt::xduc(args);
+  };
   {
     xt::XdfsdProcess d(root.path(), {"--debug"});
-    auto up = xt::xduc({"--debug", "--protect", "clear", "-p", "2", local / "data", url(d, "data")});
+    auto up = with({"--debug", "-p", "2", local / "data", url(d, "data")});
     REQUIRE_MESSAGE(up.status == 0, up.err);
     CHECK(xt::files_equal(local / "data", root / "data"));
     CHECK_MESSAGE(up.err.find("xduc: debug: zero copy: 4194313 bytes by sendfile") != std::string::npos, up.err);
-    auto down = xt::xduc({"-q", "--protect", "clear", url(d, "data"), local / "back"});
+    auto down = with({"-q", url(d, "data"), local / "back"});
     REQUIRE_MESSAGE(down.status == 0, down.err);
     CHECK(xt::files_equal(local / "data", local / "back"));
     CHECK(d.wait_for_log("debug: zero copy: 4194313 bytes by sendfile"));
-    up = xt::xduc({"--debug", "--no-zero-copy", "--protect", "clear", local / "data", url(d, "again")});
+    up = with({"--debug", "--no-zero-copy", local / "data", url(d, "again")});
     REQUIRE_MESSAGE(up.status == 0, up.err);
     CHECK(xt::files_equal(local / "data", root / "again"));
     CHECK(up.err.find("xduc: debug: zero copy off: switched off by a setting") != std::string::npos);
@@ -93,11 +100,37 @@ TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --n
   }
   xt::XdfsdProcess d(root.path(), {"--debug", "--no-zero-copy"});
   ::unlink((local / "back").c_str());
-  auto down = xt::xduc({"-q", "--protect", "clear", url(d, "data"), local / "back"});
+  auto down = with({"-q", url(d, "data"), local / "back"});
   REQUIRE_MESSAGE(down.status == 0, down.err);
   CHECK(xt::files_equal(local / "data", local / "back"));
   CHECK(d.wait_for_log("debug: zero copy off: switched off by a setting"));
   CHECK(d.log().find("by sendfile") == std::string::npos);
+}
+
+TEST_CASE("a client killed while xdfsd sends to it by sendfile fails its session only: no SIGPIPE ends the server") {
+  xt::TempDir root, local;
+  xt::write_random_file(root / "big", 256ull << 20, 5);
+  xt::XdfsdProcess d(root.path(), {"--debug"});
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    // A slow reader: the server's socket buffers fill, and its sends wait for room.
+    std::atomic<pid_t> pid{0};
+    std::thread client([&] {
+      xt::xduc({"-q", "--protect", "clear", "--no-verify", "-p", "2", "--limit-rate", "4M", url(d, "big"),
+                local / "big"},
+               60000, &pid);
+    });
+    REQUIRE(d.wait_for_log("zero copy: file data goes to the sockets by sendfile"));
+    ::usleep(500 * 1000);
+    REQUIRE(pid.load() > 0);
+    ::kill(pid.load(), SIGKILL);  // its sockets reset with data unread
+    client.join();
+    ::usleep(300 * 1000);
+    REQUIRE(d.alive());
+  }
+  auto r = xt::xduc({"-q", "--protect", "clear", "--no-verify", url(d, "big"), local / "whole"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::files_equal(root / "big", local / "whole"));
 }
 
 TEST_CASE("xduc failures exit non-zero with one line naming the cause") {

@@ -10,6 +10,8 @@
 #include <netinet/tcp.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -213,16 +215,42 @@ void Channel::pump() {
 
 namespace {
 
-// Errors of sendfile(2) that come from the connection rather than from the file.
-bool socket_errno(int e) noexcept {
+// Errors of sendfile(2) that come from the file rather than from the connection (which, for
+// anything else, is what failed).
+bool file_errno(int e) noexcept {
   switch (e) {
-    case EPIPE: case ECONNRESET: case ENOTCONN: case ETIMEDOUT: case ECONNABORTED: case ESHUTDOWN:
-    case EHOSTUNREACH: case ENETUNREACH: case ENETDOWN: case ENETRESET: case ENOBUFS: case ENOMEM:
+    case EIO: case EINVAL: case EOVERFLOW: case EBADF: case ESPIPE: case ENOSYS: case EOPNOTSUPP: case ENXIO:
       return true;
     default:
       return false;
   }
 }
+
+// SIGPIPE held back on this thread while it is alive: sendfile(2) has no MSG_NOSIGNAL, and a
+// peer that reset its connection must fail one channel, not end the process. One raised here
+// is taken back before the old mask returns.
+class NoSigpipe {
+public:
+  NoSigpipe() noexcept {
+    ::sigemptyset(&pipe_);
+    ::sigaddset(&pipe_, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~NoSigpipe() {
+    if (raised_) {
+      const timespec zero{};
+      while (::sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
+      }
+    }
+    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  void raised() noexcept { raised_ = true; }
+
+private:
+  sigset_t pipe_{};
+  sigset_t old_{};
+  bool raised_ = false;
+};
 
 void set_cork(int s, bool on) noexcept {
   const int v = on ? 1 : 0;
@@ -234,15 +262,21 @@ void set_cork(int s, bool on) noexcept {
 void Channel::pump_file() {
   Out& o = out_.front();
   const int s = socket_.native_handle();
-  ErrorCode ec;
-  socket_.native_non_blocking(true, ec);
-  if (ec) return complete_front(ec);
+  // Completions never run inside the call that queued the frame (as with asio's own writes).
+  auto finish = [this](const ErrorCode& e) { asio::post(socket_.get_executor(), [this, e] { complete_front(e); }); };
+  if (!non_blocking_) {
+    ErrorCode ec;
+    socket_.native_non_blocking(true, ec);
+    if (ec) return finish(ec);
+    non_blocking_ = true;
+  }
   // Header, data and trailer leave as full segments: corked until the frame (and any file
   // frame queued behind it) is out.
   if (!corked_) {
     set_cork(s, true);
     corked_ = true;
   }
+  NoSigpipe quiet;
   const std::size_t head = o.header.size();
   const std::size_t body = head + o.file_length;
   const std::size_t total = body + o.payload.size();
@@ -254,12 +288,16 @@ void Channel::pump_file() {
       const std::uint64_t at = o.file_offset + (o.written - head);
       auto off = static_cast<off_t>(at);
       r = ::sendfile(s, o.file_fd, &off, body - o.written);
-      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && !socket_errno(errno))) {
+      if (r == 0 || (r < 0 && file_errno(errno))) {
         source_code_ = r == 0 ? errc::size_mismatch : errc_from_errno(errno);
         source_text_ = r == 0 ? fmt::format("source file shrank to {} bytes while being sent", at)
                               : fmt::format("sending the file from offset {}: {}", at, std::strerror(errno));
-        return complete_front(source_failure);
+        // Part of the frame is out: nothing more can follow it on this channel (an exception
+        // would read as the rest of the block). It closes; the others carry the failure.
+        close();
+        return finish(source_failure);
       }
+      if (r < 0 && errno == EPIPE) quiet.raised();
       if (r > 0) zero_copy_bytes_ += static_cast<std::uint64_t>(r);
     } else {
       r = ::send(s, o.payload.data() + (o.written - body), total - o.written, MSG_NOSIGNAL);
@@ -273,11 +311,11 @@ void Channel::pump_file() {
         });
         return;
       }
-      return complete_front(ErrorCode(errno, boost::system::system_category()));
+      return finish(ErrorCode(errno, boost::system::system_category()));
     }
     o.written += static_cast<std::size_t>(r);
   }
-  complete_front({});
+  finish({});
 }
 
 void Channel::complete_front(const ErrorCode& ec) {

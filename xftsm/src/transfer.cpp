@@ -303,6 +303,9 @@ std::string Sender::zero_copy_refusal() const {
   if (source_.stream) return "a stream (a pipe or FIFO) is read, not sent from a file";
   if (source_.sealer) return "blocks are sealed (integrity or private protection)";
   if (source_.test_corrupt) return "the test hook damages blocks in memory";
+  // A digest made from the bytes read must go with those very bytes: a file rewritten in place
+  // meanwhile would send other ones. Only digests kept already (a relay's) go with sendfile.
+  if (source_.manifest && !source_.digests) return "each block is read to make its digest (the manifest)";
   for (const auto& ch : channels_)
     if (!ch->clear_frames(params_.data_event)) return "data frames are protected";
   struct stat sb {};

@@ -216,9 +216,10 @@ struct Source {
   /// one, instead of one made from what was read (which is then not hashed at all).
   const DigestLog* digests = nullptr;
   /// Zero copy: the network thread sends each block's data from `fd` itself (sendfile), so a
-  /// block is read here only where its digest must be made from it; a slot carries the
-  /// block's trailer (digest) alone. Never with a sealer, a stream, a memory source or the test
-  /// hook, which all need the bytes in the slot.
+  /// block is read here only where a digest must be made from it (one `digests` lacks); a
+  /// slot carries the block's trailer (digest) alone. Never with a sealer, a stream, a memory
+  /// source or the test hook, which all need the bytes in the slot, nor with a manifest
+  /// without `digests` (the Sender's choice: what is hashed must be what is sent).
   bool zero_copy = false;
   /// Test hook (a relay host whose copy is damaged): every block's last byte is flipped (a
   /// pack's magic, at its start, stays), 1: after its digest is taken; 2: before (a forgery
