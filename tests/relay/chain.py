@@ -189,6 +189,26 @@ def identical() -> None:
             h.stop()
 
 
+def zerocopy() -> None:
+    """In clear mode every hop forwards its copy by sendfile, with the digests its source sent."""
+    hosts = [Host(i, "zerocopy", args=["--debug"]) for i in range(1, K + 1)]
+    size = 24 * MiB + 777
+    src = source("zerocopy", size)
+    try:
+        rc, out, err = master(["--protect", "clear", src, *[url(i) for i in range(1, K + 1)]])
+        check(rc == 0, f"zerocopy: xduc exits 0 (got {rc}: {err.strip()})")
+        check_copies("zerocopy", hosts, src)
+        for h in hosts[:-1]:
+            h.log.flush()
+            with open(h.log.name, errors="replace") as f:
+                log = f.read()
+            check(f"debug: zero copy: {size} bytes by sendfile" in log,
+                  f"zerocopy: host {h.i} forwarded all {size} bytes by sendfile")
+    finally:
+        for h in hosts:
+            h.stop()
+
+
 def kill() -> None:
     hosts = [Host(i, "kill") for i in range(1, K + 1)]
     src = source("kill", 64 * MiB)
@@ -472,7 +492,7 @@ def chains() -> None:
             h.stop()
 
 
-CASES = {"identical": identical, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers,
+CASES = {"identical": identical, "zerocopy": zerocopy, "kill": kill, "rejoin": rejoin, "slow": slow, "corrupt": corrupt, "bad": bad_input, "peers": peers,
          "tree": tree, "chains": chains, "full": full}
 
 
