@@ -464,7 +464,8 @@ void DiskReader::read_blocks() {
       pipe_.set_error(errc::internal, "a sealed block cannot be sent again");
       return false;
     }
-    if (!source_.zero && needs_bytes(&b, 1)) {
+    b.in_slot = !source_.zero && needs_bytes(&b, 1);
+    if (b.in_slot) {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;
     }
@@ -535,7 +536,9 @@ void DiskReader::read_blocks() {
       pipe_.disk_wait(seen);
       continue;
     }
-    if (!source_.zero && needs_bytes(batch, n) && !read_all(iov, static_cast<int>(n), next_)) return;
+    const bool read = !source_.zero && needs_bytes(batch, n);
+    if (read && !read_all(iov, static_cast<int>(n), next_)) return;
+    for (std::size_t i = 0; i < n; ++i) batch[i].in_slot = read;
     next_ = off;
     for (std::size_t i = 0; i < n; ++i) finish(batch[i]);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);

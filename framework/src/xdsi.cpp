@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -196,6 +197,18 @@ void Channel::send_control(wire::ChannelEvent ev, std::vector<std::uint8_t> payl
 void Channel::send_file(const wire::FrameHeader& hdr, int fd, std::uint64_t offset, std::uint32_t length,
                         std::span<std::uint8_t> trailer, Handler h) {
   if (!clear_frames(hdr.event)) throw std::logic_error("send_file: frames of this event are sealed");
+  // A file that shrank below this block fails before the frame is queued (and counted by the
+  // guard, whose counter the peer follows): the channel stays whole, and the failure reaches
+  // the peer on it. (One that shrinks later is met by sendfile, with half the frame out.)
+  struct stat sb {};
+  const bool stat_ok = ::fstat(fd, &sb) == 0;
+  if (!stat_ok || static_cast<std::uint64_t>(sb.st_size) < offset + length) {
+    source_code_ = stat_ok ? errc::size_mismatch : errc_from_errno(errno);
+    source_text_ = stat_ok ? fmt::format("source file shrank to {} bytes while being sent", sb.st_size)
+                           : fmt::format("the file being sent: {}", std::strerror(errno));
+    asio::post(socket_.get_executor(), [h = std::move(h)] { h(source_failure); });
+    return;
+  }
   Out o{wire::encode(hdr), false, {}, trailer, std::move(h)};
   o.file_fd = fd;
   o.file_offset = offset;
@@ -227,29 +240,32 @@ bool file_errno(int e) noexcept {
 }
 
 // SIGPIPE held back on this thread while it is alive: sendfile(2) has no MSG_NOSIGNAL, and a
-// peer that reset its connection must fail one channel, not end the process. One raised here
-// is taken back before the old mask returns.
+// peer that reset its connection must fail one channel, not end the process. One that became
+// pending meanwhile is taken back before the old mask returns (none if SIGPIPE was blocked
+// already: then it is the thread's own business).
 class NoSigpipe {
 public:
   NoSigpipe() noexcept {
     ::sigemptyset(&pipe_);
     ::sigaddset(&pipe_, SIGPIPE);
     ::pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    was_blocked_ = ::sigismember(&old_, SIGPIPE) == 1;
   }
   ~NoSigpipe() {
-    if (raised_) {
+    if (!was_blocked_) {
+      sigset_t pending;
       const timespec zero{};
-      while (::sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
+      while (::sigpending(&pending) == 0 && ::sigismember(&pending, SIGPIPE) == 1) {
+        if (::sigtimedwait(&pipe_, nullptr, &zero) < 0 && errno != EINTR) break;
       }
     }
     ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
   }
-  void raised() noexcept { raised_ = true; }
 
 private:
   sigset_t pipe_{};
   sigset_t old_{};
-  bool raised_ = false;
+  bool was_blocked_ = false;
 };
 
 void set_cork(int s, bool on) noexcept {
@@ -264,6 +280,11 @@ void Channel::pump_file() {
   const int s = socket_.native_handle();
   // Completions never run inside the call that queued the frame (as with asio's own writes).
   auto finish = [this](const ErrorCode& e) { asio::post(socket_.get_executor(), [this, e] { complete_front(e); }); };
+  auto source_failed = [&](errc code, std::string why) {
+    source_code_ = code;
+    source_text_ = std::move(why);
+    finish(source_failure);
+  };
   if (!non_blocking_) {
     ErrorCode ec;
     socket_.native_non_blocking(true, ec);
@@ -276,10 +297,10 @@ void Channel::pump_file() {
     set_cork(s, true);
     corked_ = true;
   }
-  NoSigpipe quiet;
   const std::size_t head = o.header.size();
   const std::size_t body = head + o.file_length;
   const std::size_t total = body + o.payload.size();
+  NoSigpipe quiet;
   while (o.written < total) {
     ssize_t r;
     if (o.written < head) {
@@ -289,15 +310,14 @@ void Channel::pump_file() {
       auto off = static_cast<off_t>(at);
       r = ::sendfile(s, o.file_fd, &off, body - o.written);
       if (r == 0 || (r < 0 && file_errno(errno))) {
-        source_code_ = r == 0 ? errc::size_mismatch : errc_from_errno(errno);
-        source_text_ = r == 0 ? fmt::format("source file shrank to {} bytes while being sent", at)
-                              : fmt::format("sending the file from offset {}: {}", at, std::strerror(errno));
+        const int err = errno;
         // Part of the frame is out: nothing more can follow it on this channel (an exception
         // would read as the rest of the block). It closes; the others carry the failure.
         close();
-        return finish(source_failure);
+        return source_failed(r == 0 ? errc::size_mismatch : errc_from_errno(err),
+                             r == 0 ? fmt::format("source file shrank to {} bytes while being sent", at)
+                                    : fmt::format("sending the file from offset {}: {}", at, std::strerror(err)));
       }
-      if (r < 0 && errno == EPIPE) quiet.raised();
       if (r > 0) zero_copy_bytes_ += static_cast<std::uint64_t>(r);
     } else {
       r = ::send(s, o.payload.data() + (o.written - body), total - o.written, MSG_NOSIGNAL);
@@ -311,7 +331,9 @@ void Channel::pump_file() {
         });
         return;
       }
-      return finish(ErrorCode(errno, boost::system::system_category()));
+      const ErrorCode ec(errno, boost::system::system_category());
+      if (o.written > 0) close();  // half a frame out: nothing may follow it on this channel
+      return finish(ec);
     }
     o.written += static_cast<std::size_t>(r);
   }

@@ -459,8 +459,9 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
     on(TransferEvent::block_sent);
     maybe_finish();
   };
-  if (source_.zero_copy) {
-    // The slot holds the block's trailer (its digest) alone: the data goes from the file.
+  if (source_.zero_copy && !b.in_slot) {
+    // The slot holds the block's trailer (its digest) alone: the data goes from the file. (A
+    // block read to make its digest goes as it was read.)
     const auto trailer =
         std::span<std::uint8_t>(pipe_.slot_data(b.slot) + b.length.value(), frame.value() - b.length.value());
     ch.send_file(h, source_.fd, b.offset.value(), b.length.value(), trailer, std::move(sent));

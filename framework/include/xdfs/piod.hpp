@@ -91,6 +91,9 @@ struct Block {
   /// Receive: the disk thread did not write it, its digest did not match (Sink::refetch).
   /// Send: a block to read again (network to disk) and, read, to send again (disk to network).
   bool retry = false;
+  /// Send, zero copy (Source::zero_copy): the block's data was read into its slot (to make its
+  /// digest from it), so that is what goes, not the file's bytes of now.
+  bool in_slot = false;
 };
 
 /// RAII eventfd: the disk thread's way to wake the network thread's event loop.
