@@ -75,6 +75,20 @@ struct DebugLines {
   }
 };
 
+// Uploads local/name (size bytes) to the server as name, then downloads it to local/name.back:
+// both ends hold it byte for byte. What each direction reported, for further checks.
+std::pair<xdfs::TransferResult, xdfs::TransferResult> round_trip(xt::InProcessServer& srv, const xt::TempDir& root,
+                                                                 const xt::TempDir& local, const std::string& name,
+                                                                 std::uint64_t size, const xdfs::TransferOptions& opt) {
+  auto up = xdfs::upload(local / name, {"127.0.0.1", srv.port()}, name, opt);
+  CHECK(up.bytes == size);
+  CHECK(xt::files_equal(local / name, root / name));
+  auto down = xdfs::download({"127.0.0.1", srv.port()}, name, local / (name + ".back"), opt);
+  CHECK(down.bytes == size);
+  CHECK(xt::files_equal(local / name, local / (name + ".back")));
+  return {up, down};
+}
+
 // Temporary files left beside the final names would mean a failure path forgot to clean up.
 
 
@@ -97,12 +111,7 @@ TEST_CASE("edge sizes move byte for byte in both directions with n = 1, 4, 16") 
       opt.channels = n;
       opt.block_size = bs;
       opt.ring_bytes = 8 * bs;
-      auto up = xdfs::upload(local / name, {"127.0.0.1", srv.port()}, name, opt);
-      CHECK(up.bytes == size);
-      CHECK(xt::files_equal(local / name, root / name));
-      auto down = xdfs::download({"127.0.0.1", srv.port()}, name, local / (name + ".back"), opt);
-      CHECK(down.bytes == size);
-      CHECK(xt::files_equal(local / name, local / (name + ".back")));
+      round_trip(srv, root, local, name, size, opt);
     }
   }
   xt::check_no_partials(root.path());
@@ -398,12 +407,7 @@ TEST_CASE("zero copy: clear-mode blocks without digests to make go from the page
         opt.ring_bytes = 8 * bs;
         opt.debug = dbg.sink();
         dbg.clear();
-        auto up = xdfs::upload(local / name, {"127.0.0.1", srv.port()}, name, opt);
-        CHECK(up.bytes == size);
-        CHECK(xt::files_equal(local / name, root / name));
-        auto down = xdfs::download({"127.0.0.1", srv.port()}, name, local / (name + ".back"), opt);
-        CHECK(down.bytes == size);
-        CHECK(xt::files_equal(local / name, local / (name + ".back")));
+        const auto [up, down] = round_trip(srv, root, local, name, size, opt);
         CHECK(up.digest == down.digest);
         if (verify) {
           // What is hashed is what is sent: each block is read, and goes from memory.

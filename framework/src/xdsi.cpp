@@ -285,11 +285,10 @@ void Channel::pump_file() {
     source_text_ = std::move(why);
     finish(source_failure);
   };
-  if (!non_blocking_) {
+  if (!socket_.native_non_blocking()) {  // asio's own record of it: no system call
     ErrorCode ec;
     socket_.native_non_blocking(true, ec);
     if (ec) return finish(ec);
-    non_blocking_ = true;
   }
   // Header, data and trailer leave as full segments: corked until the frame (and any file
   // frame queued behind it) is out.

@@ -288,7 +288,7 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   ready_.reserve(pipe_.slots());
   const std::string refusal = zero_copy_refusal();
   source_.zero_copy = refusal.empty();
-  for (auto& ch : channels_) zero_copy_from_ += ch->zero_copy_bytes();
+  zero_copy_from_ = zero_copy_bytes();
   host_.debug(source_.zero_copy ? "zero copy: file data goes to the sockets by sendfile"
                                 : "zero copy off: " + refusal);
   // A resumed transfer: what the receiver has counts as sent and acknowledged.
@@ -296,6 +296,12 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
 }
 
 Sender::~Sender() { stop_disk(); }
+
+std::uint64_t Sender::zero_copy_bytes() const noexcept {
+  std::uint64_t n = 0;
+  for (const auto& ch : channels_) n += ch->zero_copy_bytes();
+  return n;
+}
 
 std::string Sender::zero_copy_refusal() const {
   if (!params_.zero_copy) return "switched off by a setting";
@@ -585,11 +591,7 @@ void Sender::maybe_finish() {
   for (auto q : inflight_)
     if (q != 0) return;
   if (!digests_agree()) return;
-  if (source_.zero_copy) {
-    std::uint64_t moved = 0;
-    for (auto& ch : channels_) moved += ch->zero_copy_bytes();
-    host_.debug(fmt::format("zero copy: {} bytes by sendfile", moved - zero_copy_from_));
-  }
+  if (source_.zero_copy) host_.debug(fmt::format("zero copy: {} bytes by sendfile", zero_copy_bytes() - zero_copy_from_));
   on(TransferEvent::committed);
 }
 

@@ -186,7 +186,6 @@ private:
   std::unique_ptr<FrameGuard> guard_;
   std::uint64_t zero_copy_bytes_ = 0;
   bool corked_ = false;
-  bool non_blocking_ = false;  // set on the socket for send_file
   errc source_code_ = errc::ok;  // what source_failure stands for, and why
   std::string source_text_;
 };

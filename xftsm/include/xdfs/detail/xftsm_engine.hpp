@@ -245,6 +245,8 @@ private:
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
   /// Why the blocks cannot go by sendfile(2) from the source, or nothing if they can.
   std::string zero_copy_refusal() const;
+  /// What the session's channels have moved by sendfile(2) so far, together.
+  std::uint64_t zero_copy_bytes() const noexcept;
 
   piod::Source source_;
   std::uint64_t zero_copy_from_ = 0;     // the channels' sendfile bytes when the transfer began
