@@ -5,6 +5,7 @@
 #include <cctype>
 #include <charconv>
 
+#include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
 
 namespace xdfs::cli {
@@ -71,6 +72,14 @@ std::optional<Url> parse_url(const std::string& text, std::string& why) {
     return std::nullopt;
   }
   return u;
+}
+
+#ifndef XDFS_VERSION
+#define XDFS_VERSION "unknown"
+#endif
+
+std::string version_line(const std::string& program) {
+  return fmt::format("{} {} (xDFS protocol {})", program, XDFS_VERSION, protocol_version);
 }
 
 std::string human_bytes(double b) {

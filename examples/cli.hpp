@@ -30,6 +30,9 @@ bool is_url(const std::string& text);
 /// Parses a URL; on failure returns nullopt and sets why.
 std::optional<Url> parse_url(const std::string& text, std::string& why);
 
+/// What --version prints: "PROGRAM VERSION (xDFS protocol N)" (XDFS_VERSION is set by the build).
+std::string version_line(const std::string& program);
+
 /// "1.5 GiB" style.
 std::string human_bytes(double bytes);
 

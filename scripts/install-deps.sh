@@ -2,7 +2,8 @@
 # Installs what building and testing xDFS needs, from Debian packages, only if missing.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libfmt-dev capnproto libcapnp-dev doctest-dev
-      clang libclang-rt-14-dev spin gdb iproute2 util-linux python3)
+      clang libclang-rt-14-dev spin gdb iproute2 util-linux python3
+      libcli11-dev libtomlplusplus-dev libsystemd-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,6 +16,7 @@
 #include <boost/asio/write.hpp>
 #include <fmt/chrono.h>
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -111,6 +112,8 @@ struct Conn {
 using ConnPtr = std::shared_ptr<Conn>;
 
 struct Session {
+  // The settings it started with: a reload changes the server's, never a running session's.
+  ServerConfig config;
   asio::io_context io{1};
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
   files::Fd root;  // the key's subdirectory, if it has one
@@ -230,6 +233,14 @@ struct Server::Impl {
   std::atomic<std::size_t> active{0};
   std::atomic<std::size_t> pending_count{0};
   std::atomic<std::size_t> rejected{0};
+  std::atomic<std::size_t> channels_active{0};  // of the registered sessions (as negotiated)
+
+  Metrics metrics;
+  const Clock::time_point started = Clock::now();
+  std::function<void(const std::string&)> notify;                          // sd_notify, or nothing
+  std::function<std::optional<ServerConfig>(std::string&)> next_config;    // SIGHUP
+  void await_signal();
+  void reload(ServerConfig next);
 
   void log(const std::string& line) const {
     // One event, one line, nothing raw from a peer: the whole line is escaped here.
@@ -373,6 +384,111 @@ std::size_t Server::active_sessions() const noexcept { return impl_->active.load
 std::size_t Server::pending_connections() const noexcept { return impl_->pending_count.load(); }
 std::size_t Server::rejected_channels() const noexcept { return impl_->rejected.load(); }
 const MemoryBudget& Server::memory() const noexcept { return *impl_->budget; }
+void Server::on_state(std::function<void(const std::string&)> notify) { impl_->notify = std::move(notify); }
+void Server::on_reload(std::function<std::optional<ServerConfig>(std::string& why)> next) {
+  impl_->next_config = std::move(next);
+}
+void Server::reload(ServerConfig next) {
+  asio::post(impl_->io, [d = impl_.get(), next = std::move(next)]() mutable { d->reload(std::move(next)); });
+}
+Metrics& Server::metrics() noexcept { return impl_->metrics; }
+
+std::string Server::metrics_text() const {
+  const auto& d = *impl_;
+  const double up = std::chrono::duration<double>(Clock::now() - d.started).count();
+  return d.metrics.render({
+      {"xdfs_sessions_active", {}, static_cast<double>(d.active.load())},
+      {"xdfs_channels_active", {}, static_cast<double>(d.channels_active.load())},
+      {"xdfs_connections_pending", {}, static_cast<double>(d.pending_count.load())},
+      {"xdfs_memory_budget_bytes", {{"state", "limit"}}, static_cast<double>(d.budget->limit())},
+      {"xdfs_memory_budget_bytes", {{"state", "used"}}, static_cast<double>(d.budget->used())},
+      {"xdfs_uptime_seconds", {}, up},
+  });
+}
+
+void Server::Impl::await_signal() {
+  signals.async_wait([this](const ErrorCode& ec, int sig) {
+    if (ec) return;
+    if (sig != SIGHUP) {
+      log(fmt::format("signal {} received: stopping", sig == SIGINT ? "SIGINT" : "SIGTERM"));
+      return begin_stop();
+    }
+    if (notify) notify("RELOADING=1");
+    std::string why;
+    std::optional<ServerConfig> next;
+    try {
+      next = next_config(why);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (next) {
+      reload(std::move(*next));
+    } else {
+      metrics.add("xdfs_reloads_total", {{"result", "failed"}});
+      log("SIGHUP: reload failed, the running settings stay: " + why);
+    }
+    if (notify) notify("READY=1");
+    await_signal();
+  });
+}
+
+// What a reload may change, on the listener thread. Sessions copy the settings when they start,
+// so nothing a running session reads changes under it; the listener's admission reads them here.
+void Server::Impl::reload(ServerConfig next) {
+  std::vector<std::string> applied, kept;
+  auto take = [&](const char* name, auto& have, const auto& want, auto show) {
+    if (have == want) return;
+    applied.push_back(fmt::format("{} {} -> {}", name, show(have), show(want)));
+    have = want;
+  };
+  auto num = [](const auto& v) { return fmt::format("{}", v); };
+  auto ms = [](const std::chrono::milliseconds& v) { return fmt::format("{}s", v.count() / 1000.0); };
+  auto yes = [](bool v) { return std::string(v ? "on" : "off"); };
+  auto str = [](const std::string& v) { return v; };
+  auto& c = config;
+  take("max-sessions", c.max_sessions, next.max_sessions, num);
+  take("max-channels", c.max_channels, next.max_channels, num);
+  take("max-sessions-per-key", c.max_sessions_per_key, next.max_sessions_per_key, num);
+  take("max-channels-per-key", c.max_channels_per_key, next.max_channels_per_key, num);
+  take("max-pending", c.max_pending, next.max_pending, num);
+  take("max-pending-per-address", c.max_pending_per_address, next.max_pending_per_address, num);
+  take("max-block-size", c.max_block_size, next.max_block_size, num);
+  take("ring", c.ring_bytes, next.ring_bytes, num);
+  take("max-file-size", c.max_file_size, next.max_file_size, num);
+  take("min-protect", c.min_protect, next.min_protect,
+       [](std::uint8_t p) { return std::string(xsec::to_string(static_cast<xsec::Protect>(p))); });
+  take("handshake-timeout", c.handshake_timeout, next.handshake_timeout, ms);
+  take("join-timeout", c.join_timeout, next.join_timeout, ms);
+  take("idle-timeout", c.idle_timeout, next.idle_timeout, ms);
+  take("fsync", c.fsync, next.fsync, yes);
+  take("max-rate", c.max_rate, next.max_rate, num);
+  take("allow-memory-mode", c.allow_memory_mode, next.allow_memory_mode, yes);
+  take("allow-fifo", c.allow_fifo, next.allow_fifo, yes);
+  take("path-workers", c.path_workers, next.path_workers, num);
+  take("zero-copy", c.zero_copy, next.zero_copy, yes);
+  take("debug", c.debug, next.debug, yes);
+  // The files are read again now either way: a reload is how an operator says "look again".
+  if (next.authorized_keys.empty()) next.authorized_keys = c.state_dir + "/authorized_keys";
+  if (next.relay_peers.empty()) next.relay_peers = c.state_dir + "/relay_peers";
+  take("authorized-keys", c.authorized_keys, next.authorized_keys, str);
+  take("relay-peers", c.relay_peers, next.relay_peers, str);
+  keys_cache = {};
+  auto restart = [&](const char* name, bool same) {
+    if (!same) kept.push_back(name);
+  };
+  restart("root", next.root == c.root);
+  restart("listen", next.listen == c.listen);
+  restart("state-dir", next.state_dir.empty() || next.state_dir == c.state_dir);
+  restart("memory-limit", (next.memory_limit ? next.memory_limit : default_memory_limit()) == c.memory_limit);
+  restart("max-total-rate", next.max_total_rate == c.max_total_rate);
+  restart("partial-expiry", next.partial_expiry == c.partial_expiry);
+  std::string line = applied.empty() ? "SIGHUP: reloaded, nothing changed" : "SIGHUP: reloaded: " + fmt::format("{}", fmt::join(applied, ", "));
+  line += "; authorized keys and relay peers are read again at the next session";
+  if (!kept.empty()) line += fmt::format("; not applied, these need a restart: {}", fmt::join(kept, ", "));
+  metrics.add("xdfs_reloads_total", {{"result", "ok"}});
+  log(line);
+  admit_waiting();
+}
 const xsec::Key32& Server::public_key() const noexcept { return impl_->key.public_key; }
 
 void Server::stop() {
@@ -384,11 +500,8 @@ void Server::run(bool handle_signals) {
   if (handle_signals) {
     d.signals.add(SIGINT);
     d.signals.add(SIGTERM);
-    d.signals.async_wait([&d](const ErrorCode& ec, int sig) {
-      if (ec) return;
-      d.log(fmt::format("signal {} received: stopping", sig == SIGINT ? "SIGINT" : "SIGTERM"));
-      d.begin_stop();
-    });
+    if (d.next_config) d.signals.add(SIGHUP);
+    d.await_signal();
   }
   d.log(fmt::format("listening on {}:{} root={} key={} memory-limit={} ({} for sessions)",
                     d.acceptor.local_endpoint().address().to_string(), d.acceptor.local_endpoint().port(), d.config.root,
@@ -399,6 +512,7 @@ void Server::run(bool handle_signals) {
   d.sweep_dead_instances();
   d.sweep_partials();
   d.accept();
+  if (d.notify) d.notify("READY=1");
   // A handler that throws fails what it was doing (a connection's deadline still ends it), never
   // the listener.
   for (;;) {
@@ -626,6 +740,7 @@ void Server::Impl::make_room(const std::string& addr) {
 }
 
 void Server::Impl::evict(const ConnPtr& c, const std::string& why) {
+  if (!c->settled) metrics.add("xdfs_rejected_connections_total", {{"cause", "evicted_pending"}});
   log_rationed(fmt::format("dropped a pending connection from {}: {}", c->peer, why));
   c->settled = true;
   ErrorCode ignored;
@@ -932,19 +1047,22 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   rec.session = std::make_unique<Session>();
   Session* sp = rec.session.get();
   sp->root = std::move(confined);
+  sp->config = config;
   runtime::Client client{r.remote_static, xsec::fingerprint(r.remote_static), perm.write};
   sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
-      sp->io, config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
+      sp->io, sp->config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
       nego, client,
       r.session_secret, *budget, *total_rate, relays.get(),
       [this, sp](SessionReport rep) {
         // Session thread: log the end line and let the loop run dry (lingering closes last).
         if (sp->reported) return;
         sp->reported = true;
+        const char* outcome = rep.code == errc::ok ? "ok" : xdfs::to_string(rep.code);
+        metrics.add("xdfs_sessions_ended_total", {{"mode", xdfs::to_string(rep.mode)}, {"outcome", outcome}});
         log(format_report(rep));
         sp->guard.reset();
       },
-      [this](const std::string& line) { log(line); }});
+      [this](const std::string& line) { log(line); }, &metrics});
   sp->guard.emplace(sp->io.get_executor());
   rec.secret = r.session_secret;
   rec.opening = c->opening;
@@ -970,6 +1088,8 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   auto& use = key_use[rec.client];
   ++use.sessions;
   use.channels += rec.channels;
+  channels_active += rec.channels;
+  metrics.add("xdfs_sessions_started_total", {{"mode", xdfs::to_string(nego.mode)}});
   sessions.emplace(id, std::move(rec));
   active = sessions.size();
   asio::post(sp->io, [sp, d] {
@@ -1076,6 +1196,7 @@ void Server::Impl::refuse(const ConnPtr& c, errc code, const std::string& messag
   if (c->settled) return;
   c->settled = true;
   ++rejected;
+  metrics.add("xdfs_rejected_connections_total", {{"cause", xdfs::to_string(code)}});
   log_rationed(fmt::format("rejected channel from {}: {}: {}", c->peer, to_string(code), message));
   if (!c->ch->open()) return release(*c);
   if (peer_gone) {
@@ -1159,6 +1280,7 @@ void Server::Impl::reap(const SessionId& id) {
     u->second.channels -= it->second.channels;
     if (u->second.sessions == 0) key_use.erase(u);
   }
+  channels_active -= it->second.channels;
   sessions.erase(it);
   active = sessions.size();
   if (stopping && sessions.empty()) io.stop();
@@ -1168,6 +1290,7 @@ void Server::Impl::reap(const SessionId& id) {
 void Server::Impl::begin_stop() {
   if (stopping) return;
   stopping = true;
+  if (notify) notify("STOPPING=1");
   ErrorCode ignored;
   acceptor.close(ignored);
   signals.cancel(ignored);

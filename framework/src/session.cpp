@@ -165,7 +165,7 @@ private:
     op_start_ = Clock::now();
     op_env_.emplace(OperationEnv{env_.io, env_.config, env_.root_fd, env_.id, env_.peer, env_.tag, env_.opening, n,
                                  env_.client, env_.session_secret, env_.budget, channels_, env_.log,
-                                 made_, &session_rate_, &env_.total_rate, env_.relays});
+                                 made_, &session_rate_, &env_.total_rate, env_.relays, env_.metrics});
     const ModeEntry* mode = nullptr;
     for (const auto& m : *modes_)
       if (m.mode == n.mode) mode = &m;
@@ -210,6 +210,7 @@ private:
     }
     // With more than one operation, each gets its own end line (the first once the second ended).
     const auto line = report_of(op_nego_, bytes, r.code, r.message);
+    count(line);
     if (ops_ == 1)
       first_report_ = line;
     else {
@@ -240,6 +241,10 @@ private:
     last_code_ = code;
     last_message_ = message;
     ++refused_;
+    if (env_.metrics) {
+      env_.metrics->add("xdfs_operations_total", {{"mode", xdfs::to_string(n.mode)}, {"outcome", xdfs::to_string(code)}});
+      env_.metrics->add("xdfs_errors_total", {{"class", xdfs::to_string(recovery(code))}});
+    }
     // The next operation is read only once the refusal has left on every channel: a client that
     // asks again and again without reading holds one refusal per channel, not a queue of them.
     // The idle timer covers one that never reads it.
@@ -402,9 +407,26 @@ private:
     return r;
   }
 
+  // An operation's counters: its outcome, its bytes by direction, its error's class.
+  void count(const SessionReport& op) {
+    if (!env_.metrics) return;
+    auto& m = *env_.metrics;
+    const char* mode = xdfs::to_string(op.mode);
+    m.add("xdfs_operations_total", {{"mode", mode}, {"outcome", op.code == errc::ok ? "ok" : xdfs::to_string(op.code)}});
+    if (op.code != errc::ok) m.add("xdfs_errors_total", {{"class", xdfs::to_string(recovery(op.code))}});
+    if (op.bytes) {
+      // A path-mode operation moves files both ways; a relay host receives (what it forwards
+      // is its next host's "in").
+      const char* dir = op.mode == Mode::path ? "both" : (op.mode == Mode::download || op.mode == Mode::pull) ? "out" : "in";
+      m.add("xdfs_transfer_bytes_total", {{"mode", mode}, {"direction", dir}}, op.bytes);
+    }
+  }
+
   void report() {
     if (reported_) return;
     reported_ = true;
+    // An operation cut short by the session's end has no end line of its own: it counts here.
+    if (machine_.state() == State::operating && op_) count(report_of(op_nego_, op_->bytes(), last_code_, last_message_));
     SessionReport r;
     r.id = env_.id;
     r.peer = env_.peer;

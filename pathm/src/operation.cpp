@@ -30,6 +30,7 @@ public:
     // What an earlier operation of this session made is still this session's: a tree copy sets
     // the modes of its directories and large files in the operation after those files went.
     pp.made = env_.made;
+    pp.metrics = env_.metrics;
     server_ = std::make_unique<PathServer>(env_.io, env_.channels, env_.root_fd, pp,
                                        [this](errc code, const std::string& message, bool from_peer) {
                                          done_(runtime::OperationResult{code, message, from_peer, false, code == errc::ok});

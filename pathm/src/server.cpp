@@ -361,6 +361,7 @@ void PathServer::answer(xdsi::Channel* ch, std::shared_ptr<Buffer>& buf, Held& h
     return;
   }
   Request& r = *req;
+  if (p_.metrics) p_.metrics->add("xdfs_path_operations_total", {{"op", to_string(r.op)}});
   const bool writes = r.op == Op::mkdir || r.op == Op::remove || r.op == Op::rename || r.op == Op::put ||
                       r.op == Op::set_attrs;
   if (writes && p_.read_only)

@@ -24,6 +24,7 @@
 #include "xdfs/error.hpp"
 #include "xdfs/rate.hpp"
 #include "xdfs/files.hpp"
+#include "xdfs/metrics.hpp"
 #include "xdfs/types.hpp"
 #include "xdfs/wire.hpp"
 #include "xdfs/xdsi.hpp"
@@ -146,6 +147,7 @@ struct SessionEnv {
   std::function<void(SessionReport)> done;
   /// One log line (escaped by the runtime).
   std::function<void(const std::string&)> log;
+  Metrics* metrics = nullptr;    ///< server-wide counters (null: none kept)
 };
 
 /// A mode's per-session state machine. All calls arrive on the session's thread.
@@ -192,6 +194,7 @@ struct OperationEnv {
   RateLimiter* session_rate = nullptr;
   RateLimiter* total_rate = nullptr;
   RelayRegistry* relays = nullptr;  ///< places in relay chains (null: no relays)
+  Metrics* metrics = nullptr;       ///< server-wide counters (null: none kept)
 };
 
 /// How an operation ended.
@@ -267,6 +270,28 @@ public:
   const MemoryBudget& memory() const noexcept;
   /// The server's public key.
   const xsec::Key32& public_key() const noexcept;
+
+  /// Where run() reports its state to a service manager (systemd's sd_notify): "READY=1" once
+  /// listening, "RELOADING=1" then "READY=1" around a reload, "STOPPING=1" when it stops.
+  /// Set before run().
+  void on_state(std::function<void(const std::string&)> notify);
+  /// What SIGHUP does when run() handles signals: `next` makes the settings anew (from the
+  /// config file and the command line), or returns nullopt with the reason in `why`; the server
+  /// then applies what can change while it runs (see reload()). Set before run().
+  void on_reload(std::function<std::optional<ServerConfig>(std::string& why)> next);
+  /// Applies the settings that can change while the server runs (thread-safe; done on the
+  /// listener thread): the limits on sessions, channels, pending connections, blocks, files and
+  /// the session rate, the timeouts, the protection floor, fsync, memory and FIFO modes, path
+  /// workers, zero copy, debug lines, the authorized keys and relay peers files (read again at
+  /// once). Sessions already running keep the settings they started with. What needs a restart
+  /// (root, listen, state directory, memory limit, total rate, partial expiry, the key) is left
+  /// as it was and named in the log line that says what was applied.
+  void reload(ServerConfig next);
+
+  /// Counters for monitoring (thread-safe).
+  Metrics& metrics() noexcept;
+  /// The counters and the gauges of this moment in Prometheus' text format (thread-safe).
+  std::string metrics_text() const;
 
 private:
   struct Impl;

@@ -25,6 +25,7 @@
 #include "xdfs/pathm/fsops.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/pathm/pool.hpp"
+#include "xdfs/metrics.hpp"
 #include "xdfs/xdsi.hpp"
 #include "xdfs/pathm/buffer.hpp"
 
@@ -47,6 +48,8 @@ struct ServerParams {
   std::uint64_t max_file_size = 0;
   /// What the session's operations made (null: this operation's own).
   std::shared_ptr<files::Made> made;
+  /// Server-wide counters: each request counts by its kind (null: none kept).
+  Metrics* metrics = nullptr;
 };
 
 /// Serves path requests on a root directory until the client ends the operation (EOFR on every
