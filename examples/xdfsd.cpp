@@ -111,6 +111,8 @@ void define(CLI::App& app, Options& o) {
   app.description("Serves the files under DIR over xDFS (default listen address 127.0.0.1:7721).");
   app.set_version_flag("--version", xdfs::cli::version_line("xdfsd"), "print the version and the protocol version");
   app.get_formatter()->column_width(34);
+  // An option given twice takes its last value, as scripts that add to a command line expect.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   auto cfg_opt = app.set_config("--config", "", "read settings from this TOML file (the options' long names as keys,\n"
                                                 "e.g. max-sessions = 64); the command line overrides it");
   cfg_opt->check(CLI::ExistingFile)->type_name("FILE");
@@ -214,7 +216,8 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--disable-mode", o.disabled,
                  "refuse operations of MODE: upload, download, path, relay or pull\n"
                  "(repeatable; pull is off with download or relay too)")
-      ->type_name("MODE");
+      ->type_name("MODE")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   count("path-workers", cfg.path_workers, 1, 64, "threads per path-mode session doing file-system work (default 4)");
   app.add_flag("!--no-zero-copy", cfg.zero_copy,
                "read every block a download or relay sends into memory first,\n"

@@ -130,7 +130,12 @@ TEST_CASE("xdfsd --check-config: a valid file passes; a bad value, an unknown ke
   CHECK(r.status == 2);
   CHECK(one_line(r.err));
   CHECK(r.err.find("--max-channels takes a number") != std::string::npos);
-  r = xdfsd({"--root", dir.path(), "--no-such-option"});
+  // Given twice, an option takes its last value (scripts add to command lines); --disable-mode
+  // adds up.
+  r = xdfsd({"--root", "/nonexistent", "--root", dir.path(), "--max-sessions", "0", "--max-sessions", "3",
+             "--disable-mode", "relay", "--disable-mode", "path", "--check-config"});
+  CHECK_MESSAGE(r.status == 0, r.err);
+    r = xdfsd({"--root", dir.path(), "--no-such-option"});
   CHECK(r.status == 2);
   CHECK(one_line(r.err));
   CHECK(r.err.find("--no-such-option") != std::string::npos);
