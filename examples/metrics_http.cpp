@@ -80,6 +80,7 @@ struct MetricsEndpoint::Impl {
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   asio::steady_timer retry{io};
+  std::string where;  // HOST:PORT as bound (before the loop's thread starts)
   std::thread thread;
 
   void accept() {
@@ -110,7 +111,8 @@ MetricsEndpoint::MetricsEndpoint(const std::string& host_port, std::function<std
   impl_->render = std::move(render);
   std::string host;
   std::uint16_t port = 0;
-  if (!xdsi::parse_host_port(host_port, 0, host, port))
+  if (!xdsi::parse_host_port(host_port, 0, host, port) || host_port.find_last_of(':') == std::string::npos ||
+      host_port.back() == ']')
     throw Error(errc::bad_argument, "--metrics '" + host_port + "' is not HOST:PORT");
   beast::error_code ec;
   const auto addr = asio::ip::make_address(host, ec);
@@ -122,6 +124,8 @@ MetricsEndpoint::MetricsEndpoint(const std::string& host_port, std::function<std
   if (!ec) a.bind(ep, ec);
   if (!ec) a.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) throw Error(errc::bad_argument, "--metrics " + host_port + ": " + ec.message());
+  impl_->where = ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), a.local_endpoint().port())
+                                      : fmt::format("{}:{}", ep.address().to_string(), a.local_endpoint().port());
   impl_->accept();
   impl_->thread = std::thread([d = impl_.get()] {
     for (;;) {
@@ -140,11 +144,6 @@ MetricsEndpoint::~MetricsEndpoint() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
-std::string MetricsEndpoint::where() const {
-  beast::error_code ec;
-  const auto ep = impl_->acceptor.local_endpoint(ec);
-  return ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), ep.port())
-                              : fmt::format("{}:{}", ep.address().to_string(), ep.port());
-}
+std::string MetricsEndpoint::where() const { return impl_->where; }
 
 }  // namespace xdfs::cli

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <toml++/toml.h>
 #include <vector>
@@ -36,7 +37,8 @@ struct Options {
   std::string log_format = "text";
   bool print_key = false;
   bool check = false;
-  std::vector<std::string> disabled;  // modes refused (--disable-mode)
+  std::vector<std::string> disabled;       // modes refused (--disable-mode)
+  std::vector<std::string> file_disabled;  // ... by the config file
 };
 
 // Settings that only make sense on the command line: not read from the file.
@@ -47,7 +49,8 @@ const std::vector<std::string> command_line_only{"config", "check-config", "prin
 // option given several times). Unknown keys and other types are errors naming the line.
 class TomlConfig : public CLI::Config {
 public:
-  TomlConfig(const CLI::App& app, const CLI::Option& file) : app_(app), file_(file) {}
+  TomlConfig(const CLI::App& app, const CLI::Option& file, std::vector<std::string>& disabled)
+      : app_(app), file_(file), disabled_(disabled) {}
 
   std::string to_config(const CLI::App*, bool, bool, std::string) const override { return {}; }
 
@@ -73,7 +76,12 @@ public:
       CLI::ConfigItem item;
       item.name = name;
       auto value = [&](const toml::node& v) -> std::string {
-        if (auto s = v.value_exact<std::string>()) return *s;
+        if (auto s = v.value_exact<std::string>()) {
+          // Names and addresses: a control character (a NUL would cut a path short) is a mistake.
+          if (std::any_of(s->begin(), s->end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+            fail("holds a control character");
+          return *s;
+        }
         if (auto i = v.value_exact<std::int64_t>()) return std::to_string(*i);
         if (auto b = v.value_exact<bool>()) return *b ? "true" : "false";
         fail("takes a string, a whole number or true/false");
@@ -85,6 +93,9 @@ public:
       } else {
         item.inputs.push_back(value(node));
       }
+      // Modes the file disables stay disabled whatever the command line adds (CLI11 would let
+      // a --disable-mode there replace the file's list).
+      if (name == "disable-mode") disabled_.insert(disabled_.end(), item.inputs.begin(), item.inputs.end());
       items.push_back(std::move(item));
     }
     return items;
@@ -93,6 +104,7 @@ public:
 private:
   const CLI::App& app_;
   const CLI::Option& file_;  // --config: its name for the errors
+  std::vector<std::string>& disabled_;
 };
 
 // A value's check, in the words the option's help uses; throws CLI11's validation error.
@@ -230,7 +242,7 @@ void define(CLI::App& app, Options& o) {
   text("log-format", o.log_format, "text (default) or json: one JSON object a line")
       ->type_name("FORMAT")
       ->check(CLI::IsMember({"text", "json"}));
-  app.config_formatter(std::make_shared<TomlConfig>(app, *cfg_opt));
+  app.config_formatter(std::make_shared<TomlConfig>(app, *cfg_opt, o.file_disabled));
 }
 
 // The settings from args (the command line without the program's name), checked as a whole.
@@ -245,6 +257,9 @@ Options parse(const std::vector<std::string>& args) {
   // A client's largest block at the limit must take well under the idle timeouts.
   for (auto [name, rate] : {std::pair{"--max-rate", o.cfg.max_rate}, std::pair{"--max-total-rate", o.cfg.max_total_rate}})
     if (auto why = xdfs::cli::too_slow(name, rate, o.cfg.max_block_size, "--max-block-size"); !why.empty()) reject(why);
+  o.disabled.insert(o.disabled.end(), o.file_disabled.begin(), o.file_disabled.end());
+  std::sort(o.disabled.begin(), o.disabled.end());
+  o.disabled.erase(std::unique(o.disabled.begin(), o.disabled.end()), o.disabled.end());
   // A pull serves the file as a download does, through a chain: off with either.
   for (const auto& m : std::vector<std::string>(o.disabled)) {
     if (m != "upload" && m != "download" && m != "path" && m != "relay" && m != "pull")
@@ -257,6 +272,11 @@ Options parse(const std::vector<std::string>& args) {
 // What --check-config and a reload check beyond the values: the root is a directory, the key
 // files (if there) parse.
 std::string check_files(const Options& o) {
+  std::string host;
+  std::uint16_t port = 0;
+  if (!xdfs::xdsi::parse_host_port(o.cfg.listen, 7721, host, port)) return "--listen '" + o.cfg.listen + "' is not HOST:PORT";
+  if (!o.metrics.empty() && !std::regex_match(o.metrics, std::regex(R"((\[[0-9a-fA-F:.]+\]|[0-9.]+):[0-9]{1,5})")))
+    return "--metrics takes an IP address and a port, e.g. 127.0.0.1:9721, not '" + o.metrics + "'";
   struct stat st {};
   if (::stat(o.cfg.root.c_str(), &st) != 0) return "--root '" + o.cfg.root + "': " + std::strerror(errno);
   if (!S_ISDIR(st.st_mode)) return "--root '" + o.cfg.root + "' is not a directory";
@@ -273,7 +293,7 @@ std::string check_files(const Options& o) {
 // Log lines: one a line, already escaped by the server; as text or as one JSON object.
 std::atomic<bool> g_json_log{false};
 
-void write_log(const std::string& line) {
+void write_log(const std::string& line) noexcept try {
   const auto now = std::chrono::system_clock::now();
   const auto t = std::chrono::system_clock::to_time_t(now);
   std::tm tm{};
@@ -292,6 +312,8 @@ void write_log(const std::string& line) {
     fmt::print(stderr, "{:%Y-%m-%dT%H:%M:%S}Z xdfsd: {}\n", tm, line);
   }
   std::fflush(stderr);
+} catch (...) {
+  // A log that cannot be written (a full disk, a closed pipe) loses the line, never a thread.
 }
 
 }  // namespace
@@ -341,7 +363,7 @@ int main(int argc, char** argv) {
       std::string tmp = o.port_file + ".tmp";
       std::ofstream(tmp) << server.port() << "\n";
       if (std::rename(tmp.c_str(), o.port_file.c_str()) != 0) {
-        fmt::print(stderr, "xdfsd: cannot write --port-file {}: {}\n", o.port_file, std::strerror(errno));
+        fmt::print(stderr, "xdfsd: cannot write --port-file {}: {}\n", xdfs::text::escape(o.port_file), std::strerror(errno));
         return 1;
       }
     }
@@ -352,8 +374,17 @@ int main(int argc, char** argv) {
     server.on_reload([&args, &o](std::string& why) -> std::optional<xdfs::ServerConfig> {
       try {
         Options next = parse(args);
-        if (auto bad = check_files(next); !bad.empty()) {
+        // Checked against what will run: the root and the total rate stay until a restart.
+        Options effective = next;
+        effective.cfg.root = o.cfg.root;
+        if (auto bad = check_files(effective); !bad.empty()) {
           why = bad;
+          return std::nullopt;
+        }
+        if (auto bad = xdfs::cli::too_slow("--max-total-rate", o.cfg.max_total_rate, next.cfg.max_block_size,
+                                           "--max-block-size");
+            !bad.empty()) {
+          why = bad + " (the total rate changes only at a restart)";
           return std::nullopt;
         }
         std::vector<std::string> restart;
@@ -381,8 +412,11 @@ int main(int argc, char** argv) {
     });
     server.run(/*handle_signals=*/true);
   } catch (const xdfs::Error& e) {
-    fmt::print(stderr, "xdfsd: {}\n", e.what());
+    fmt::print(stderr, "xdfsd: {}\n", xdfs::text::escape(e.what()));
     return e.code() == xdfs::errc::bad_argument ? 2 : 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "xdfsd: {}\n", xdfs::text::escape(e.what()));
+    return 1;
   }
   return 0;
 }

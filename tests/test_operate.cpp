@@ -159,9 +159,17 @@ TEST_CASE("xdfsd --config: the file's settings apply and the command line overri
     CHECK_MESSAGE(down.status == 0, down.err);
     CHECK(xt::files_equal(root / "g", local / "g2"));
   }
-  xt::XdfsdProcess d(root.path(), {"--config", dir / "x.toml", "--max-block-size", "1M"});
+  // The command line raises the block limit; its --disable-mode adds to the file's list, never
+  // turns back on what the file disabled.
+  xt::XdfsdProcess d(root.path(), {"--config", dir / "x.toml", "--max-block-size", "1M", "--disable-mode", "path"});
   auto big = xt::xduc({"-q", "--block-size", "1M", url(d, "g"), local / "g3"});
   CHECK_MESSAGE(big.status == 0, big.err);
+  auto up = xt::xduc({"-q", local / "f", url(d, "f")});
+  CHECK(up.status != 0);
+  CHECK(up.err.find("disabled") != std::string::npos);
+  auto ls = xt::xduc({"ls", url(d, "")});
+  CHECK(ls.status != 0);
+  CHECK(ls.err.find("disabled") != std::string::npos);
 }
 
 TEST_CASE("SIGHUP reloads the config file: limits change for new sessions, a broken file keeps the running settings") {
@@ -188,6 +196,14 @@ TEST_CASE("SIGHUP reloads the config file: limits change for new sessions, a bro
   REQUIRE(::kill(d.pid(), SIGHUP) == 0);
   REQUIRE(d.wait_for_log("not applied, these need a restart: memory-limit"));
   CHECK(d.log().find("max-channels 8 -> 2") != std::string::npos);
+
+  // Keys a client could reach (inside the root) are refused at a reload as at a start: nothing
+  // of that reload applies.
+  xt::write_file(dir / "x.toml", "max-channels = 8\nauthorized-keys = \"" + root.path() + "/keys\"\n");
+  REQUIRE(::kill(d.pid(), SIGHUP) == 0);
+  REQUIRE(d.wait_for_log("lies inside the served root"));
+  const std::string log = d.log();
+  CHECK(log.find("max-channels 2 -> 8") == log.rfind("max-channels 2 -> 8"));  // only the first reload's
 
   xt::write_file(dir / "x.toml", "max-channels = [\n");
   REQUIRE(::kill(d.pid(), SIGHUP) == 0);
@@ -222,7 +238,7 @@ TEST_CASE("xdfsd tells systemd it is ready, reloading and stopping (sd_notify on
   ::unsetenv("NOTIFY_SOCKET");
   CHECK(next() == "READY=1");
   REQUIRE(::kill(d->pid(), SIGHUP) == 0);
-  CHECK(next() == "RELOADING=1");
+  CHECK(next().rfind("RELOADING=1\nMONOTONIC_USEC=", 0) == 0);
   CHECK(next() == "READY=1");
   CHECK(d->stop(SIGTERM) == 0);
   CHECK(next() == "STOPPING=1");

@@ -187,6 +187,23 @@ std::string real_or_planned(const std::string& path) {
 
 }  // namespace
 
+// The server's secrets must not be reachable through the root: a read-only client could fetch
+// the private key, a read-write one rewrite who may log in. Checked before a key is made, and
+// at each reload.
+static void check_secrets_outside(const std::string& root, const std::string& state_dir, const std::string& keys,
+                           const std::string& peers) {
+  const std::string root_real = real(root);
+  for (const auto& [what, path] : {std::pair<const char*, std::string>{"state directory", state_dir},
+                                   {"authorized keys file", keys},
+                                   {"relay peers file", peers}}) {
+    const std::string r = real_or_planned(path);
+    if (!root_real.empty() && !r.empty() && within(root_real, r))
+      throw Error(errc::bad_argument, fmt::format("the {} '{}' lies inside the served root '{}': clients could reach it; "
+                                                  "keep it outside (--state-dir, --authorized-keys, --relay-peers)",
+                                                  what, path, root));
+  }
+}
+
 struct Server::Impl {
   ServerConfig config;
   runtime::HandlerFactory factory;
@@ -242,10 +259,14 @@ struct Server::Impl {
   void await_signal();
   void reload(ServerConfig next);
 
-  void log(const std::string& line) const {
-    // One event, one line, nothing raw from a peer: the whole line is escaped here.
-    const std::string safe = text::escape(line);
-    config.log ? config.log(safe) : default_log(safe);
+  void log(const std::string& line) const noexcept {
+    // One event, one line, nothing raw from a peer: the whole line is escaped here. A log that
+    // cannot be written (stderr a full disk, a closed pipe) loses the line, never a thread.
+    try {
+      const std::string safe = text::escape(line);
+      config.log ? config.log(safe) : default_log(safe);
+    } catch (...) {
+    }
   }
   // A line a peer can cause before it has authenticated.
   void log_rationed(const std::string& line) {
@@ -329,18 +350,7 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   }
   if (c.authorized_keys.empty()) c.authorized_keys = c.state_dir + "/authorized_keys";
   if (c.relay_peers.empty()) c.relay_peers = c.state_dir + "/relay_peers";
-  // The server's secrets must not be reachable through the root: a read-only client could fetch
-  // the private key, a read-write one rewrite who may log in. Checked before a key is made.
-  const std::string root_real = real(c.root);
-  for (const auto& [what, path] : {std::pair<const char*, std::string>{"state directory", c.state_dir},
-                                   {"authorized keys file", c.authorized_keys},
-                                   {"relay peers file", c.relay_peers}}) {
-    const std::string r = real_or_planned(path);
-    if (!root_real.empty() && !r.empty() && within(root_real, r))
-      throw Error(errc::bad_argument, fmt::format("the {} '{}' lies inside the served root '{}': clients could reach it; "
-                                                  "keep it outside (--state-dir, --authorized-keys, --relay-peers)",
-                                                  what, path, c.root));
-  }
+  check_secrets_outside(c.root, c.state_dir, c.authorized_keys, c.relay_peers);
   bool created = false;
   impl_->key = c.key ? xsec::KeyPair::from_secret(*c.key) : xsec::load_or_create_key(c.state_dir + "/server_x25519", &created);
   impl_->relays = std::make_unique<runtime::RelayRegistry>(impl_->key);
@@ -389,7 +399,14 @@ void Server::on_reload(std::function<std::optional<ServerConfig>(std::string& wh
   impl_->next_config = std::move(next);
 }
 void Server::reload(ServerConfig next) {
-  asio::post(impl_->io, [d = impl_.get(), next = std::move(next)]() mutable { d->reload(std::move(next)); });
+  asio::post(impl_->io, [d = impl_.get(), next = std::move(next)]() mutable {
+    try {
+      d->reload(std::move(next));
+    } catch (const std::exception& e) {
+      d->metrics.add("xdfs_reloads_total", {{"result", "failed"}});
+      d->log(std::string("reload failed, the running settings stay: ") + e.what());
+    }
+  });
 }
 Metrics& Server::metrics() noexcept { return impl_->metrics; }
 
@@ -413,28 +430,32 @@ void Server::Impl::await_signal() {
       log(fmt::format("signal {} received: stopping", sig == SIGINT ? "SIGINT" : "SIGTERM"));
       return begin_stop();
     }
-    if (notify) notify("RELOADING=1");
+    await_signal();  // first: whatever the reload does, the next signal is heard
+    if (notify) notify(fmt::format("RELOADING=1\nMONOTONIC_USEC={}", std::chrono::duration_cast<std::chrono::microseconds>(
+                                                                          Clock::now().time_since_epoch()).count()));
     std::string why;
-    std::optional<ServerConfig> next;
     try {
-      next = next_config(why);
+      if (auto next = next_config(why)) reload(std::move(*next));
+      else throw Error(errc::bad_argument, why);
     } catch (const std::exception& e) {
-      why = e.what();
-    }
-    if (next) {
-      reload(std::move(*next));
-    } else {
       metrics.add("xdfs_reloads_total", {{"result", "failed"}});
-      log("SIGHUP: reload failed, the running settings stay: " + why);
+      log(std::string("SIGHUP: reload failed, the running settings stay: ") + e.what());
     }
     if (notify) notify("READY=1");
-    await_signal();
   });
 }
 
 // What a reload may change, on the listener thread. Sessions copy the settings when they start,
 // so nothing a running session reads changes under it; the listener's admission reads them here.
+// All or nothing: the new settings are checked and staged in a copy, which replaces the running
+// ones only when everything checked out (throws otherwise, changing nothing).
 void Server::Impl::reload(ServerConfig next) {
+  if (next.min_protect > 2) throw Error(errc::bad_argument, "unknown minimum protection level");
+  if (next.authorized_keys.empty()) next.authorized_keys = config.state_dir + "/authorized_keys";
+  if (next.relay_peers.empty()) next.relay_peers = config.state_dir + "/relay_peers";
+  check_secrets_outside(config.root, config.state_dir, next.authorized_keys, next.relay_peers);
+  if (::access(next.authorized_keys.c_str(), F_OK) == 0) (void)xsec::AuthorizedKeys::load(next.authorized_keys);
+  ServerConfig staged = config;
   std::vector<std::string> applied, kept;
   auto take = [&](const char* name, auto& have, const auto& want, auto show) {
     if (have == want) return;
@@ -445,7 +466,7 @@ void Server::Impl::reload(ServerConfig next) {
   auto ms = [](const std::chrono::milliseconds& v) { return fmt::format("{}s", v.count() / 1000.0); };
   auto yes = [](bool v) { return std::string(v ? "on" : "off"); };
   auto str = [](const std::string& v) { return v; };
-  auto& c = config;
+  auto& c = staged;
   take("max-sessions", c.max_sessions, next.max_sessions, num);
   take("max-channels", c.max_channels, next.max_channels, num);
   take("max-sessions-per-key", c.max_sessions_per_key, next.max_sessions_per_key, num);
@@ -467,12 +488,8 @@ void Server::Impl::reload(ServerConfig next) {
   take("path-workers", c.path_workers, next.path_workers, num);
   take("zero-copy", c.zero_copy, next.zero_copy, yes);
   take("debug", c.debug, next.debug, yes);
-  // The files are read again now either way: a reload is how an operator says "look again".
-  if (next.authorized_keys.empty()) next.authorized_keys = c.state_dir + "/authorized_keys";
-  if (next.relay_peers.empty()) next.relay_peers = c.state_dir + "/relay_peers";
   take("authorized-keys", c.authorized_keys, next.authorized_keys, str);
   take("relay-peers", c.relay_peers, next.relay_peers, str);
-  keys_cache = {};
   auto restart = [&](const char* name, bool same) {
     if (!same) kept.push_back(name);
   };
@@ -485,6 +502,8 @@ void Server::Impl::reload(ServerConfig next) {
   std::string line = applied.empty() ? "SIGHUP: reloaded, nothing changed" : "SIGHUP: reloaded: " + fmt::format("{}", fmt::join(applied, ", "));
   line += "; authorized keys and relay peers are read again at the next session";
   if (!kept.empty()) line += fmt::format("; not applied, these need a restart: {}", fmt::join(kept, ", "));
+  config = std::move(staged);
+  keys_cache = {};  // the files are read again either way: a reload is how an operator says "look again"
   metrics.add("xdfs_reloads_total", {{"result", "ok"}});
   log(line);
   admit_waiting();
@@ -823,7 +842,8 @@ void Server::Impl::on_opening(const ConnPtr& c) {
   if (o->version != protocol_version)
     return refuse(c, errc::bad_version,
                   fmt::format("negotiation header version {}, this server speaks {}", o->version, protocol_version));
-  if (o->protect < config.min_protect)
+  // A join must match its session's protection (start_join), whatever a reload set since.
+  if (!o->join && o->protect < config.min_protect)
     return refuse(c, errc::permission_denied,
                   fmt::format("this server requires protection '{}' or stronger, the client asked for '{}'",
                               xsec::to_string(static_cast<xsec::Protect>(config.min_protect)),
@@ -1151,6 +1171,7 @@ void Server::Impl::on_joined(const ConnPtr& c, xsec::HandshakeResult r) {
     log_rationed(fmt::format("session {} refused channel {} from {}: {}: {}", c->opening.session.short_hex(),
                              c->opening.channel_index, c->peer, to_string(r.code), r.message));
     ++rejected;
+    metrics.add("xdfs_rejected_connections_total", {{"cause", xdfs::to_string(r.code)}});
     c->settled = true;
     ErrorCode ignored;
     c->deadline.cancel(ignored);
@@ -1229,6 +1250,8 @@ void Server::Impl::run_session(Session& s) {
     s.handler = factory(*s.env);
   } catch (const std::exception& e) {
     log(fmt::format("session {} could not start: {}", s.env->id.short_hex(), e.what()));
+    metrics.add("xdfs_sessions_ended_total", {{"mode", xdfs::to_string(s.env->nego.mode)}, {"outcome", "internal"}});
+    s.reported = true;
     s.guard.reset();
   }
   // A handler that throws fails its own session: the mode tells the peer and removes partial
@@ -1262,6 +1285,7 @@ void Server::Impl::run_session(Session& s) {
       rep.channels = s.env->nego.channel_count;
       rep.code = errc::internal;
       rep.message = what;
+      metrics.add("xdfs_sessions_ended_total", {{"mode", xdfs::to_string(rep.mode)}, {"outcome", "internal"}});
       log(format_report(rep));
     }
     break;

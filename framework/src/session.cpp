@@ -414,9 +414,9 @@ private:
     const char* mode = xdfs::to_string(op.mode);
     m.add("xdfs_operations_total", {{"mode", mode}, {"outcome", op.code == errc::ok ? "ok" : xdfs::to_string(op.code)}});
     if (op.code != errc::ok) m.add("xdfs_errors_total", {{"class", xdfs::to_string(recovery(op.code))}});
-    if (op.bytes) {
-      // A path-mode operation moves files both ways; a relay host receives (what it forwards
-      // is its next host's "in").
+    // A relay's bytes arrive by the upload session that feeds its place, counted there.
+    if (op.bytes && op.mode != Mode::relay) {
+      // A path-mode operation moves files both ways.
       const char* dir = op.mode == Mode::path ? "both" : (op.mode == Mode::download || op.mode == Mode::pull) ? "out" : "in";
       m.add("xdfs_transfer_bytes_total", {{"mode", mode}, {"direction", dir}}, op.bytes);
     }

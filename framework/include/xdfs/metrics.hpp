@@ -21,8 +21,9 @@ class Metrics {
 public:
   using Labels = std::vector<std::pair<std::string_view, std::string_view>>;
 
-  /// Adds n to the counter `family{labels}`. family must be one of families().
-  void add(std::string_view family, const Labels& labels, std::uint64_t n = 1);
+  /// Adds n to the counter `family{labels}` (family: one of families()). Never throws: a count
+  /// that cannot be kept (no memory) is lost, never a thread.
+  void add(std::string_view family, const Labels& labels, std::uint64_t n = 1) noexcept;
   /// The counter's value now (0 if never counted).
   std::uint64_t value(std::string_view family, const Labels& labels) const;
 
