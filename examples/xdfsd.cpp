@@ -127,7 +127,17 @@ void define(CLI::App& app, Options& o) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   auto cfg_opt = app.set_config("--config", "", "read settings from this TOML file (the options' long names as keys,\n"
                                                 "e.g. max-sessions = 64); the command line overrides it");
-  cfg_opt->check(CLI::ExistingFile)->type_name("FILE");
+  cfg_opt->type_name("FILE");
+  // A regular file: a FIFO or a device would hang the start, or a reload on the listener.
+  cfg_opt->check(CLI::Validator(
+      [](std::string& path) -> std::string {
+        struct stat st {};
+        if (::stat(path.c_str(), &st) != 0) return "'" + path + "': " + std::strerror(errno);
+        if (!S_ISREG(st.st_mode)) return "'" + path + "' is not a regular file";
+        if (st.st_size > (1 << 20)) return "'" + path + "' is larger than 1 MiB: not a config file";
+        return {};
+      },
+      ""));
   app.set_help_flag("-h,--help", "this text");
   app.add_flag("--check-config", o.check, "check the settings (and the root, keys and config files) and exit");
   auto text = [&](const char* name, std::string& into, const char* help) {

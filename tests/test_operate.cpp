@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -126,6 +127,11 @@ TEST_CASE("xdfsd --check-config: a valid file passes; a bad value, an unknown ke
   r = xdfsd({"--config", dir / "nope.toml", "--check-config"});
   CHECK(r.status == 2);
   CHECK(r.err.find("nope.toml") != std::string::npos);
+  REQUIRE(::mkfifo((dir / "fifo").c_str(), 0600) == 0);  // would hang a reader
+  r = xdfsd({"--config", dir / "fifo", "--check-config"});
+  CHECK(r.status == 2);
+  CHECK(one_line(r.err));
+  CHECK(r.err.find("is not a regular file") != std::string::npos);
   r = xdfsd({"--root", dir.path(), "--max-channels", "x"});
   CHECK(r.status == 2);
   CHECK(one_line(r.err));
