@@ -3,7 +3,8 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libfmt-dev capnproto libcapnp-dev doctest-dev
       clang libclang-rt-14-dev spin gdb iproute2 util-linux python3
-      libcli11-dev libtomlplusplus-dev libsystemd-dev)
+      libcli11-dev libtomlplusplus-dev libsystemd-dev
+      help2man systemd bash-completion dpkg-dev lintian man-db strace)  # packaging/ and its tests
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
