@@ -22,13 +22,20 @@ std::optional<std::uint64_t> parse_uint(const std::string& text, std::uint64_t l
 
 /// An xdfs://HOST[:PORT]/PATH URL. PATH is relative to the server root (leading '/' dropped).
 struct Url {
-  std::string host;
+  std::string host;  ///< a name or an address; an IPv6 one without its brackets
   std::uint16_t port = 7721;
-  std::string path;
+  std::string path;  ///< decoded: the bytes of the name
 };
 bool is_url(const std::string& text);
-/// Parses a URL; on failure returns nullopt and sets why.
+/// Parses a URL; on failure returns nullopt and sets why (one line, naming the URL). An IPv6
+/// HOST goes in brackets (xdfs://[::1]:7721/f; a zone as %25, xdfs://[fe80::1%25eth0]/f).
+/// %XX in PATH is the byte XX (%20 a space, %25 a '%', %2F a '/', which separates names as '/'
+/// does); a '%' not followed by two hex digits, or %00, is refused. A user name (USER@HOST) is
+/// refused: a client is its key (--identity), not a name.
 std::optional<Url> parse_url(const std::string& text, std::string& why);
+/// The URL parse_url reads back as host, port and path: an IPv6 host in brackets, and in the
+/// path '%', space and control bytes as %XX (so that a list of URLs is one a line).
+std::string format_url(const std::string& host, std::uint16_t port, const std::string& path);
 
 /// What --version prints: "PROGRAM VERSION (xDFS protocol N)" (XDFS_VERSION is set by the build).
 std::string version_line(const std::string& program);

@@ -1,5 +1,9 @@
 // xduc: copy a file or a directory tree to or from an xdfsd over n parallel channels, and
 // work on remote paths (ls, stat, mkdir, rm, mv, sum).
+//
+// Its options are defined once (CLI11): the help, the checks of their values and the subcommands
+// all come from that one definition.
+#include <CLI/CLI.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -12,7 +16,10 @@
 #include <cstring>
 
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
+#include <map>
+#include <mutex>
 #include <optional>
 
 #include <algorithm>
@@ -31,127 +38,189 @@
 
 namespace {
 
-const char* usage =
-    "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
-    "       xduc [OPTIONS] --files-from FILE DST\n"
-    "       xduc [-r] [OPTIONS] SRC... xdfs://HOST1/PATH xdfs://HOST2/PATH ... | --hosts FILE\n"
-    "       xduc -r [--sync [--checksum]] [--follow] [OPTIONS] SRC DST\n"
-    "       xduc ls [-r] | stat | mkdir [--parents] | rm [-r] | sum [--sha256]  xdfs://HOST[:PORT]/PATH ...\n"
-    "       xduc mv xdfs://HOST[:PORT]/PATH NEWPATH\n"
-    "       xduc get [--listen HOST:PORT] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
-    "       xduc keygen | pubkey\n"
-    "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
-    "one server, and all of them travel over one session (its channels are set up once).\n"
-    "With one SRC, DST may be a local directory, '-' (standard output) or a device such as\n"
-    "/dev/null; with several, DST is a directory (remote: the files go into it). SRC '-' uploads\n"
-    "standard input to the remote file DST names, as does a pipe or FIFO: a stream, whose size\n"
-    "is known at its end (its digest too); it cannot be resumed or retried.\n"
-    "  --files-from FILE      more SRCs, one a line ('-': standard input; empty lines and lines\n"
-    "                         starting with # are skipped); remote ones as xdfs:// URLs\n"
-    "  -r, --recursive        copy a directory tree (files, empty directories, symlinks, modes,\n"
-    "                         mtimes); as with rsync, SRC/ copies the contents of SRC into DST,\n"
-    "                         SRC without the slash copies the directory itself into DST\n"
-    "  --sync                 skip files whose size and mtime already match at DST\n"
-    "  --checksum             with --sync: compare content (SHA-256) instead of mtime\n"
-    "  --follow               copy what symlinks point to instead of the symlinks\n"
-    "  --workers N            local threads reading or writing files in a tree copy (default 4)\n"
-    "  --max-listing SIZE     memory a tree copy may hold for the server's listing (default 2G)\n"
-    "  --large-file SIZE      in a tree copy, files of at least SIZE go as transfers of their own\n"
-    "                         on the same session, as a single file does (default 64M; 0: never)\n"
-    "To many hosts: SRC... then two or more xdfs:// DSTs (or --hosts) go through a chain of those\n"
-    "xdfsd servers in the order given: each verifies every block, writes it and forwards it at\n"
-    "once, so a file leaves this machine about once and the last host has it about as soon as the\n"
-    "first. A host that fails is passed over and named; the others finish. A line per host.\n"
-    "Blocks are 256K there unless --block-size says otherwise (a host forwards a block once whole).\n"
-    "Several SRCs (and trees, with -r) go into each DST as a directory; a tree's small files travel\n"
-    "in packs (one chain each, written out on every host), so every byte leaves here about once.\n"
-    "  --hosts FILE           more DSTs for a chain, one xdfs:// URL a line (# comments skipped)\n"
-    "  --chains N             N chains fed at once, the hosts dealt among them in turn: for a\n"
-    "                         source whose link is N times faster than a host's (default 1)\n"
-    "  --chain-min SIZE       a tree's files of at least SIZE get a chain each, smaller ones are\n"
-    "                         packed (default 1M, at most 16M counts)\n"
-    "  --failed-hosts FILE    where to list the hosts that failed, to give back as --hosts\n"
-    "                         (default: xduc-failed-hosts in the current directory)\n"
-    "get asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
-    "regular files under that directory, as one pack, into the directory DST; at most 20000\n"
-    "files of at most 16M, 128M in all) and joins that file's chain: this host's own\n"
-    "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
-    "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
-    "needs it). Hosts asking at once or one after another all get the file about once from the\n"
-    "master. A lost session to the master is tried again (20 times); what was verified stays.\n"
-    "  --listen HOST:PORT     where this host's server listens for its upstream (default\n"
-    "                         0.0.0.0:0, a free port; the master connects to this host's address)\n"
-    "  --server-log FILE      append this host's server's log lines to FILE\n"
-    "ls lists (-r: the whole tree), stat shows one entry, mkdir makes a directory (--parents:\n"
-    "with its parents), rm removes (-r: directories with their contents), mv renames within the\n"
-    "server. sum prints a file's manifest digest for the block size (what --json reports after\n"
-    "a copy; local files too), or with --sha256 the SHA-256 of remote files as sha256sum does.\n"
-    "  -p, --parallel N       parallel TCP channels (default 1)\n"
-    "  --block-size SIZE      block size, e.g. 1M (default 1M, 4K..64M)\n"
-    "  --tcp-window SIZE      socket buffer size (default: kernel autotuning)\n"
-    "  --fsync                flush a downloaded file to disk before renaming it into place\n"
-    "  --limit-rate RATE      bytes per second for file transfers over all channels together,\n"
-    "                         e.g. 100M (binary units: 100 MiB/s; default: no limit)\n"
-    "  --no-verify            blocks travel without their SHA-256 digests (docs/manifest.md):\n"
-    "                         faster; in clear mode nothing then checks the data\n"
-    "  --no-zero-copy         an upload reads every block into memory first, instead of\n"
-    "                         sending it from the page cache by sendfile (clear mode)\n"
-    "  --debug                debug lines on standard error (zero copy, or why not)\n"
-    "  --retries N            a copy whose session is lost (the server gone or restarting, the\n"
-    "                         link cut, a timeout) goes on in a new session, resuming where it\n"
-    "                         was, up to N times in a row, waiting 1, 2, 4 ... 30 s with jitter; not\n"
-    "                         for refusals, missing files, a full disk, a session that never\n"
-    "                         opened, a download to '-' or a device, an upload of a stream or\n"
-    "                         into a server's FIFO (default 5; 0: never)\n"
-    "  --no-resume            start over instead of continuing an interrupted transfer (by\n"
-    "                         default a download is written as .NAME.xdfs-partial with a\n"
-    "                         record of its verified blocks, kept when the transfer is cut, and\n"
-    "                         the same command continues it; uploads resume at the server)\n"
-    "  --protect MODE         clear | integrity | private (default private): clear MACs control\n"
-    "                         frames only, integrity MACs every frame, private encrypts every frame\n"
-    "  --identity FILE        private key (default ~/.config/xdfs/id_x25519, made on first use)\n"
-    "  --known-hosts FILE     pinned server keys (default ~/.config/xdfs/known_hosts)\n"
-    "  --strict-host-key      refuse a server whose key is not pinned yet (default: pin on first use)\n"
-    "keygen makes the key if missing and prints its public half; pubkey prints the public half.\n"
-    "Give that line, followed by rw or ro, to the server's authorized_keys.\n"
-    "  --memory SIZE          benchmark mode: move SIZE bytes memory to memory, no disk at either\n"
-    "                         end (the local path is ignored; xdfsd needs --allow-memory-mode)\n"
-    "  -q, --quiet            no progress line\n"
-    "  --json                 print a one-line JSON summary at the end\n"
-    "  -h, --help             this text\n";
-
 std::atomic<bool> g_cancel{false};
 
 void on_signal(int) { g_cancel.store(true); }
 
+// What the user gave is escaped too: a file name with an escape sequence is shown, not acted on.
 [[noreturn]] void bad(const std::string& why) {
-  fmt::print(stderr, "xduc: bad argument: {}\n", why);
+  fmt::print(stderr, "xduc: bad argument: {}\n", xdfs::text::escape(why));
   std::exit(2);
 }
 
-struct ProgressLine {
-  bool shown = false;
-  void draw(const xdfs::Progress& p) {
-    const double rate = p.seconds > 0 ? static_cast<double>(p.bytes) / p.seconds : 0;
-    std::string eta = "--:--";
-    if (rate > 0 && p.total >= p.bytes) {
-      auto s = static_cast<long long>(static_cast<double>(p.total - p.bytes) / rate);
-      eta = fmt::format("{}:{:02}", s / 60, s % 60);
+// --progress: how a copy shows how far it is.
+enum class Show { none, line, json };
+
+// A copy's progress on standard error, drawn by a thread of its own: a line that redraws itself
+// every 200 ms (people), or a JSON object a line every second (programs). The copy only stores
+// its counters (set), so the threads that move the data do no more per block than that.
+class ProgressReport {
+public:
+  struct Counts {
+    std::uint64_t files = 0, files_total = 0, bytes = 0, bytes_total = 0;
+    bool totals_final = false;  ///< else the totals are what is known so far (a listing coming in, a stream)
+  };
+
+  explicit ProgressReport(Show show) : show_(show) {}
+  ProgressReport(const ProgressReport&) = delete;
+  ~ProgressReport() { stop(); }
+  Show show() const { return show_; }
+
+  // A copy starts; `files`: its line counts files (a tree, several sources), else it is one file's.
+  void begin(bool files) {
+    if (show_ == Show::none) return;
+    stop();
+    with_files_ = files;
+    store({});
+    told_ = false;
+    t0_ = std::chrono::steady_clock::now();
+    stopping_ = false;
+    thread_ = std::thread([this] { run(); });
+  }
+  void set(const Counts& c) {
+    store(c);
+    told_.store(true, std::memory_order_relaxed);
+  }
+  Counts counts() const {
+    return {files_.load(std::memory_order_relaxed), files_total_.load(std::memory_order_relaxed),
+            bytes_.load(std::memory_order_relaxed), bytes_total_.load(std::memory_order_relaxed),
+            totals_final_.load(std::memory_order_relaxed)};
+  }
+  // A line of its own on standard error: the progress line, if one is drawn, ends first.
+  void say(const std::string& line) {
+    std::lock_guard lk(out_mu_);
+    end_line();
+    fmt::print(stderr, "{}\n", line);
+  }
+  // The copy is over, whole or not: its last counts (given, or the last stored) once more, as the
+  // line's last state or as the JSON object with "final":true.
+  void finish(std::optional<Counts> last = std::nullopt) {
+    if (!thread_.joinable()) return;
+    stop();
+    if (last) store(*last);
+    std::lock_guard lk(out_mu_);
+    draw(true);
+    end_line();
+  }
+
+private:
+  void store(const Counts& c) {
+    files_.store(c.files, std::memory_order_relaxed);
+    files_total_.store(c.files_total, std::memory_order_relaxed);
+    bytes_.store(c.bytes, std::memory_order_relaxed);
+    bytes_total_.store(c.bytes_total, std::memory_order_relaxed);
+    totals_final_.store(c.totals_final, std::memory_order_relaxed);
+  }
+  void stop() {
+    {
+      std::lock_guard lk(mu_);
+      stopping_ = true;
     }
-    if (p.stream) {  // its size is known at its end
-      fmt::print(stderr, "\r{:>10}  {:>10}/s   ", xdfs::cli::human_bytes(static_cast<double>(p.bytes)),
-                 xdfs::cli::human_bytes(rate));
-      shown = true;
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void run() {
+    const auto every = std::chrono::milliseconds(show_ == Show::json ? 1000 : 200);
+    std::unique_lock lk(mu_);
+    while (!cv_.wait_for(lk, every, [this] { return stopping_; })) {
+      lk.unlock();
+      // A line only once the copy told something (not "0 B" while the session opens); JSON
+      // every second regardless, for a program that waits on it.
+      if (show_ == Show::json || told_.load(std::memory_order_relaxed)) {
+        std::lock_guard out(out_mu_);
+        draw(false);
+      }
+      lk.lock();
+    }
+  }
+  void end_line() {
+    if (line_shown_) fmt::print(stderr, "\n");
+    line_shown_ = false;
+  }
+  void draw(bool final) {
+    const Counts c = counts();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    const double rate = secs > 0 ? static_cast<double>(c.bytes) / secs : 0;
+    std::optional<std::uint64_t> eta;
+    if (final) eta = 0;
+    else if (c.totals_final && rate > 0 && c.bytes_total >= c.bytes)
+      eta = static_cast<std::uint64_t>(static_cast<double>(c.bytes_total - c.bytes) / rate);
+    if (show_ == Show::json) {
+      fmt::print(stderr,
+                 "{{\"files\":{},\"files_total\":{},\"bytes\":{},\"bytes_total\":{},\"totals_final\":{},"
+                 "\"bytes_per_second\":{:.0f},\"eta_seconds\":{},\"seconds\":{:.3f},\"final\":{}}}\n",
+                 c.files, c.files_total, c.bytes, c.bytes_total, c.totals_final, rate,
+                 eta ? std::to_string(*eta) : "null", secs, final);
+      std::fflush(stderr);
       return;
     }
-    const double pct = p.total ? 100.0 * static_cast<double>(p.bytes) / static_cast<double>(p.total) : 100.0;
-    fmt::print(stderr, "\r{:>10} / {:<10} {:5.1f}%  {:>10}/s  ETA {}   ", xdfs::cli::human_bytes(static_cast<double>(p.bytes)),
-               xdfs::cli::human_bytes(static_cast<double>(p.total)), pct, xdfs::cli::human_bytes(rate), eta);
-    shown = true;
+    auto human = [](std::uint64_t b) { return xdfs::cli::human_bytes(static_cast<double>(b)); };
+    std::string text;
+    if (with_files_) text = fmt::format("{}/{}{} files  ", c.files, c.files_total, c.totals_final ? "" : "+");
+    if (!c.totals_final) {  // a listing still coming in, or a stream (its size is known at its end)
+      text += fmt::format("{:>10}{}  {:>10}/s", human(c.bytes),
+                          with_files_ ? " / " + human(c.bytes_total) + "+" : std::string(), human(rate));
+    } else {
+      const double pct =
+          c.bytes_total ? 100.0 * static_cast<double>(c.bytes) / static_cast<double>(c.bytes_total) : 100.0;
+      text += fmt::format("{:>10} / {:<10} {:5.1f}%  {:>10}/s  ETA {}", human(c.bytes), human(c.bytes_total), pct,
+                          human(rate), eta ? fmt::format("{}:{:02}", *eta / 60, *eta % 60) : "--:--");
+    }
+    fmt::print(stderr, "\r{}   ", text);
+    line_shown_ = true;
   }
-  void end() {
-    if (shown) fmt::print(stderr, "\n");
-    shown = false;
+
+  const Show show_;
+  bool with_files_ = false;
+  std::chrono::steady_clock::time_point t0_;
+  std::atomic<std::uint64_t> files_{0}, files_total_{0}, bytes_{0}, bytes_total_{0};
+  std::atomic<bool> totals_final_{false};
+  std::atomic<bool> told_{false};  // set() was called since begin()
+  std::mutex mu_;      // stopping_, with cv_
+  std::mutex out_mu_;  // standard error, and line_shown_
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  bool line_shown_ = false;
+  std::thread thread_;
+};
+
+// Feeds a ProgressReport from a copy's callbacks: a tree's counts, a file transfer's bytes (a
+// single file, or a tree's large file on top of the tree's), after what the command's earlier
+// sources moved. All on the copy's thread (the one running the session).
+struct ProgressFeed {
+  explicit ProgressFeed(ProgressReport& r) : report(r) {}
+  ProgressReport& report;
+  ProgressReport::Counts before;  // earlier sources, or earlier sessions of this one
+  ProgressReport::Counts now;     // this source, as last told
+  bool last = true;               // no source after this one: the totals are the command's
+  bool in_tree = false;           // a file transfer is a large file of this source's tree
+
+  void tree(const xdfs::pathm::TreeProgress& p) {
+    now = {p.files, p.files_total, p.bytes, p.bytes_total, p.totals_final};
+    show(now);
+  }
+  void file(const xdfs::Progress& p) {
+    if (!in_tree) now = {0, 1, p.bytes, p.total, !p.stream};
+    auto c = now;
+    if (in_tree) c.bytes += p.bytes;
+    show(c);
+  }
+  void show(ProgressReport::Counts c) const { report.set(plus(c)); }
+  ProgressReport::Counts plus(ProgressReport::Counts c) const {
+    c.files += before.files;
+    c.files_total += before.files_total;
+    c.bytes += before.bytes;
+    c.bytes_total += before.bytes_total;
+    c.totals_final = c.totals_final && last;
+    return c;
+  }
+  // A single file of several sources is whole.
+  void file_done(std::uint64_t bytes) { now = {1, 1, bytes, bytes, true}; }
+  // This source (or its session) is over: what it did counts as done, and as its totals.
+  void next() {
+    before = plus({now.files, now.files, now.bytes, now.bytes, true});
+    now = {};
+    report.set(before);
   }
 };
 
@@ -265,7 +334,7 @@ bool read_sources(const std::string& file, std::vector<std::string>& out, std::s
 // One file to many hosts through a chain of their xdfsd servers: a line per host (as mcp),
 // the failed ones listed in a file that --hosts takes back.
 int copy_to_hosts(const std::vector<std::string>& srcs, const std::vector<std::string>& urls, xdfs::TransferOptions opt,
-                  const xdfs::RelaySetOptions& set, const std::string& failed_file, bool quiet, bool json) {
+                  const xdfs::RelaySetOptions& set, const std::string& failed_file, bool quiet, bool json, bool line) {
   std::vector<xdfs::RelayTarget> targets;
   for (const auto& u : urls) {
     std::string why;
@@ -273,7 +342,7 @@ int copy_to_hosts(const std::vector<std::string>& srcs, const std::vector<std::s
     if (!url) bad(why);
     targets.push_back({{url->host, url->port}, url->path});
   }
-  const bool tty = !quiet && ::isatty(STDERR_FILENO);
+  const bool tty = line;  // (--progress json does not apply: a host's line is its report)
   auto last = std::chrono::steady_clock::now();
   auto progress = [&](const std::vector<xdfs::RelayHost>& hosts) {
     if (!tty) return;
@@ -299,10 +368,9 @@ int copy_to_hosts(const std::vector<std::string>& srcs, const std::vector<std::s
     return report_error(e, e.remote(), json);
   }
   if (tty) fmt::print(stderr, "\n");
+  // As --hosts reads it back.
   auto where = [](const xdfs::RelayHost& h) {
-    return fmt::format("xdfs://{}:{}/{}", h.target.server.host.find(':') != std::string::npos ? "[" + h.target.server.host + "]"
-                                                                                          : h.target.server.host,
-                       h.target.server.port, h.target.path);
+    return xdfs::cli::format_url(h.target.server.host, h.target.server.port, h.target.path);
   };
   std::string hosts_json;
   std::vector<std::string> failed;
@@ -407,12 +475,12 @@ std::optional<xdfs::TransferError> session_lost(const xdfs::pathm::TreeError& e,
 
 // Says retry `tried` of `retries` in one line and waits 1, 2, 4 ... 30 s with +-50% jitter;
 // throws cancelled if the user stops it meanwhile.
-void wait_to_retry(unsigned tried, unsigned retries, const xdfs::TransferError& e) {
+void wait_to_retry(unsigned tried, unsigned retries, const xdfs::TransferError& e, ProgressReport& report) {
   const double base = std::min(30.0, static_cast<double>(1u << std::min(tried - 1, 5u)));
   static std::minstd_rand jitter{std::random_device{}()};
   const double wait = base * std::uniform_real_distribution<double>(0.5, 1.5)(jitter);
-  fmt::print(stderr, "xduc: retry {} of {} in {:.1f} s: {}{}: {}\n", tried, retries, wait, xdfs::to_string(e.code()),
-             e.remote() ? " (server)" : "", shown(e.context()));
+  report.say(fmt::format("xduc: retry {} of {} in {:.1f} s: {}{}: {}", tried, retries, wait, xdfs::to_string(e.code()),
+                         e.remote() ? " (server)" : "", shown(e.context())));
   for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait);
        std::chrono::steady_clock::now() < until && !g_cancel.load();)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -426,7 +494,7 @@ void wait_to_retry(unsigned tried, unsigned retries, const xdfs::TransferError& 
 // The exit status says whether all went well.
 int copy_many(const std::vector<std::string>& sources, const std::string& dst, bool up, const xdfs::cli::Url& url,
               const xdfs::TransferOptions& opt, xdfs::pathm::TreeOptions tree, bool recursive, bool quiet, bool json,
-              unsigned retries) {
+              unsigned retries, ProgressReport& report) {
   const xdfs::Endpoint ep{url.host, url.port};
   if (!up) {
     struct stat sb {};
@@ -443,9 +511,14 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
     if (u->path.empty()) bad("'" + shown(s) + "' names no remote file");
     remote_paths.push_back(u->path);
   }
-  const bool tty = !quiet && ::isatty(STDERR_FILENO);
-  ProgressLine line;
+  // Files and bytes of all sources: the totals grow as each source starts.
+  ProgressFeed feed{report};
+  report.begin(true);
   xdfs::TransferOptions o = opt;
+  if (report.show() != Show::none) {
+    o.progress = [&feed](const xdfs::Progress& p) { feed.file(p); };
+    tree.progress = [&feed](const xdfs::pathm::TreeProgress& p) { feed.tree(p); };
+  }
   const auto t0 = std::chrono::steady_clock::now();
   std::uint64_t files = 0, trees = 0, bytes = 0, failed = 0, skipped = 0;
   double setup = 0;
@@ -455,9 +528,8 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   std::vector<std::string> errors;  // for --json: each failure, with its class
   std::vector<std::string> digests;  // for --json: each file's manifest digest
   auto fail_line = [&](const std::string& what, const xdfs::Error& e, bool remote) {
-    line.end();
-    fmt::print(stderr, "xduc: {}: {}{}: {}\n", shown(what), xdfs::to_string(e.code()), remote ? " (server)" : "",
-               shown(e.context()));
+    report.say(fmt::format("xduc: {}: {}{}: {}", shown(what), xdfs::to_string(e.code()), remote ? " (server)" : "",
+                           shown(e.context())));
     errors.push_back(fmt::format("{{\"source\":\"{}\",{}", json_escape(shown(what)), json_error(e, remote).substr(1)));
     ++failed;
   };
@@ -465,9 +537,9 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   // the user stopped it while it waited).
   auto retry_in_new_session = [&](const xdfs::TransferError& e) {
     if (!worth_retrying(e, tried, retries)) return false;
-    line.end();
+    feed.next();  // what the lost session copied stays
     try {
-      wait_to_retry(++tried, retries, e);
+      wait_to_retry(++tried, retries, e, report);
     } catch (const xdfs::TransferError&) {
       return false;
     }
@@ -479,17 +551,19 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   for (; k < sources.size() && !g_cancel.load(); ++k) {
     const std::string& src = sources[k];
     const std::string name = base_name(up ? src : remote_paths[k]);
-    if (tty) o.progress = [&line](const xdfs::Progress& p) { line.draw(p); };
+    feed.last = k + 1 == sources.size();
     tried = 0;
     auto this_tree = tree;  // a retry of this source skips what is whole at DST; later sources do not
     for (bool again = true; again;) {  // again: the session was lost and is opened anew
     again = false;
+    feed.in_tree = false;
     auto& session = *session_holder;
     try {
       struct stat sb {};
       const bool tree_source = up ? (::stat(src.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode)) : false;
       if (tree_source && !recursive) throw xdfs::TransferError(xdfs::errc::is_directory, "'" + src + "' is a directory (-r copies trees)", false);
       if (tree_source) {
+        feed.in_tree = true;
         const bool contents = src.back() == '/';
         auto r = xdfs::upload_tree(session, src, contents ? url.path : join_path(url.path, name), this_tree, o);
         ++trees;
@@ -505,6 +579,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
           // A remote directory: with -r it is a tree, copied in path mode on the same session.
           if (up || !recursive || e.code() != xdfs::errc::is_directory || !session.usable()) throw;
           const bool contents = remote_paths[k].back() == '/';
+          feed.in_tree = true;
           auto t = xdfs::download_tree(session, remote_paths[k], contents ? dst : join_path(dst, name), this_tree, o);
           ++trees;
           files += t.files;
@@ -512,7 +587,7 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
           skipped += t.skipped;
           continue;
         }
-        line.end();
+        feed.file_done(r.bytes);
         if (files == 0 && trees == 0) setup = r.setup_seconds;
         if (!r.digest.empty())
           digests.push_back(fmt::format("{{\"source\":\"{}\",\"digest\":\"{}\"}}", json_escape(shown(src)), r.digest));
@@ -520,7 +595,6 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
         bytes += r.bytes;
       }
     } catch (const xdfs::pathm::TreeError& e) {
-      line.end();
       if (auto lost = session_lost(e, session); lost && retry_in_new_session(*lost)) {
         // Again, skipping what is already whole at DST, as --sync does.
         this_tree.sync = true;
@@ -528,8 +602,9 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
         continue;
       }
       for (const auto& f : e.result().failures) {
-        fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
-                   f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
+        report.say(fmt::format("xduc: {}{}: {}{}", xdfs::to_string(f.code), f.remote ? " (server)" : "",
+                               f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "",
+                               shown(f.message)));
         errors.push_back(fmt::format("{{\"source\":\"{}\",\"path\":\"{}\",{}", json_escape(shown(src)),
                                      json_escape(shown(f.path)), json_error(f.code, f.message, f.remote).substr(1)));
       }
@@ -546,13 +621,14 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
       fail_line(src, e, false);
     }
     }
+    feed.next();
     if (!session_holder->usable()) {
       ++k;
       break;
     }
   }
   session_holder->close();
-  line.end();
+  report.finish(ProgressReport::Counts{files, feed.before.files_total, bytes, feed.before.bytes_total, true});
   const std::uint64_t not_tried = sources.size() - k;
   if (not_tried) fmt::print(stderr, "xduc: {} source{} not copied: the session ended\n", not_tried, not_tried == 1 ? "" : "s");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -572,147 +648,413 @@ int copy_many(const std::vector<std::string>& sources, const std::string& dst, b
   return failed + not_tried ? 1 : 0;
 }
 
+// What the command line says, parsed: the copy's options and, for a subcommand, which.
+struct Command {
+  std::string name;                     ///< the subcommand (ls, get, keygen ...); empty: a copy
+  std::vector<std::string> positional;  ///< a copy's SRC... DST, or the subcommand's arguments
+  xdfs::TransferOptions opt;
+  xdfs::pathm::TreeOptions tree;
+  xdfs::RelaySetOptions chain_set;
+  xdfs::PullOptions pull_opt;
+  bool quiet = false, json = false, recursive = false, parents = false, plain_sha256 = false;
+  unsigned retries = 5;  ///< --retries: a copy whose session is lost goes on in a new one
+  bool block_size_given = false;
+  std::optional<Show> progress;  ///< --progress; default: a line on a terminal
+  std::string files_from, hosts_file, failed_hosts = "xduc-failed-hosts", server_log;
+};
+
+// xduc's help: each app's description begins with its usage lines; a group's heading may be the
+// paragraph its options need; the main help shows every command in full (no second page to find).
+class Help : public CLI::Formatter {
+public:
+  std::map<std::string, std::string> paragraphs;  ///< a group's heading -> the paragraph shown instead
+
+  std::string make_usage(const CLI::App*, std::string) const override { return {}; }
+  std::string make_positionals(const CLI::App*) const override { return {}; }
+  // One blank line before each group (CLI11 puts one between groups, and one after this).
+  std::string make_description(const CLI::App* app) const override { return CLI::Formatter::make_description(app) + "\n"; }
+  std::string make_group(std::string group, bool positional, std::vector<const CLI::Option*> opts) const override {
+    const auto p = paragraphs.find(group);
+    std::string out = (p == paragraphs.end() ? group + ":" : p->second) + "\n";
+    for (const auto* o : opts) out += make_option(o, positional);
+    return out;
+  }
+  std::string make_help(const CLI::App* app, std::string name, CLI::AppFormatMode mode) const override {
+    if (!app->get_parent() && mode == CLI::AppFormatMode::Normal) mode = CLI::AppFormatMode::All;
+    return CLI::Formatter::make_help(app, name, mode);
+  }
+  std::string make_expanded(const CLI::App* sub) const override {
+    const std::string text = make_description(sub) + make_groups(sub, CLI::AppFormatMode::Sub);
+    std::string out;
+    for (std::size_t at = 0, end; at < text.size(); at = end + 1) {
+      end = std::min(text.find('\n', at), text.size());
+      if (end > at) out += "  " + text.substr(at, end - at) + "\n";
+    }
+    return out;
+  }
+};
+
+// A value's check, in the words the option's help uses; CLI11 reports it (exit 2, one line).
+[[noreturn]] void reject(const std::string& why) { throw CLI::ValidationError(why); }
+
+std::uint64_t size_in(const std::string& v, const std::string& name, std::uint64_t lo, std::uint64_t hi,
+                      const std::string& what) {
+  auto n = xdfs::cli::parse_size(v);
+  if (!n || *n < lo || *n > hi) reject(name + " takes " + what);
+  return *n;
+}
+
+std::uint64_t count_in(const std::string& v, const std::string& name, std::uint64_t lo, std::uint64_t hi,
+                       const std::string& what) {
+  auto n = xdfs::cli::parse_uint(v, lo, hi);
+  if (!n) reject(fmt::format("{} takes {} from {} to {}", name, what, lo, hi));
+  return *n;
+}
+
+const char* const url_form = "xdfs://HOST[:PORT]/PATH";
+
+// Every option and subcommand, writing into c.
+void define(CLI::App& app, Command& c, Help& help) {
+  auto& opt = c.opt;
+  app.description(
+      "usage: xduc [-p N] [--block-size SIZE] [--tcp-window SIZE] [--protect MODE] [-q] [--json] SRC... DST\n"
+      "       xduc [OPTIONS] --files-from FILE DST\n"
+      "       xduc [-r] [OPTIONS] SRC... xdfs://HOST1/PATH xdfs://HOST2/PATH ... | --hosts FILE\n"
+      "       xduc -r [--sync [--checksum]] [--follow] [--progress MODE] [OPTIONS] SRC DST\n"
+      "       xduc ls | stat | mkdir | rm | mv | sum | get | keygen | pubkey  ... (below)\n"
+      "Copies files; either every SRC or DST is xdfs://HOST[:PORT]/PATH (default port 7721), all on\n"
+      "one server, and all of them travel over one session (its channels are set up once).\n"
+      "With one SRC, DST may be a local directory, '-' (standard output) or a device such as\n"
+      "/dev/null; with several, DST is a directory (remote: the files go into it). SRC '-' uploads\n"
+      "standard input to the remote file DST names, as does a pipe or FIFO: a stream, whose size\n"
+      "is known at its end (its digest too); it cannot be resumed or retried.\n"
+      "An IPv6 HOST goes in brackets (xdfs://[::1]:7721/f); %XX in PATH is the byte XX (%20 a\n"
+      "space, %25 a '%'). No USER@: the server knows this client by its key (--identity).");
+  app.require_subcommand(0, 1);
+  // An option given twice takes its last value, as before (scripts add to command lines).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("SRC", c.positional)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  help.column_width(25);
+
+  auto value = [](CLI::App* on, const std::string& names, const std::string& type, const std::string& text,
+                  std::function<void(const std::string&)> set) {
+    return on->add_option_function<std::string>(names, std::move(set), text)->type_name(type);
+  };
+  auto file = [](CLI::App* on, const std::string& names, std::string& into, const std::string& text) {
+    return on->add_option(names, into, text)->type_name("FILE");
+  };
+
+  const std::string copies = "Copies";
+  file(&app, "--files-from", c.files_from,
+       "more SRCs, one a line ('-': standard input; empty lines and lines\n"
+       "starting with # are skipped); remote ones as xdfs:// URLs")
+      ->group(copies);
+  app.add_flag("-r,--recursive", c.recursive,
+               "copy a directory tree (files, empty directories, symlinks, modes,\n"
+               "mtimes); as with rsync, SRC/ copies the contents of SRC into DST,\n"
+               "SRC without the slash copies the directory itself into DST")
+      ->group(copies);
+  app.add_flag("--sync", c.tree.sync, "skip files whose size and mtime already match at DST")->group(copies);
+  app.add_flag("--checksum", c.tree.checksum, "with --sync: compare content (SHA-256) instead of mtime")->group(copies);
+  app.add_flag("--follow", c.tree.follow, "copy what symlinks point to instead of the symlinks")->group(copies);
+  value(&app, "--workers", "N", "local threads reading or writing files in a tree copy (default 4)",
+        [&c](const std::string& v) { c.tree.workers = static_cast<unsigned>(count_in(v, "--workers", 1, 64, "a thread count")); })
+      ->group(copies);
+  value(&app, "--max-listing", "SIZE", "memory a tree copy may hold for the server's listing (default 2G)",
+        [&c](const std::string& v) {
+          c.tree.max_listing = static_cast<std::size_t>(
+              size_in(v, "--max-listing", 1u << 20, SIZE_MAX, "a size of at least 1M, e.g. 4G"));
+        })
+      ->group(copies);
+  value(&app, "--large-file", "SIZE",
+        "in a tree copy, files of at least SIZE go as transfers of their own\n"
+        "on the same session, as a single file does (default 64M; 0: never)",
+        [&c](const std::string& v) {
+          c.tree.large_file =
+              size_in(v, "--large-file", 0, UINT64_MAX, "a size, e.g. 64M (0: every file of a tree in path mode)");
+        })
+      ->group(copies);
+
+  const std::string hosts = "To many hosts";
+  help.paragraphs[hosts] =
+      "To many hosts: SRC... then two or more xdfs:// DSTs (or --hosts) go through a chain of those\n"
+      "xdfsd servers in the order given: each verifies every block, writes it and forwards it at\n"
+      "once, so a file leaves this machine about once and the last host has it about as soon as the\n"
+      "first. A host that fails is passed over and named; the others finish. A line per host.\n"
+      "Blocks are 256K there unless --block-size says otherwise (a host forwards a block once whole).\n"
+      "Several SRCs (and trees, with -r) go into each DST as a directory; a tree's small files travel\n"
+      "in packs (one chain each, written out on every host), so every byte leaves here about once.";
+  file(&app, "--hosts", c.hosts_file, "more DSTs for a chain, one xdfs:// URL a line (# comments skipped)")->group(hosts);
+  value(&app, "--chains", "N",
+        "N chains fed at once, the hosts dealt among them in turn: for a\n"
+        "source whose link is N times faster than a host's (default 1)",
+        [&c](const std::string& v) { c.chain_set.chains = static_cast<unsigned>(count_in(v, "--chains", 1, 64, "a count")); })
+      ->group(hosts);
+  value(&app, "--chain-min", "SIZE",
+        "a tree's files of at least SIZE get a chain each, smaller ones are\n"
+        "packed (default 1M, at most 16M counts)",
+        [&c](const std::string& v) {
+          c.chain_set.chain_threshold = size_in(v, "--chain-min", 1, UINT64_MAX, "a size of at least 1 byte, e.g. 1M");
+        })
+      ->group(hosts);
+  file(&app, "--failed-hosts", c.failed_hosts,
+       "where to list the hosts that failed, to give back as --hosts\n"
+       "(default: xduc-failed-hosts in the current directory)")
+      ->group(hosts);
+
+  const std::string transfers = "Transfers";
+  value(&app, "-p,--parallel", "N", "parallel TCP channels (default 1)", [&opt](const std::string& v) {
+    opt.channels = static_cast<unsigned>(count_in(v, "--parallel", 1, 4096, "a channel count"));
+  })->group(transfers);
+  value(&app, "--block-size", "SIZE", "block size, e.g. 1M (default 1M, 4K..64M)", [&c](const std::string& v) {
+    c.opt.block_size = static_cast<std::uint32_t>(size_in(v, "--block-size", xdfs::wire::min_block_size,
+                                                           xdfs::wire::max_block_size, "a size from 4K to 64M, e.g. 1M"));
+    c.block_size_given = true;
+  })->group(transfers);
+  value(&app, "--tcp-window", "SIZE", "socket buffer size (default: kernel autotuning)", [&opt](const std::string& v) {
+    opt.tcp_window = static_cast<std::uint32_t>(size_in(v, "--tcp-window", 4096, 1ull << 30, "a size from 4K to 1G"));
+  })->group(transfers);
+  app.add_flag("--fsync", opt.fsync, "flush a downloaded file to disk before renaming it into place")->group(transfers);
+  value(&app, "--limit-rate", "RATE",
+        "bytes per second for file transfers over all channels together,\n"
+        "e.g. 100M (binary units: 100 MiB/s; default: no limit)",
+        [&opt](const std::string& v) {
+          auto n = xdfs::cli::parse_rate(v);
+          if (!n) reject("--limit-rate takes a rate in bytes per second from 1K to 1P, e.g. 100M");
+          opt.limit_rate = *n;
+        })
+      ->group(transfers);
+  app.add_flag_callback("--no-verify", [&opt] { opt.verify = false; },
+                        "blocks travel without their SHA-256 digests (docs/manifest.md):\n"
+                        "faster; in clear mode nothing then checks the data")
+      ->group(transfers);
+  app.add_flag_callback("--no-zero-copy", [&opt] { opt.zero_copy = false; },
+                        "an upload reads every block into memory first, instead of\n"
+                        "sending it from the page cache by sendfile (clear mode)")
+      ->group(transfers);
+  app.add_flag_callback("--debug", [&opt] {
+       opt.debug = [](const std::string& line) { fmt::print(stderr, "xduc: debug: {}\n", xdfs::text::escape(line)); };
+     }, "debug lines on standard error (zero copy, or why not)")
+      ->group(transfers);
+  value(&app, "--retries", "N",
+        "a copy whose session is lost (the server gone or restarting, the\n"
+        "link cut, a timeout) goes on in a new session, resuming where it\n"
+        "was, up to N times in a row, waiting 1, 2, 4 ... 30 s with jitter; not\n"
+        "for refusals, missing files, a full disk, a session that never\n"
+        "opened, a download to '-' or a device, an upload of a stream or\n"
+        "into a server's FIFO (default 5; 0: never)",
+        [&c](const std::string& v) { c.retries = static_cast<unsigned>(count_in(v, "--retries", 0, 100, "a count")); })
+      ->group(transfers);
+  app.add_flag_callback("--no-resume", [&opt] { opt.resume = false; },
+                        "start over instead of continuing an interrupted transfer (by\n"
+                        "default a download is written as .NAME.xdfs-partial with a\n"
+                        "record of its verified blocks, kept when the transfer is cut, and\n"
+                        "the same command continues it; uploads resume at the server)")
+      ->group(transfers);
+  value(&app, "--memory", "SIZE",
+        "benchmark mode: move SIZE bytes memory to memory, no disk at either\n"
+        "end (the local path is ignored; xdfsd needs --allow-memory-mode)",
+        [&opt](const std::string& v) {
+          opt.memory_size = size_in(v, "--memory", 0, UINT64_MAX, "a size, e.g. 4G");
+          opt.memory = true;
+        })
+      ->group(transfers);
+
+  const std::string security = "Security";
+  value(&app, "--protect", "MODE",
+        "clear | integrity | private (default private): clear MACs control\n"
+        "frames only, integrity MACs every frame, private encrypts every frame",
+        [&opt](const std::string& v) {
+          auto p = xdfs::xsec::parse_protect(v);
+          if (!p) reject("--protect takes clear, integrity or private");
+          opt.protect = *p;
+        })
+      ->group(security);
+  file(&app, "--identity", opt.identity_file, "private key (default ~/.config/xdfs/id_x25519, made on first use)")
+      ->group(security);
+  file(&app, "--known-hosts", opt.known_hosts_file, "pinned server keys (default ~/.config/xdfs/known_hosts)")
+      ->group(security);
+  app.add_flag("--strict-host-key", opt.strict_host_key, "refuse a server whose key is not pinned yet (default: pin on first use)")
+      ->group(security);
+
+  const std::string output = "Output";
+  app.add_flag("-q,--quiet", c.quiet, "no progress line (unless --progress says so) and no summary")->group(output);
+  value(&app, "--progress", "MODE",
+        "line: a line on standard error that redraws itself (files and bytes\n"
+        "of the total, rate, ETA; the default on a terminal); json: for\n"
+        "programs, a JSON object a line on standard error every second\n"
+        "({\"files\",\"files_total\",\"bytes\",\"bytes_total\",\"totals_final\",\n"
+        "\"bytes_per_second\",\"eta_seconds\",\"seconds\",\"final\"}), the last one with\n"
+        "\"final\":true; none. A download's totals grow as the listing comes\n"
+        "(\"totals_final\":false until it is all in)",
+        [&c](const std::string& v) {
+          if (v == "line") c.progress = Show::line;
+          else if (v == "json") c.progress = Show::json;
+          else if (v == "none") c.progress = Show::none;
+          else reject("--progress takes line, json or none");
+        })
+      ->group(output);
+  app.add_flag("--json", c.json, "print a one-line JSON summary at the end")->group(output);
+  app.set_help_flag("-h,--help", "this text (xduc COMMAND --help: one command's)")->group(output);
+  app.set_version_flag("--version", xdfs::cli::version_line("xduc"), "print the version and the protocol version")
+      ->group(output);
+
+  // The subcommands: their own options here; the ones above go after their names too.
+  auto command = [&](const char* name, const std::string& text) {
+    CLI::App* sub = app.add_subcommand(name, text);
+    sub->fallthrough();
+    sub->group("Commands (each takes the options above too, e.g. xduc ls --json URL)");
+    sub->set_help_flag("-h,--help", "this text");
+    sub->add_option("ARGS", c.positional);
+    sub->footer("The options of xduc --help (-p, --protect, --identity, --known-hosts, --json ...) go\n"
+                "after the command too.");
+    return sub;
+  };
+  const std::string flags = "Options";
+  CLI::App* ls = command("ls", fmt::format("usage: xduc ls [-r] [OPTIONS] {} ...\nlists remote paths (-r: the whole tree)", url_form));
+  ls->add_flag("-r,--recursive", c.recursive, "the whole tree")->group(flags);
+  command("stat", fmt::format("usage: xduc stat [OPTIONS] {} ...\nshows one remote entry", url_form));
+  command("mkdir", fmt::format("usage: xduc mkdir [--parents] [OPTIONS] {} ...\nmakes a remote directory", url_form))
+      ->add_flag("--parents", c.parents, "with its parents")
+      ->group(flags);
+  command("rm", fmt::format("usage: xduc rm [-r] [OPTIONS] {} ...\nremoves remote paths", url_form))
+      ->add_flag("-r,--recursive", c.recursive, "directories with their contents")
+      ->group(flags);
+  command("mv", fmt::format("usage: xduc mv [OPTIONS] {} NEWPATH\nrenames within the server", url_form));
+  command("sum", fmt::format("usage: xduc sum [--sha256] [--block-size SIZE] [OPTIONS] {} ... | FILE ...\n"
+                             "prints a file's manifest digest for the block size (what --json reports after\n"
+                             "a copy; local files too), or with --sha256 the SHA-256 of remote files as\n"
+                             "sha256sum does",
+                             url_form))
+      ->add_flag("--sha256", c.plain_sha256, "the plain SHA-256 of remote files")
+      ->group(flags);
+  CLI::App* get = command(
+      "get",
+      "usage: xduc get [-r] [--listen HOST:PORT] [--server-log FILE] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
+      "asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
+      "regular files under that directory, as one pack, into the directory DST; at most 20000\n"
+      "files of at most 16M, 128M in all) and joins that file's chain: this host's own\n"
+      "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
+      "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
+      "needs it). Hosts asking at once or one after another all get the file about once from the\n"
+      "master. A lost session to the master is tried again (20 times); what was verified stays.");
+  get->add_flag("-r,--recursive", c.recursive, "PATH is a directory: its files, as a set")->group(flags);
+  value(get, "--listen", "HOST:PORT",
+        "where this host's server listens for its upstream (default\n"
+        "0.0.0.0:0, a free port; the master connects to this host's address)",
+        [&c](const std::string& v) {
+          // This host's server binds there: an IP address of this host and a port (0: any free
+          // one), both given (the server's own default port is not what a pulling host wants).
+          std::string host;
+          std::uint16_t port = 0, port2 = 0;
+          boost::system::error_code ec;
+          if (!xdfs::xdsi::parse_host_port(v, 1, host, port) || !xdfs::xdsi::parse_host_port(v, 2, host, port2) ||
+              port != port2 || (boost::asio::ip::make_address(host, ec), ec))
+            reject("--listen takes an IP address and a port, e.g. 0.0.0.0:0 or [::]:7722 (not '" +
+                   xdfs::text::escape(v) + "')");
+          c.pull_opt.listen = v;
+        })
+      ->group(flags);
+  file(get, "--server-log", c.server_log, "append this host's server's log lines to FILE")->group(flags);
+  const char* key_text =
+      "Give that line, followed by rw or ro, to the server's authorized_keys (--identity FILE: another key).";
+  command("keygen", fmt::format("usage: xduc keygen [--identity FILE]\n"
+                                "makes the key if missing and prints its public half.\n{}",
+                                key_text));
+  command("pubkey", fmt::format("usage: xduc pubkey [--identity FILE]\nprints the key's public half.\n{}", key_text));
+}
+
+// A subcommand's name counts only as the first word that is neither an option nor an option's
+// value, as before: `xduc xdfs://h/f stat` downloads into ./stat. Elsewhere the name is a path.
+void commands_first_only(CLI::App& app, const std::vector<std::string>& args) {
+  auto takes_value = [&](const std::string& name) {
+    const CLI::Option* o = app.get_option_no_throw(name);
+    return o && o->get_items_expected_min() > 0;
+  };
+  std::size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() > 1 && a[0] == '-') {
+      if (a[1] == '-') {
+        if (a.find('=') == std::string::npos && takes_value(a)) ++i;
+      } else {
+        for (std::size_t k = 1; k < a.size(); ++k)  // -rp 4: the last one takes the next word
+          if (takes_value(std::string("-") + a[k])) {
+            if (k + 1 == a.size()) ++i;
+            break;
+          }
+      }
+      continue;
+    }
+    for (auto* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      if (sub->get_name() == a) return;
+    break;
+  }
+  if (i >= args.size()) return;  // no word at all
+  for (auto* sub : app.get_subcommands([](CLI::App*) { return true; })) sub->disabled();
+}
+
+// A CLI11 error as one line; an option of another command than the one given says which.
+std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
+  if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
+    for (const auto& a : app.remaining(true)) {
+      if (a.size() < 2 || a[0] != '-') continue;
+      const std::string name = a.substr(0, a.find('='));
+      std::vector<std::string> owners;
+      for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+        if (sub->get_option_no_throw(name)) owners.push_back(sub->get_name());
+      if (!owners.empty())
+        return fmt::format("{} goes with {} (xduc {} {} ...)", name, fmt::join(owners, " or "), owners[0], name);
+    }
+    return std::string(e.what()) + " (see --help)";
+  }
+  return e.what();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  xdfs::TransferOptions opt;
-  bool quiet = false;
-  bool json = false;
-  bool plain_sha256 = false;
-  unsigned retries = 5;  // --retries: a copy whose session is lost goes on in a new one
-  bool recursive = false;
-  bool parents = false;
-  xdfs::pathm::TreeOptions tree;
-  std::vector<std::string> positional;
-  std::string files_from;
-  std::string hosts_file;
-  bool block_size_given = false;
-  std::string failed_hosts = "xduc-failed-hosts";
-  xdfs::RelaySetOptions chain_set;
-  xdfs::PullOptions pull_opt;
-  std::string server_log;
-  bool listen_given = false;
-  std::vector<std::string> args(argv + 1, argv + argc);
-  auto value = [&](std::size_t& i) -> const std::string& {
-    if (i + 1 >= args.size()) bad(args[i] + " needs a value");
-    return args[++i];
-  };
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "-h" || a == "--help") {
-      fmt::print("{}", usage);
-      return 0;
-    } else if (a == "-p" || a == "--parallel") {
-      auto v = xdfs::cli::parse_uint(value(i), 1, 4096);
-      if (!v) bad("-p takes a channel count from 1 to 4096");
-      opt.channels = static_cast<unsigned>(*v);
-    } else if (a == "--block-size") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v < xdfs::wire::min_block_size || *v > xdfs::wire::max_block_size)
-        bad("--block-size takes a size from 4K to 64M, e.g. 1M");
-      opt.block_size = static_cast<std::uint32_t>(*v);
-      block_size_given = true;
-    } else if (a == "--tcp-window") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v < 4096 || *v > (1ull << 30)) bad("--tcp-window takes a size from 4K to 1G");
-      opt.tcp_window = static_cast<std::uint32_t>(*v);
-    } else if (a == "--limit-rate") {
-      auto v = xdfs::cli::parse_rate(value(i));
-      if (!v) bad("--limit-rate takes a rate in bytes per second from 1K to 1P, e.g. 100M");
-      opt.limit_rate = *v;
-    } else if (a == "--no-verify") {
-      opt.verify = false;
-    } else if (a == "--no-zero-copy") {
-      opt.zero_copy = false;
-    } else if (a == "--debug") {
-      opt.debug = [](const std::string& line) { fmt::print(stderr, "xduc: debug: {}\n", xdfs::text::escape(line)); };
-    } else if (a == "--no-resume") {
-      opt.resume = false;
-    } else if (a == "--retries") {
-      auto v = xdfs::cli::parse_uint(value(i), 0, 100);
-      if (!v) bad("--retries takes a count from 0 to 100");
-      retries = static_cast<unsigned>(*v);
-    } else if (a == "--sha256") {
-      plain_sha256 = true;
-    } else if (a == "--fsync") {
-      opt.fsync = true;
-    } else if (a == "--protect") {
-      auto p = xdfs::xsec::parse_protect(value(i));
-      if (!p) bad("--protect takes clear, integrity or private");
-      opt.protect = *p;
-    } else if (a == "--identity") {
-      opt.identity_file = value(i);
-    } else if (a == "--known-hosts") {
-      opt.known_hosts_file = value(i);
-    } else if (a == "--strict-host-key") {
-      opt.strict_host_key = true;
-    } else if (a == "--memory") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v) bad("--memory takes a size, e.g. 4G");
-      opt.memory = true;
-      opt.memory_size = *v;
-    } else if (a == "-r" || a == "--recursive") {
-      recursive = true;
-    } else if (a == "--parents") {
-      parents = true;
-    } else if (a == "--sync") {
-      tree.sync = true;
-    } else if (a == "--checksum") {
-      tree.checksum = true;
-    } else if (a == "--follow") {
-      tree.follow = true;
-    } else if (a == "--max-listing") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v < (1u << 20)) bad("--max-listing takes a size of at least 1M, e.g. 4G");
-      tree.max_listing = static_cast<std::size_t>(*v);
-    } else if (a == "--workers") {
-      auto v = xdfs::cli::parse_uint(value(i), 1, 64);
-      if (!v) bad("--workers takes a thread count from 1 to 64");
-      tree.workers = static_cast<unsigned>(*v);
-    } else if (a == "--chains") {
-      auto v = xdfs::cli::parse_uint(value(i), 1, 64);
-      if (!v) bad("--chains takes a count from 1 to 64");
-      chain_set.chains = static_cast<unsigned>(*v);
-    } else if (a == "--chain-min") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v || *v == 0) bad("--chain-min takes a size of at least 1 byte, e.g. 1M");
-      chain_set.chain_threshold = *v;
-    } else if (a == "--large-file") {
-      auto v = xdfs::cli::parse_size(value(i));
-      if (!v) bad("--large-file takes a size, e.g. 64M (0: every file of a tree in path mode)");
-      tree.large_file = *v;
-    } else if (a == "--files-from") {
-      files_from = value(i);
-    } else if (a == "--listen") {
-      pull_opt.listen = value(i);
-      listen_given = true;
-    } else if (a == "--server-log") {
-      server_log = value(i);
-    } else if (a == "--hosts") {
-      hosts_file = value(i);
-    } else if (a == "--failed-hosts") {
-      failed_hosts = value(i);
-    } else if (a == "-q" || a == "--quiet") {
-      quiet = true;
-    } else if (a == "--json") {
-      json = true;
-    } else if (a.size() > 1 && a[0] == '-' && a != "-") {
-      bad("unknown option '" + a + "' (see --help)");
-    } else {
-      positional.push_back(a);
-    }
+  Command c;
+  Help* help = nullptr;
+  CLI::App app{"", "xduc"};
+  {
+    auto h = std::make_shared<Help>();
+    help = h.get();
+    app.formatter(h);
   }
-  if (positional.size() == 1 && (positional[0] == "keygen" || positional[0] == "pubkey")) {
+  define(app, c, *help);
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    commands_first_only(app, args);
+    std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes them last first
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      if (dynamic_cast<const CLI::CallForVersion*>(&e)) fmt::print("{}\n", e.what());
+      else fmt::print("{}", app.help());  // the command's, if one was given
+      return 0;
+    }
+    bad(parse_error_text(app, e));
+  }
+  if (const auto subs = app.get_subcommands(); !subs.empty()) c.name = subs[0]->get_name();
+  auto& opt = c.opt;
+  auto& tree = c.tree;
+  auto& positional = c.positional;
+  const bool quiet = c.quiet, json = c.json, recursive = c.recursive;
+
+  if (c.name == "keygen" || c.name == "pubkey") {
+    if (!positional.empty()) bad(c.name + " takes no arguments (--identity FILE names the key)");
     const std::string path =
         opt.identity_file.empty() ? xdfs::xsec::default_config_dir() + "/id_x25519" : opt.identity_file;
     try {
       bool created = false;
-      auto key = positional[0] == "keygen" ? xdfs::xsec::load_or_create_key(path, &created) : xdfs::xsec::load_key(path);
-      if (created) fmt::print(stderr, "xduc: made a new key in {}\n", path);
+      auto key = c.name == "keygen" ? xdfs::xsec::load_or_create_key(path, &created) : xdfs::xsec::load_key(path);
+      if (created) fmt::print(stderr, "xduc: made a new key in {}\n", shown(path));
       fmt::print("{}\n", xdfs::xsec::format_public(key.public_key));
       return 0;
     } catch (const xdfs::Error& e) {
-      fmt::print(stderr, "xduc: {}\n", e.what());
+      fmt::print(stderr, "xduc: {}\n", shown(e.what()));
       return 1;
     }
   }
@@ -727,34 +1069,28 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   opt.cancel = &g_cancel;
-  if (!quiet) opt.notice = [](const std::string& line) { fmt::print(stderr, "xduc: {}\n", line); };
+  // Progress on standard error: by default a line on a terminal, but not over a download that
+  // goes to standard output on the same terminal.
+  const bool onto_terminal = c.name.empty() && !positional.empty() && positional.back() == "-" && ::isatty(STDOUT_FILENO);
+  ProgressReport report(c.progress.value_or(!quiet && ::isatty(STDERR_FILENO) && !onto_terminal ? Show::line : Show::none));
+  if (!quiet) opt.notice = [&report](const std::string& line) { report.say("xduc: " + line); };
 
-  if (!positional.empty() && positional[0] == "get") {
-    if (positional.size() != 3 || !xdfs::cli::is_url(positional[1]) || xdfs::cli::is_url(positional[2]))
+  if (c.name == "get") {
+    auto& pull_opt = c.pull_opt;
+    if (positional.size() != 2 || !xdfs::cli::is_url(positional[0]) || xdfs::cli::is_url(positional[1]))
       bad("get takes xdfs://MASTER[:PORT]/PATH and a local DST");
     std::string why;
-    auto url = xdfs::cli::parse_url(positional[1], why);
+    auto url = xdfs::cli::parse_url(positional[0], why);
     if (!url) bad(why);
     // A directory (-r, or a path ending in '/'): a set, its files into DST.
     pull_opt.set = recursive || url->path.empty() || url->path.back() == '/';
     while (pull_opt.set && url->path.size() > 1 && url->path.back() == '/') url->path.pop_back();
     if (url->path.empty()) url->path = ".";
-    if (!block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
-    {
-      // This host's server binds there: an IP address of this host and a port (0: any free one),
-      // both given (the server's own default port is not what a pulling host wants).
-      std::string host;
-      std::uint16_t port = 0, port2 = 0;
-      boost::system::error_code ec;
-      if (!xdfs::xdsi::parse_host_port(pull_opt.listen, 1, host, port) ||
-          !xdfs::xdsi::parse_host_port(pull_opt.listen, 2, host, port2) || port != port2 ||
-          (boost::asio::ip::make_address(host, ec), ec))
-        bad("--listen takes an IP address and a port, e.g. 0.0.0.0:0 or [::]:7722 (not '" + shown(pull_opt.listen) + "')");
-    }
+    if (!c.block_size_given) opt.block_size = 256u << 10;  // a host forwards a block once it is whole
     std::FILE* log = nullptr;
-    if (!server_log.empty()) {
-      log = std::fopen(server_log.c_str(), "ae");
-      if (!log) bad("--server-log '" + shown(server_log) + "': " + std::strerror(errno));
+    if (!c.server_log.empty()) {
+      log = std::fopen(c.server_log.c_str(), "ae");
+      if (!log) bad("--server-log '" + shown(c.server_log) + "': " + std::strerror(errno));
       pull_opt.log = [log](const std::string& line) {
         const auto t = std::time(nullptr);
         std::tm tm{};
@@ -765,8 +1101,14 @@ int main(int argc, char** argv) {
         std::fflush(log);
       };
     }
+    report.begin(false);
+    if (report.show() != Show::none)
+      pull_opt.progress = [&report](std::uint64_t verified, std::uint64_t size) {
+        report.set({0, 1, verified, size, size > 0});
+      };
     try {
-      const auto r = xdfs::pull({url->host, url->port}, url->path, positional[2], opt, pull_opt);
+      const auto r = xdfs::pull({url->host, url->port}, url->path, positional[1], opt, pull_opt);
+      report.finish(ProgressReport::Counts{pull_opt.set ? r.files : 1, pull_opt.set ? r.files : 1, r.size, r.size, true});
       if (json)
         fmt::print("{{\"pulled\":\"{}\",\"local\":\"{}\",\"set\":{},\"files\":{},\"bytes\":{},\"seconds\":{:.3f},"
                    "\"tries\":{}}}\n",
@@ -778,19 +1120,17 @@ int main(int argc, char** argv) {
                    r.seconds, r.tries > 1 ? fmt::format(", {} sessions to the master", r.tries) : std::string());
       return 0;
     } catch (const xdfs::TransferError& e) {
+      report.finish();
       return report_error(e, e.remote(), json);
     }
   }
-  if (listen_given || !server_log.empty()) bad("--listen and --server-log go with get");
 
-  static const std::vector<std::string> ops{"ls", "stat", "mkdir", "rm", "mv", "sum"};
-  if (!positional.empty() && std::find(ops.begin(), ops.end(), positional[0]) != ops.end()) {
-    const std::string op = positional[0];
-    std::vector<std::string> targets(positional.begin() + 1, positional.end());
+  if (!c.name.empty()) {  // ls, stat, mkdir, rm, mv, sum
+    const std::string& op = c.name;
+    const std::vector<std::string>& targets = positional;
     if (targets.empty()) bad(op + " needs an xdfs://HOST[:PORT]/PATH");
-    if (plain_sha256 && op != "sum") bad("--sha256 goes with sum");
     // sum of local files: the same manifest digest, computed here.
-    if (op == "sum" && !xdfs::cli::is_url(targets[0])) return sum_local(targets, opt.block_size, plain_sha256);
+    if (op == "sum" && !xdfs::cli::is_url(targets[0])) return sum_local(targets, opt.block_size, c.plain_sha256);
     if (op == "mv" && targets.size() != 2) bad("mv takes xdfs://HOST[:PORT]/PATH and the new path");
     std::vector<xdfs::cli::Url> urls;
     for (std::size_t k = 0; k < targets.size(); ++k) {
@@ -829,11 +1169,11 @@ int main(int argc, char** argv) {
           } else if (op == "stat") {
             print_entry(fs->stat(u.path), json);
           } else if (op == "mkdir") {
-            fs->mkdir(u.path, parents);
+            fs->mkdir(u.path, c.parents);
           } else if (op == "rm") {
             fs->remove(u.path, recursive);
           } else if (op == "sum") {
-            fmt::print("{}  {}\n", plain_sha256 ? fs->checksum(u.path) : fs->manifest_digest(u.path, opt.block_size),
+            fmt::print("{}  {}\n", c.plain_sha256 ? fs->checksum(u.path) : fs->manifest_digest(u.path, opt.block_size),
                        shown(u.path));
           }
         }
@@ -854,19 +1194,19 @@ int main(int argc, char** argv) {
   {
     std::size_t urls = 0;
     while (urls < positional.size() && xdfs::cli::is_url(positional[positional.size() - 1 - urls])) ++urls;
-    if (!hosts_file.empty() || (urls >= 2 && (urls < positional.size() || !files_from.empty()))) {
+    if (!c.hosts_file.empty() || (urls >= 2 && (urls < positional.size() || !c.files_from.empty()))) {
       std::vector<std::string> hosts(positional.end() - static_cast<std::ptrdiff_t>(urls), positional.end());
-      if (!hosts_file.empty()) {
+      if (!c.hosts_file.empty()) {
         std::string why;
-        if (!read_sources(hosts_file, hosts, why, "--hosts")) bad(why);
+        if (!read_sources(c.hosts_file, hosts, why, "--hosts")) bad(why);
       }
       std::vector<std::string> srcs(positional.begin(), positional.end() - static_cast<std::ptrdiff_t>(urls));
-      if (!files_from.empty()) {
+      if (!c.files_from.empty()) {
         std::string why;
-        if (!read_sources(files_from, srcs, why)) bad(why);
+        if (!read_sources(c.files_from, srcs, why)) bad(why);
       }
       if (srcs.empty()) bad("a chain to several hosts needs a SRC");
-      if (hosts.empty()) bad("--hosts " + shown(hosts_file) + " names no host");
+      if (hosts.empty()) bad("--hosts " + shown(c.hosts_file) + " names no host");
       for (const auto& h : hosts)
         if (!xdfs::cli::is_url(h)) bad("'" + shown(h) + "' is not an xdfs:// URL (a chain's hosts are remote)");
       for (const auto& s : srcs) {
@@ -880,19 +1220,19 @@ int main(int argc, char** argv) {
       if (opt.memory) bad("--memory does not go with several hosts");
       if (tree.sync) bad("--sync does not go with several hosts (a chain resumes what a host has)");
       // Every host forwards a block once it has it whole: smaller blocks fill the chain sooner.
-      if (!block_size_given) opt.block_size = 256 * 1024;
-      chain_set.recursive = recursive;
-      chain_set.tree = tree;
-      return copy_to_hosts(srcs, hosts, opt, chain_set, failed_hosts, quiet, json);
+      if (!c.block_size_given) opt.block_size = 256 * 1024;
+      c.chain_set.recursive = recursive;
+      c.chain_set.tree = tree;
+      return copy_to_hosts(srcs, hosts, opt, c.chain_set, c.failed_hosts, quiet, json, report.show() == Show::line);
     }
   }
-  if (positional.empty() || (positional.size() < 2 && files_from.empty()))
+  if (positional.empty() || (positional.size() < 2 && c.files_from.empty()))
     bad("expected SRC... DST (see --help)");
   std::vector<std::string> sources(positional.begin(), positional.end() - 1);
-  if (!files_from.empty()) {
+  if (!c.files_from.empty()) {
     std::string why;
-    if (!read_sources(files_from, sources, why)) bad(why);
-    if (sources.empty()) bad("--files-from " + files_from + " names no source");
+    if (!read_sources(c.files_from, sources, why)) bad(why);
+    if (sources.empty()) bad("--files-from " + shown(c.files_from) + " names no source");
   }
   const std::string& dst = positional.back();
   const bool up = xdfs::cli::is_url(dst);
@@ -905,13 +1245,13 @@ int main(int argc, char** argv) {
   auto url = xdfs::cli::parse_url(up ? dst : sources[0], why);
   if (!url) bad(why);
   if (!recursive && (tree.sync || tree.follow)) bad("--sync and --follow go with -r");
-  if (up && (sources.size() > 1 || !files_from.empty() || recursive) &&
+  if (up && (sources.size() > 1 || !c.files_from.empty() || recursive) &&
       std::find(sources.begin(), sources.end(), "-") != sources.end())
     bad("standard input ('-') is uploaded alone, to a remote file name, without -r");
-  if (sources.size() > 1 || !files_from.empty())
-    return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json, retries);
+  if (sources.size() > 1 || !c.files_from.empty())
+    return copy_many(sources, dst, up, *url, opt, tree, recursive, quiet, json, c.retries, report);
   const std::string& src = sources[0];
-  if (down && url->path.empty()) bad("'" + src + "' names no remote file");
+  if (down && url->path.empty()) bad("'" + shown(src) + "' names no remote file");
   if (up && src == "-" && !opt.memory && (url->path.empty() || url->path.back() == '/'))
     bad("uploading standard input needs a remote file name: xdfs://HOST[:PORT]/DIR/NAME");
 
@@ -926,32 +1266,23 @@ int main(int argc, char** argv) {
       if (up) remote = join_path(remote, base_name(src));
       else local = join_path(local, base_name(url->path));
     }
-    const bool tty = !quiet && ::isatty(STDERR_FILENO);
-    auto last = std::chrono::steady_clock::now();
-    if (tty)
-      tree.progress = [&](std::uint64_t files, std::uint64_t bytes) {
-        auto now = std::chrono::steady_clock::now();
-        if (now - last < std::chrono::milliseconds(200)) return;
-        last = now;
-        fmt::print(stderr, "\r{:>10} files  {:>10}   ", files, xdfs::cli::human_bytes(static_cast<double>(bytes)));
-      };
-    // A large file's own transfer shows on the same line.
-    std::uint64_t shown_files = 0, shown_bytes = 0;
-    if (tty) {
-      auto draw = tree.progress;
-      tree.progress = [&, draw](std::uint64_t files, std::uint64_t bytes) {
-        shown_files = files;
-        shown_bytes = bytes;
-        draw(files, bytes);
-      };
-      opt.progress = [&, draw](const xdfs::Progress& p) { draw(shown_files, shown_bytes + p.bytes); };
+    // The tree's files and bytes of its totals, a large file's own transfer on top of them.
+    ProgressFeed feed{report};
+    feed.in_tree = true;
+    report.begin(true);
+    if (report.show() != Show::none) {
+      tree.progress = [&feed](const xdfs::pathm::TreeProgress& p) { feed.tree(p); };
+      opt.progress = [&feed](const xdfs::Progress& p) { feed.file(p); };
     }
     std::optional<xdfs::Session> session;
     const auto t0 = std::chrono::steady_clock::now();
     unsigned tree_retries = 0;
-    auto summary = [&](const xdfs::pathm::TreeResult& r, bool end_progress) {
+    // The progress's last word: the tree's files and bytes as the result counts them.
+    auto finish = [&](const xdfs::pathm::TreeResult& r) {
+      report.finish(feed.plus({r.files, feed.now.files_total, r.bytes, feed.now.bytes_total, feed.now.totals_final}));
+    };
+    auto summary = [&](const xdfs::pathm::TreeResult& r) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (tty && end_progress) fmt::print(stderr, "\n");
       if (r.swept && !quiet)
         fmt::print(stderr, "xduc: removed {} temporary file{} left by an interrupted download\n", r.swept,
                    r.swept == 1 ? "" : "s");
@@ -978,45 +1309,46 @@ int main(int argc, char** argv) {
                     : xdfs::download_tree(*session, remote, local, tree, opt);
         } catch (const xdfs::pathm::TreeError& e) {
           lost = session_lost(e, *session);
-          if (!lost || !worth_retrying(*lost, tree_retries, retries)) throw;
+          if (!lost || !worth_retrying(*lost, tree_retries, c.retries)) throw;
         } catch (const xdfs::TransferError& e) {
-          if (session->usable() || !worth_retrying(e, tree_retries, retries)) throw;
+          if (session->usable() || !worth_retrying(e, tree_retries, c.retries)) throw;
           lost = e;
         }
         if (lost) {
-          if (tty) fmt::print(stderr, "\n");
-          wait_to_retry(++tree_retries, retries, *lost);
+          feed.next();  // what the lost session copied stays; the next one skips it (sync)
+          wait_to_retry(++tree_retries, c.retries, *lost, report);
           tree.sync = true;
         }
       }
       session->close();
-      summary(*done, true);
+      finish(*done);
+      summary(*done);
       return 0;
     } catch (const xdfs::pathm::TreeError& e) {
       // As rsync: everything else was copied; each entry that was not gets its line.
-      if (tty) fmt::print(stderr, "\n");
+      finish(e.result());
       for (const auto& f : e.result().failures)
         fmt::print(stderr, "xduc: {}{}: {}{}\n", xdfs::to_string(f.code), f.remote ? " (server)" : "",
                    f.message.find(f.path) == std::string::npos ? shown(f.path) + ": " : "", shown(f.message));
       session->close();
-      summary(e.result(), false);
+      summary(e.result());
       return 1;
     } catch (const xdfs::TransferError& e) {
-      if (tty) fmt::print(stderr, "\n");
+      report.finish();
       return report_error(e, e.remote(), json);
     } catch (const xdfs::Error& e) {
-      if (tty) fmt::print(stderr, "\n");
+      report.finish();
       return report_error(e, false, json);
     } catch (const std::exception& e) {
-      if (tty) fmt::print(stderr, "\n");
+      report.finish();
       fmt::print(stderr, "xduc: internal error: {}\n", shown(e.what()));
       return 1;
     }
   }
 
-  ProgressLine line;
-  const bool show = !quiet && ::isatty(STDERR_FILENO) && !(down && dst == "-" && ::isatty(STDOUT_FILENO));
-  if (show) opt.progress = [&line](const xdfs::Progress& p) { line.draw(p); };
+  ProgressFeed feed{report};
+  report.begin(false);
+  if (report.show() != Show::none) opt.progress = [&feed](const xdfs::Progress& p) { feed.file(p); };
 
   try {
     const xdfs::Endpoint ep{url->host, url->port};
@@ -1029,13 +1361,12 @@ int main(int argc, char** argv) {
       try {
         done = up ? xdfs::upload(src, ep, url->path, opt) : xdfs::download(ep, url->path, dst, opt);
       } catch (const xdfs::TransferError& e) {
-        if (!worth_retrying(e, tried, retries)) throw;
-        line.end();
-        wait_to_retry(++tried, retries, e);
+        if (!worth_retrying(e, tried, c.retries)) throw;
+        wait_to_retry(++tried, c.retries, e, report);
       }
     }
     const auto& r = *done;
-    line.end();
+    report.finish(ProgressReport::Counts{1, 1, r.bytes, r.bytes, true});
     if (json) {
       const double bps = r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0;
       fmt::print("{{\"direction\":\"{}\",\"bytes\":{},\"seconds\":{:.6f},\"bytes_per_second\":{:.0f},\"channels\":{},"
@@ -1048,10 +1379,10 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const xdfs::TransferError& e) {
-    line.end();
+    report.finish();
     return report_error(e, e.remote(), json);
   } catch (const std::exception& e) {
-    line.end();
+    report.finish();
     fmt::print(stderr, "xduc: {}\n", shown(e.what()));
     return 1;
   }

@@ -152,7 +152,9 @@ XdfsdProcess::XdfsdProcess(const std::string& root, std::vector<std::string> ext
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
   std::vector<std::string> args = wrapper;
-  args.insert(args.end(), {XDFSD_PATH, "--root", root, "--listen", "127.0.0.1:0"});
+  args.insert(args.end(), {XDFSD_PATH, "--root", root});
+  // 127.0.0.1:0 unless the test gives its own --listen (xdfsd takes one).
+  if (std::find(extra.begin(), extra.end(), "--listen") == extra.end()) args.insert(args.end(), {"--listen", "127.0.0.1:0"});
   args.insert(args.end(), extra.begin(), extra.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

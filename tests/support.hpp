@@ -63,7 +63,8 @@ private:
   std::uint16_t port_ = 0;
 };
 
-/// A real xdfsd process on 127.0.0.1:0. Its stderr is collected; the port is read from it.
+/// A real xdfsd process on 127.0.0.1:0 (or where a --listen among extra_args says). Its stderr
+/// is collected; the port is read from it.
 /// `wrapper` runs it under another program (prlimit, say): its arguments, before xdfsd's path.
 class XdfsdProcess {
 public:

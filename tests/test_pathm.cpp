@@ -900,8 +900,8 @@ TEST_CASE("a tree copy cancelled through RemoteFs stops, says so on both sides, 
   o.channels = 2;
   xdfs::RemoteFs rfs({"127.0.0.1", srv.port()}, o);
   pm::TreeOptions t;
-  t.progress = [&](std::uint64_t, std::uint64_t bytes) {
-    if (bytes > 0) cancel = true;
+  t.progress = [&](const pm::TreeProgress& p) {
+    if (p.bytes > 0) cancel = true;
   };
   CHECK(code_of([&] { rfs->upload_tree(local / "t", "t", t); }) == errc::cancelled);
   CHECK(srv.wait_for_log("status=error: cancelled: cancelled by the user"));
@@ -909,6 +909,74 @@ TEST_CASE("a tree copy cancelled through RemoteFs stops, says so on both sides, 
   check_no_temp_files(root.path());
   // Not all of it went.
   CHECK(count_files(root / "t") < 8);
+}
+
+TEST_CASE("a tree copy's progress counts against its totals: the walk's up, the listing's down, large files among them") {
+  xt::TempDir root, local;
+  fs::create_directories(local / "t/sub");
+  std::uint64_t bytes = 0;
+  for (int i = 0; i < 30; ++i) {
+    xt::write_random_file(local / ("t/sub/f" + std::to_string(i)), 3000 + i, i);
+    bytes += 3000 + i;
+  }
+  xt::write_random_file(local / "t/big", (2 << 20) + 1, 99);  // a transfer of its own
+  bytes += (2 << 20) + 1;
+  xdfs::ServerConfig cfg;
+  cfg.root = root.path();
+  xt::InProcessServer srv(cfg);
+  xdfs::TransferOptions o;
+  o.channels = 2;
+  pm::TreeOptions t;
+  t.large_file = 1 << 20;
+  t.batch_bytes = 16 << 10;  // many batches: many calls
+  std::vector<pm::TreeProgress> seen;
+  t.progress = [&](const pm::TreeProgress& p) { seen.push_back(p); };
+  auto check = [&](const char* way) {
+    CAPTURE(way);
+    REQUIRE(seen.size() > 2);
+    bool whole = false;  // the totals were final once
+    for (const auto& p : seen) {
+      // Nothing moves before the totals are whole; once whole they stay, and nothing passes them.
+      if (p.files || p.bytes) CHECK(p.totals_final);
+      if (whole) CHECK(p.totals_final);
+      whole = whole || p.totals_final;
+      if (p.totals_final) {
+        CHECK(p.files_total == 31);
+        CHECK(p.bytes_total == bytes);
+      }
+      CHECK(p.files <= p.files_total);
+      CHECK(p.bytes <= p.bytes_total);
+    }
+    CHECK(seen.back().files == 31);
+    CHECK(seen.back().bytes == bytes);
+    seen.clear();
+  };
+  {
+    xdfs::Session s({"127.0.0.1", srv.port()}, o);
+    const auto r = xdfs::upload_tree(s, local / "t", "t", t, o);
+    CHECK(r.large_files == 1);
+    s.close();
+  }
+  check("upload");
+  {
+    xdfs::Session s({"127.0.0.1", srv.port()}, o);
+    const auto r = xdfs::download_tree(s, "t", local / "back", t, o);
+    CHECK(r.large_files == 1);
+    s.close();
+  }
+  check("download");
+  // With sync nothing is left to copy: the totals end at zero, not at what was listed.
+  {
+    t.sync = true;
+    xdfs::Session s({"127.0.0.1", srv.port()}, o);
+    xdfs::upload_tree(s, local / "t", "t", t, o);
+    s.close();
+    REQUIRE(!seen.empty());
+    CHECK(seen.front().files_total > 0);  // as walked
+    CHECK(seen.back().totals_final);
+    CHECK(seen.back().files_total == 0);
+    CHECK(seen.back().bytes_total == 0);
+  }
 }
 
 TEST_CASE("a destination directory swapped for a symlink out of the tree during a download: nothing lands outside") {
@@ -923,8 +991,8 @@ TEST_CASE("a destination directory swapped for a symlink out of the tree during 
   pm::TreeOptions t;
   t.batch_bytes = 64 << 10;  // many small batches for sub/, after the swap
   bool swapped = false;
-  t.progress = [&](std::uint64_t, std::uint64_t bytes) {
-    if (swapped || bytes == 0) return;
+  t.progress = [&](const pm::TreeProgress& p) {
+    if (swapped || p.bytes == 0) return;
     swapped = true;
     // sub/ exists by now (directories are made first): it becomes a symlink to `outside`.
     fs::rename(local / "back/sub", local / "back/sub.real");

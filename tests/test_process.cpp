@@ -7,13 +7,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <atomic>
+#include <filesystem>
 #include <regex>
+#include <sstream>
 #include <thread>
 #include <string>
 
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
+// xduc's URL parser, tested directly (examples/cli.cpp is built into the tests too).
+#include "cli.hpp"
 
 using xdfs::Mode;
 using xdfs::wire::ChannelEvent;
@@ -25,6 +32,44 @@ std::string url(const xt::XdfsdProcess& d, const std::string& path) {
 }
 
 bool one_line(const std::string& s) { return !s.empty() && s.find('\n') == s.size() - 1; }
+
+// One "xduc: bad argument: ..." line naming `what`, and exit status 2.
+bool bad_argument(const xt::RunResult& r, const std::string& what) {
+  return r.status == 2 && one_line(r.err) && r.err.rfind("xduc: bad argument: ", 0) == 0 &&
+         r.err.find(what) != std::string::npos;
+}
+
+// --progress json: the objects among the lines of standard error, each checked whole.
+struct ProgressLine {
+  std::uint64_t files, files_total, bytes, bytes_total;
+  bool totals_final, final;
+};
+std::vector<ProgressLine> progress_lines(const std::string& err) {
+  static const std::regex form(
+      R"(\{"files":(\d+),"files_total":(\d+),"bytes":(\d+),"bytes_total":(\d+),"totals_final":(true|false),)"
+      R"("bytes_per_second":\d+,"eta_seconds":(\d+|null),"seconds":\d+\.\d{3},"final":(true|false)\})");
+  std::vector<ProgressLine> v;
+  std::istringstream in(err);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    std::smatch m;
+    REQUIRE_MESSAGE(std::regex_match(line, m, form), line);
+    v.push_back({std::stoull(m[1]), std::stoull(m[2]), std::stoull(m[3]), std::stoull(m[4]), m[5] == "true",
+                 m[7] == "true"});
+  }
+  return v;
+}
+
+bool ipv6_loopback() {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
 
 }  // namespace
 
@@ -184,6 +229,198 @@ TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   r = xt::xduc({"--json", url(d, "f"), local / "x"});
   CHECK(r.out.find("\"code\":\"connection refused\",\"recovery\":\"reconnect\",\"remote\":false") != std::string::npos);
   CHECK_MESSAGE(r.out.find("\"operation\":\"session set-up\"}") != std::string::npos, r.out);
+}
+
+TEST_CASE("xduc's command line: --version, --help, one-line errors naming the option, subcommands' options") {
+  auto v = xt::xduc({"--version"});
+  CHECK(v.status == 0);
+  CHECK(v.err.empty());
+  CHECK_MESSAGE(std::regex_match(v.out, std::regex("xduc \\S+ \\(xDFS protocol " + std::to_string(xdfs::protocol_version) +
+                                                   "\\)\n")),
+                v.out);
+
+  auto h = xt::xduc({"--help"});
+  CHECK(h.status == 0);
+  // Every option and every command with its own, and the paragraphs that explain them.
+  for (const char* words : {"-p,--parallel N", "-r,--recursive", "--progress MODE", "--version", "To many hosts:",
+                            "usage: xduc get", "--listen HOST:PORT", "usage: xduc sum", "--sha256", "%XX in PATH"})
+    CHECK_MESSAGE(h.out.find(words) != std::string::npos, words);
+  auto ls_help = xt::xduc({"ls", "--help"});
+  CHECK(ls_help.status == 0);
+  CHECK(ls_help.out.rfind("usage: xduc ls", 0) == 0);
+  CHECK(ls_help.out.find("--chains") == std::string::npos);
+
+  const std::string u = "xdfs://127.0.0.1:1/f";
+  // Bad values, before or after the positionals.
+  CHECK(bad_argument(xt::xduc({"--parallel", "0", "/dev/null", u}), "--parallel takes a channel count from 1 to 4096"));
+  CHECK(bad_argument(xt::xduc({"/dev/null", u, "-p", "lots"}), "--parallel takes"));
+  CHECK(bad_argument(xt::xduc({"/dev/null", u, "--progress", "sometimes"}), "--progress takes line, json or none"));
+  CHECK(bad_argument(xt::xduc({"--tcp-window", "1K", "/dev/null", u}), "--tcp-window takes a size from 4K to 1G"));
+  CHECK(bad_argument(xt::xduc({"get", "--listen", "here", u, "/tmp"}), "--listen takes"));
+  // CLI11's own: an unknown option, a missing value, an option of another command.
+  CHECK(bad_argument(xt::xduc({"--bogus", "/dev/null", u}), "--bogus"));
+  CHECK(bad_argument(xt::xduc({"/dev/null", u, "--block-size"}), "--block-size"));
+  CHECK(bad_argument(xt::xduc({"--parents", "mkdir", u}), "--parents goes with mkdir"));
+  CHECK(bad_argument(xt::xduc({"keygen", "extra"}), "keygen takes no arguments"));
+  // A name from the terminal is shown escaped.
+  auto esc = xt::xduc({"--bogus\x1b[2J", "/dev/null", u});
+  CHECK(esc.status == 2);
+  CHECK(esc.err.find('\x1b') == std::string::npos);
+}
+
+TEST_CASE("xduc's subcommand names are commands only first: later they are paths") {
+  xt::TempDir root;
+  xt::write_file(root / "a", "a");
+  xt::XdfsdProcess d(root.path());
+  auto r = xt::xduc({"-q", "mv", url(d, "a"), "ls"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(xt::read_file(root / "ls") == "a");
+  r = xt::xduc({"stat", url(d, "ls"), "--json"});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  CHECK(r.out.find("\"path\":\"ls\"") != std::string::npos);
+  // After a SRC, "stat" is a local DST: a copy between two local paths.
+  CHECK(bad_argument(xt::xduc({"-q", "/dev/null", "stat"}), "are both local"));
+}
+
+TEST_CASE("xduc -r --progress json: an object a second on stderr, the last one final with the tree's files and bytes") {
+  xt::TempDir root, local;
+  std::filesystem::create_directories(local / "t/sub");
+  std::uint64_t bytes = 0;
+  for (int i = 0; i < 20; ++i) {
+    xt::write_random_file(local / ("t/sub/s" + std::to_string(i)), 1000 + i, i);
+    bytes += 1000 + i;
+  }
+  // Two large files that go as transfers of their own, at 2 MiB/s: the copy takes over a second.
+  for (int i = 0; i < 2; ++i) {
+    xt::write_random_file(local / ("t/big" + std::to_string(i)), (5 << 19) + i, 50 + i);
+    bytes += (5 << 19) + i;
+  }
+  xt::XdfsdProcess d(root.path());
+  auto check = [&](const xt::RunResult& r, const char* way) {
+    CAPTURE(way);
+    REQUIRE_MESSAGE(r.status == 0, r.err);
+    const auto lines = progress_lines(r.err);
+    REQUIRE(lines.size() >= 2);
+    std::uint64_t before = 0;
+    for (std::size_t k = 0; k + 1 < lines.size(); ++k) {
+      const auto& p = lines[k];
+      CHECK(!p.final);
+      CHECK(p.bytes >= before);
+      before = p.bytes;
+      if (p.totals_final) {
+        CHECK(p.files_total == 22);
+        CHECK(p.bytes_total == bytes);
+      }
+      CHECK(p.files <= p.files_total);
+      CHECK(p.bytes <= p.bytes_total);
+    }
+    const auto& last = lines.back();
+    CHECK(last.final);
+    CHECK(last.totals_final);
+    CHECK(last.files == 22);
+    CHECK(last.files_total == 22);
+    CHECK(last.bytes == bytes);
+    CHECK(last.bytes_total == bytes);
+  };
+  check(xt::xduc({"-q", "-r", "--progress", "json", "--large-file", "1M", "--limit-rate", "2M", local / "t",
+                  url(d, "")}),
+        "upload");
+  check(xt::xduc({"-q", "-r", "--progress", "json", "--large-file", "1M", "--limit-rate", "2M", url(d, "t"),
+                  local / "back"}),
+        "download");
+  CHECK(xt::files_equal(local / "t/big1", local / "back/t/big1"));
+
+  // A single file: the same object, from its transfer.
+  auto one = xt::xduc({"-q", "--progress", "json", local / "t/big0", url(d, "one")});
+  REQUIRE_MESSAGE(one.status == 0, one.err);
+  const auto lines = progress_lines(one.err);
+  REQUIRE(!lines.empty());
+  CHECK(lines.back().final);
+  CHECK(lines.back().files == 1);
+  CHECK(lines.back().bytes == (5u << 19));
+  // -q alone: no progress at all.
+  auto quiet = xt::xduc({"-q", local / "t/big0", url(d, "two")});
+  CHECK(quiet.err.empty());
+}
+
+TEST_CASE("xduc over IPv6: xdfs://[::1]:PORT/... up and down, a name with %20 in it") {
+  if (!ipv6_loopback()) {
+    MESSAGE("skipped: this host has no IPv6 loopback");
+    return;
+  }
+  xt::TempDir root, local;
+  xt::write_random_file(local / "f", (2 << 20) + 7, 21);
+  xt::XdfsdProcess d(root.path(), {"--listen", "[::1]:0"});
+  const std::string base = "xdfs://[::1]:" + std::to_string(d.port()) + "/";
+  auto up = xt::xduc({"-q", "-p", "2", local / "f", base + "in%20v6"});
+  REQUIRE_MESSAGE(up.status == 0, up.err);
+  CHECK(xt::files_equal(local / "f", root / "in v6"));
+  auto down = xt::xduc({"-q", "-p", "2", base + "in%20v6", local / "back"});
+  REQUIRE_MESSAGE(down.status == 0, down.err);
+  CHECK(xt::files_equal(local / "f", local / "back"));
+}
+
+TEST_CASE("xdfs:// URLs: a user is refused, IPv6 in brackets, %XX decoded, a malformed escape or a NUL refused") {
+  using xdfs::cli::parse_url;
+  std::string why;
+  auto u = parse_url("xdfs://host/dir/f", why);
+  REQUIRE(u);
+  CHECK(u->host == "host");
+  CHECK(u->port == 7721);
+  CHECK(u->path == "dir/f");
+
+  u = parse_url("xdfs://[::1]:7000/a/b", why);
+  REQUIRE(u);
+  CHECK(u->host == "::1");
+  CHECK(u->port == 7000);
+  CHECK(u->path == "a/b");
+  u = parse_url("xdfs://[2001:db8::5]/x", why);
+  REQUIRE(u);
+  CHECK(u->host == "2001:db8::5");
+  CHECK(u->port == 7721);
+  u = parse_url("xdfs://[fe80::1%25eth0]:9/x", why);
+  REQUIRE(u);
+  CHECK(u->host == "fe80::1%eth0");
+  CHECK_FALSE(parse_url("xdfs://::1/x", why));  // an IPv6 address without its brackets
+  CHECK(why.find("goes in brackets") != std::string::npos);
+  CHECK_FALSE(parse_url("xdfs://[::1/x", why));
+  CHECK_FALSE(parse_url("xdfs://[::1]x/y", why));
+  CHECK_FALSE(parse_url("xdfs://host:65536/x", why));
+
+  u = parse_url("xdfs://host/a%20b%25c%2Fd%e2%82%AC", why);
+  REQUIRE(u);
+  CHECK(u->path == "a b%c/d\xe2\x82\xac");
+  u = parse_url("xdfs://host/%2Fetc", why);  // as xdfs://host//etc: relative to the root
+  REQUIRE(u);
+  CHECK(u->path == "etc");
+  for (const char* broken : {"xdfs://host/a%", "xdfs://host/a%2", "xdfs://host/a%zz", "xdfs://host/%g0"}) {
+    CAPTURE(broken);
+    CHECK_FALSE(parse_url(broken, why));
+    CHECK(why.find("not a %XX escape") != std::string::npos);
+  }
+  CHECK_FALSE(parse_url("xdfs://host/a%00b", why));
+  CHECK(why.find("NUL") != std::string::npos);
+
+  CHECK_FALSE(parse_url("xdfs://alice@host/x", why));
+  CHECK(why.find("names a user ('alice@')") != std::string::npos);
+  CHECK_FALSE(parse_url("xdfs://[::1]@host/x", why));
+  // What the user typed comes back escaped, in one line.
+  CHECK_FALSE(parse_url("xdfs://host/a%zz\n\x1b[2J", why));
+  CHECK(why.find('\n') == std::string::npos);
+  CHECK(why.find('\x1b') == std::string::npos);
+
+  // format_url writes what parse_url reads back, byte for byte.
+  for (auto [host, path] : std::vector<std::pair<std::string, std::string>>{
+           {"host", "plain/name"}, {"::1", "a b%c\nd\x7f"}, {"fe80::1%eth0", "x"}, {"10.0.0.1", ""}}) {
+    const auto text = xdfs::cli::format_url(host, 7722, path);
+    CAPTURE(text);
+    CHECK(text.find_first_of(" \n\x7f") == std::string::npos);
+    u = parse_url(text, why);
+    REQUIRE_MESSAGE(u, why);
+    CHECK(u->host == host);
+    CHECK(u->port == 7722);
+    CHECK(u->path == path);
+  }
 }
 
 TEST_CASE("xdfsd refuses bad arguments in one line") {

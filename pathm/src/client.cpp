@@ -731,8 +731,29 @@ struct TreePlan {
   void add(Entry&& e) {
     if (e.type == Type::directory) dirs.push_back(std::move(e));
     else if (e.type == Type::symlink) links.push_back(std::move(e));
-    else if (e.type == Type::file) files.push_back(std::move(e));
-    else ++result.skipped;
+    else if (e.type == Type::file) {
+      ++shown.files_total;
+      shown.bytes_total += e.size;
+      files.push_back(std::move(e));
+    } else ++result.skipped;
+  }
+
+  // What the progress callback gets: the totals grow as entries are listed, and are whole once
+  // the files to copy are known (after the comparison, with sync).
+  TreeProgress shown;
+  void report(const TreeOptions& o) const {
+    if (o.progress) o.progress(shown);
+  }
+  void settle_totals(const TreeOptions& o, LargeFiles* large) {
+    shown.files_total = files.size();
+    shown.bytes_total = 0;
+    for (const auto& f : files) shown.bytes_total += f.size;
+    shown.totals_final = true;
+    if (large) {
+      large->files_total = shown.files_total;
+      large->bytes_total = shown.bytes_total;
+    }
+    report(o);
   }
 
   // The files' units (batches of small files, chunks of large ones), in the order they go.
@@ -820,7 +841,9 @@ struct TreePlan {
         result.bytes += files[k].size;
       }
     }
-    if (o.progress) o.progress(result.files, moved);
+    shown.files = result.files;
+    shown.bytes = moved;
+    report(o);
   }
   // Files of at least large->threshold bytes leave the plan, for the caller to copy.
   void set_aside(LargeFiles* large) {
@@ -911,6 +934,7 @@ TreeResult PathClient::upload_tree(const std::string& local, const std::string& 
           src.get(), ".", true, o.follow, 4096,
           [&](std::vector<Entry>& chunk) {
             for (auto& e : chunk) p.add(std::move(e));
+            p.report(o);
             return true;
           },
           nullptr,
@@ -938,6 +962,7 @@ TreeResult PathClient::upload_tree(const std::string& local, const std::string& 
     keep_changed(p.files, true, o, src.get(), remote, at_destination, p.result.skipped);
     keep_changed(p.links, false, o, src.get(), remote, at_destination, p.result.skipped);
   }
+  p.settle_totals(o, large);
   p.set_aside(large);
   // Directories and symlinks first (no bytes), batched; the server makes missing parents itself,
   // so files need not wait for them. An entry that fails is counted out and the copy goes on.
@@ -1088,6 +1113,7 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
       bound.add(e);
       p.add(std::move(e));
     }
+    p.report(o);
   });
   struct stat before {};
   const bool existed = ::stat(local.c_str(), &before) == 0;
@@ -1105,6 +1131,7 @@ TreeResult PathClient::download_tree(const std::string& remote, const std::strin
     keep_changed(p.files, true, o, dst.get(), remote, at_destination, p.result.skipped);
     keep_changed(p.links, false, o, dst.get(), remote, at_destination, p.result.skipped);
   }
+  p.settle_totals(o, large);
   p.set_aside(large);
   // What cannot be made here is counted out and the copy goes on (as rsync).
   p.result.directories = 1;

@@ -276,7 +276,7 @@ void large_part(Session& session, const LargeFiles& large, const std::string& fr
       r.bytes += bytes;
       r.large_bytes += bytes;
       done.push_back(f);
-      if (o.progress) o.progress(r.files, r.bytes);
+      if (o.progress) o.progress({r.files, r.bytes, large.files_total, large.bytes_total, true});
     } catch (const TransferError& e) {
       r.failures.push_back({f.path, e.code(), e.context(), e.remote()});
       if (!session.usable()) {

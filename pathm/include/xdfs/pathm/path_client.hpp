@@ -36,6 +36,17 @@ namespace xdfs::pathm {
 namespace asio = boost::asio;
 using xdsi::ChannelList;
 
+/// A tree copy's progress as it goes: what is copied, and of how much as far as known yet.
+struct TreeProgress {
+  std::uint64_t files = 0;        ///< files copied
+  std::uint64_t bytes = 0;        ///< file bytes copied (of files whole or still on the way)
+  std::uint64_t files_total = 0;  ///< files to copy, as far as known
+  std::uint64_t bytes_total = 0;  ///< their bytes
+  /// The totals are whole: the local walk (upload) or the server's listing (download) is in,
+  /// and with sync what is up to date is left out. Before, they only grow as entries come.
+  bool totals_final = false;
+};
+
 struct TreeOptions {
   bool sync = false;       ///< skip files whose size and mtime match at the destination
   bool checksum = false;   ///< with sync: compare content (SHA-256) instead of mtime
@@ -52,7 +63,9 @@ struct TreeOptions {
   /// their own (xFTSM: blocks sealed and written on disk threads) instead of path-mode chunks.
   /// 0: every file goes in path mode.
   std::uint64_t large_file = std::uint64_t(64) << 20;
-  std::function<void(std::uint64_t files, std::uint64_t bytes)> progress;
+  /// Called on the thread running the copy as entries are listed and as files move (for each
+  /// batch or chunk answered): keep it cheap.
+  std::function<void(const TreeProgress&)> progress;
 };
 
 /// What a tree copy leaves to its caller when its large files travel another way (file
@@ -63,6 +76,8 @@ struct LargeFiles {
   std::vector<Entry> files;     ///< out: those files (paths relative to the tree, as listed)
   std::vector<Entry> dirs;      ///< out, when files is not empty: the directories, attributes not set yet
   std::shared_ptr<files::Made> made;  ///< out (download): what this copy made here
+  /// out: the files and bytes the copy's progress counts against (these files among them).
+  std::uint64_t files_total = 0, bytes_total = 0;
 };
 
 /// One entry of a tree that could not be copied.
