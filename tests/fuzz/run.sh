@@ -32,7 +32,7 @@ parsers=("$src/framework/src/wire.cpp" "$src/framework/src/error.cpp" "$src/fram
          "$src/framework/src/xsec.cpp" "$src/framework/src/xdsi.cpp" "$build/framework/schema/xdopi.capnp.c++"
          "$src/pathm/src/messages.cpp" "$build/pathm/schema/pathm.capnp.c++")
 # A whole session also needs the disk side and both modes.
-session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/framework/src/files.cpp" "$src/framework/src/session.cpp" "$src/framework/src/session_fsm.cpp"
+session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/framework/src/files.cpp" "$src/framework/src/session.cpp" "$src/framework/src/metrics.cpp" "$src/framework/src/session_fsm.cpp"
          "$src/xftsm/src/cfsm.cpp"
          "$src/xftsm/src/transfer.cpp" "$src/xftsm/src/file_operation.cpp" "$src/pathm/src/fsops.cpp"
          "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp"
