@@ -134,6 +134,16 @@ std::string version_line(const std::string& program) {
   return fmt::format("{} {} (xDFS protocol {})", program, XDFS_VERSION, protocol_version);
 }
 
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += static_cast<char>(c);
+    else if (c < 0x20) o += fmt::format("\\u{:04x}", c);
+    else o += static_cast<char>(c);
+  }
+  return o;
+}
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;

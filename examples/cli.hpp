@@ -40,6 +40,9 @@ std::string format_url(const std::string& host, std::uint16_t port, const std::s
 /// What --version prints: "PROGRAM VERSION (xDFS protocol N)" (XDFS_VERSION is set by the build).
 std::string version_line(const std::string& program);
 
+/// s as the inside of a JSON string: '"' and '\\' escaped, control bytes as \\u00XX.
+std::string json_escape(const std::string& s);
+
 /// "1.5 GiB" style.
 std::string human_bytes(double bytes);
 

@@ -309,12 +309,7 @@ void write_log(const std::string& line) noexcept try {
   std::tm tm{};
   ::gmtime_r(&t, &tm);
   if (g_json_log.load()) {
-    std::string msg;
-    for (unsigned char c : line) {
-      if (c == '"' || c == '\\') msg += '\\', msg += static_cast<char>(c);
-      else if (c < 0x20) msg += fmt::format("\\u{:04x}", c);
-      else msg += static_cast<char>(c);
-    }
+    const std::string msg = xdfs::cli::json_escape(line);
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
     fmt::print(stderr, "{{\"time\":\"{:%Y-%m-%dT%H:%M:%S}.{:03}Z\",\"program\":\"xdfsd\",\"message\":\"{}\"}}\n", tm, ms,
                msg);

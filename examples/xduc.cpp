@@ -233,15 +233,7 @@ std::string format_time(std::int64_t ns) {
   return buf;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') o += '\\', o += static_cast<char>(c);
-    else if (c < 0x20) o += fmt::format("\\u{:04x}", c);
-    else o += static_cast<char>(c);
-  }
-  return o;
-}
+using xdfs::cli::json_escape;
 
 char type_char(xdfs::pathm::Type t) {
   switch (t) {
