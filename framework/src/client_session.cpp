@@ -348,11 +348,11 @@ struct Session::Impl {
                                if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
                                secret = r.session_secret;
                                on_secured(ch);
-                               // The others join a few at a time: a server counts connections
-                               // still proving themselves per source address (xdfsd's default
-                               // is 64), so 255 at once would push each other out. Half of that
-                               // leaves room for another client on this host; 16 at once took
-                               // 1000 channels 158 ms to join on loopback, 32 take 101 ms.
+                               // The others join a few at a time: a server counts a connection
+                               // against its source address's cap (xdfsd's default is 64) until
+                               // it has read its opening, so 255 at once would push each other
+                               // out. 32 leave room for another client on this host; 16 at once
+                               // took 1000 channels 158 ms to join on loopback, 32 take 101 ms.
                                next_join = 1;
                                while (next_join < opt.channels && next_join <= max_joining) connect(next_join++);
                              });

@@ -114,7 +114,8 @@ namespace {
 // takes every partial read through the event loop (a scheduler turn and an epoll_wait each:
 // about 16 per 1 MiB block on loopback); here the bytes that are there come in one turn. A
 // channel's loop runs on one thread (the class's rule), so no readiness is lost between the
-// read that found nothing and the wait. A close meanwhile ends it with operation_aborted.
+// read that found nothing and the wait. A close while it waits ends it with operation_aborted;
+// a socket found closed when it goes on (or starts), with bad_descriptor, as asio's reads do.
 struct ReadExactly {
   tcp::socket* s;
   std::uint8_t* p;
@@ -126,7 +127,7 @@ struct ReadExactly {
   bool step(ErrorCode& ec) {
     while (done < n) {
       if (!s->is_open()) {
-        ec = asio::error::operation_aborted;
+        ec = asio::error::bad_descriptor;
         return true;
       }
       const ssize_t r = ::recv(s->native_handle(), p + done, n - done, MSG_DONTWAIT);
