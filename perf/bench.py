@@ -37,6 +37,8 @@ import time
 
 PERF_DIR = os.path.dirname(os.path.abspath(__file__))
 SRC_ROOT = os.path.dirname(PERF_DIR)
+sys.path.insert(0, PERF_DIR)
+import syscalls  # noqa: E402  (perf stat's count of system calls, shared with zerocopy.py)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -47,18 +49,24 @@ ALIASES = {"a": "mem", "b": "disk", "c": "small", "d": "link",
 
 # The tools of each scenario, in the order of the first repetition (later ones rotate it).
 TOOLS = {
-    "mem": ["xdfs", "xdfs-private", "gridftp", "iperf3"],
+    "mem": ["xdfs", "xdfs-private", "gridftp", "iperf3", "iperf3-z"],
     "disk": ["xdfs", "xdfs-private", "gridftp"],
     "small": ["xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
-    "link": ["xdfs", "xdfs-private", "gridftp", "iperf3"],
+    "link": ["xdfs", "xdfs-private", "gridftp", "iperf3", "iperf3-z"],
 }
+# iperf3-z is iperf3 -Z: its sender moves the bytes by sendfile(2).
+
+# System calls are counted (perf stat; perf/syscalls.py) in one extra run of every point and tool
+# after the timed repetitions: perf around a process costs tens of milliseconds of its own and
+# a little per call, so counted runs are never timed (records with counted: true).
 # xdfs runs with --protect clear --no-verify: control frames MACed, data as is, no block digests,
 # like GridFTP's anonymous clear data channel without -verify-checksum (the fair comparison).
 # xdfs-private is xduc's default, every frame AES-256-GCM (or ChaCha20-Poly1305) and every block
 # verified against its digest, what a user gets without options. perf/xsec.py measures what
 # verification costs (clear against clear/no-verify).
 
-# Default matrix of a full run (about 40 minutes on the 2-core development machine; see README).
+# Default matrix of a full run (about 40 minutes on the 2-core development machine, and a third
+# more with the counted runs; see README).
 FULL = dict(
     reps=3,
     mem_size="2G",
@@ -423,6 +431,16 @@ class Server:
         self.pid = 0
         self.port = 0
         self.usage: Usage | None = None
+        self.perf_out: str | None = None  # counted run: perf stat sits between xrun and the server
+
+    def count_syscalls(self, out: str) -> None:
+        self.perf_out = out
+        self.argv = syscalls.wrap(self.argv, out)
+
+    def servers(self) -> list[int]:
+        """The server processes themselves (below perf stat in a counted run)."""
+        top = proc_children(self.pid)
+        return [g for c in top for g in proc_children(c)] if self.perf_out else top
 
     def start(self, timeout=20.0) -> "Server":
         with open(self.log_path, "wb") as lf:
@@ -467,12 +485,16 @@ class Server:
             if self.self_exits and (u := H.try_wait(self.pid)) is not None:
                 self.usage = Usage.from_file(self.usage_path, u)
                 return self.usage
-            if not any(proc_children(c) for c in proc_children(self.pid)):
+            if not any(proc_children(c) for c in self.servers()):
                 break
             time.sleep(0.01)
         if not self.self_exits:
             # Sessions still running after 5 s are a hung server: end the whole tree.
-            if any(proc_children(c) for c in proc_children(self.pid)):
+            if self.perf_out:
+                # perf stat writes its count once the server has ended: the server goes first.
+                for p in self.servers():
+                    H.kill_tree(p, signal.SIGTERM)
+            elif any(proc_children(c) for c in proc_children(self.pid)):
                 H.kill_tree(self.pid, signal.SIGTERM)
             else:
                 os.kill(self.pid, signal.SIGTERM)  # xrun passes it on to the server
@@ -530,6 +552,7 @@ class Ctx:
         self.xduc_extra = shlex.split(args.xduc_extra or "")
         self.xdfsd_extra = shlex.split(args.xdfsd_extra or "")
         self.failures = 0
+        self.count = False  # counting system calls (perf stat) in one extra run of each point
 
     def write(self, rec: dict) -> None:
         self.records.write(json.dumps(rec, sort_keys=True) + "\n")
@@ -685,11 +708,16 @@ def measure(ctx: Ctx, rec: dict, servers: list[Server], clients: list[list[str]]
             nbytes: int, files: int = 1, netns_c=None, check=None) -> dict:
     """Starts the servers, runs the clients, stops the servers, fills rec."""
     started = []
+    counted = bool(rec.get("counted"))
     try:
-        for s in servers:
+        for i, s in enumerate(servers):
+            if counted:
+                s.count_syscalls(ctx.runlog(f"server-{i}.perf"))
             started.append(s.start())
         argvs = [c(started) if callable(c) else c for c in clients]
         rec["cmd"] = [shlex.join(a) for a in argvs]
+        if counted:
+            argvs = [syscalls.wrap(a, ctx.runlog(f"client-{i}.perf")) for i, a in enumerate(argvs)]
         wall, cu, outs = run_clients(ctx, argvs, timeout_for(nbytes, files), netns_c)
     finally:
         su = Usage(procs=0)
@@ -711,6 +739,14 @@ def measure(ctx: Ctx, rec: dict, servers: list[Server], clients: list[list[str]]
                    server_procs=su.procs)
     if stop_errors:
         raise RunError("; ".join(stop_errors))
+    if counted:
+        c = [syscalls.read(ctx.runlog(f"client-{i}.perf")) for i in range(len(argvs))]
+        s = [syscalls.read(ctx.runlog(f"server-{i}.perf")) for i in range(len(started))]
+        if None in c or None in s:
+            raise RunError("perf stat wrote no count of system calls")
+        rec["client_syscalls"] = sum(c)
+        if started:
+            rec["server_syscalls"] = sum(s)
     if check:
         check(started, outs)
     return rec
@@ -778,7 +814,7 @@ def mem_run(ctx: Ctx, rec: dict, tool: str, direction: str, streams: int, nbytes
                 raise RunError(f"gridftp server logged {got} bytes in {n} transfers (codes {bad}), expected {nbytes}")
         return measure(ctx, rec, [srv], [client], nbytes=nbytes, netns_c=netns_c, check=check)
 
-    if tool == "iperf3":
+    if tool in ("iperf3", "iperf3-z"):
         # The ceiling. iperf3 is timed (-t), not sized: with -n the sender stops at its last
         # write() and the receiver stops counting at that moment, so up to a socket buffer per
         # stream (megabytes; most of a small transfer) is never counted. Its throughput is the
@@ -791,7 +827,7 @@ def mem_run(ctx: Ctx, rec: dict, tool: str, direction: str, streams: int, nbytes
         servers = [iperf3_server(ctx, host, ports[i], i, netns_s) for i in range(pairs)]
         secs = str(ctx.args.iperf_time)
         clients = [["iperf3", "-c", host, "-p", str(ports[i]), "-P", str(split[i]), "-t", secs, "-J"]
-                   + ([] if up else ["-R"]) for i in range(pairs)]
+                   + ([] if up else ["-R"]) + (["-Z"] if tool == "iperf3-z" else []) for i in range(pairs)]
         rec["processes"] = pairs
 
         def check(started, outs):
@@ -1085,8 +1121,10 @@ def rotated(xs: list, k: int) -> list:
     return xs[k:] + xs[:k]
 
 
-def run_one(ctx: Ctx, sc: str, point: dict, tool: str, rep: int) -> dict:
+def run_one(ctx: Ctx, sc: str, point: dict, tool: str, rep: int, counted: bool = False) -> dict:
     rec = dict(scenario=sc, tool=tool, rep=rep, status="ok", **point)
+    if counted:
+        rec["counted"] = True
     rec["started_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     for f in os.listdir(ctx.tmp):
         os.unlink(os.path.join(ctx.tmp, f))
@@ -1119,6 +1157,8 @@ def describe(rec: dict) -> str:
     extra = f" {rec['link']}" if rec.get("link") else ""
     what = rec.get("set") or fmt_size(rec.get("size", rec["bytes"]))
     head = f"{rec['scenario']}{extra} {rec['tool']:<13} {rec['direction']:<8} p={rec['streams']:<4} {what:<11} rep {rec['rep']}"
+    if rec["status"] == "ok" and rec.get("counted"):
+        return f"{head}: counted: {rec['client_syscalls']} / {rec.get('server_syscalls', 0)} system calls (client / server)"
     if rec["status"] == "ok":
         return f"{head}: {rec['bytes_per_second'] / 1e6:9.1f} MB/s  cpu c/s {rec['client_cpu_s']:.2f}/{rec.get('server_cpu_s', 0):.2f} s"
     return f"{head}: {rec['status']}: {rec.get('error', '')[:200]}"
@@ -1192,10 +1232,12 @@ REQUIRED_OK = {"seconds": (int, float), "bytes_per_second": (int, float), "clien
                "client_maxrss_kb": int}
 
 
-def check_records(path: str, scenarios: list[str]) -> list[str]:
-    """Problems with a records file: malformed records, failed runs, scenarios without a result."""
+def check_records(path: str, scenarios: list[str], counted: bool = False) -> list[str]:
+    """Problems with a records file: malformed records, failed runs, scenarios without a result
+    (and, when system calls were counted, without a counted one)."""
     problems = []
     seen_ok: dict[str, int] = {sc: 0 for sc in scenarios}
+    seen_counted: dict[str, int] = {sc: 0 for sc in scenarios}
     seen_any: dict[str, int] = {sc: 0 for sc in scenarios}
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -1215,6 +1257,10 @@ def check_records(path: str, scenarios: list[str]) -> list[str]:
                     problems.append(f"line {i}: non-positive throughput")
                 if r.get("scenario") in ("mem", "disk", "link") and not isinstance(r.get("server_cpu_s"), (int, float)):
                     problems.append(f"line {i}: ok record without server_cpu_s")
+                if r.get("counted"):
+                    if not isinstance(r.get("client_syscalls"), int):
+                        problems.append(f"line {i}: counted record without client_syscalls")
+                    seen_counted[r.get("scenario")] = seen_counted.get(r.get("scenario"), 0) + 1
                 seen_ok[r.get("scenario")] = seen_ok.get(r.get("scenario"), 0) + 1
             elif r.get("status") == "failed":
                 problems.append(f"line {i}: failed run: {r.get('scenario')} {r.get('tool')}: {r.get('error')}")
@@ -1226,6 +1272,8 @@ def check_records(path: str, scenarios: list[str]) -> list[str]:
             problems.append(f"scenario {sc}: no records")
         elif not seen_ok.get(sc) and sc != "link":
             problems.append(f"scenario {sc}: no successful run")
+        elif counted and seen_ok.get(sc) and not seen_counted.get(sc):
+            problems.append(f"scenario {sc}: no run counted its system calls")
     return problems
 
 
@@ -1319,6 +1367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--link-size", help="RATE:SIZE,... bytes per link run (default 1gbit:256M,10gbit:1G)")
     ap.add_argument("--block-size", help="block size for xduc and globus-url-copy/-server (default 1M)")
     ap.add_argument("--iperf-time", type=int, help="seconds per iperf3 run (-t; default 2, smoke 1)")
+    ap.add_argument("--no-syscalls", action="store_true",
+                    help="no extra run of each point counting system calls (perf stat)")
     ap.add_argument("--cc", type=int, help="globus-url-copy -cc for the gridftp-pp-cc variant (default 2)")
     ap.add_argument("--xduc-extra", default="", help="extra xduc arguments (e.g. a protection mode once xSec lands)")
     ap.add_argument("--xdfsd-extra", default="", help="extra xdfsd arguments")
@@ -1409,7 +1459,10 @@ def main(argv=None) -> int:
     plan = build_plan(args)
     started = time.time()
     write_meta(ctx, args, dict(started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")))
-    total = sum(len(tools_for(args, sc)) for sc, _ in plan) * args.reps
+    ctx.count = not args.no_syscalls and syscalls.works()
+    if not args.no_syscalls and not ctx.count:
+        log("bench: perf cannot count system calls here (perf stat -e raw_syscalls:sys_enter): none counted")
+    total = sum(len(tools_for(args, sc)) for sc, _ in plan) * (args.reps + (1 if ctx.count else 0))
     log(f"bench: {total} runs ({args.reps} reps) of {', '.join(args.scenarios)}; work {args.work}; out {args.out}")
     done = 0
     scen_secs: dict[str, float] = {}
@@ -1442,11 +1495,11 @@ def main(argv=None) -> int:
             else:
                 warm = parse_size(args.warm)
             warm_memory(warm)
-            for rep in range(args.reps):
+            for rep in range(args.reps + (1 if ctx.count else 0)):
                 for i, point in enumerate(points):
                     # Taking turns: the tool order rotates with the point and the repetition.
                     for tool in rotated(tools, rep + i):
-                        rec = run_one(ctx, sc, point, tool, rep)
+                        rec = run_one(ctx, sc, point, tool, rep, counted=rep == args.reps)
                         ctx.write(rec)
                         done += 1
                         log(f"[{done}/{total}] {describe(rec)}")
@@ -1480,7 +1533,7 @@ def main(argv=None) -> int:
             pass
 
     log(f"bench: {done} runs in {time.time() - started:.0f}s, {ctx.failures} failed")
-    probs = check_records(os.path.join(args.out, "records.jsonl"), args.scenarios)
+    probs = check_records(os.path.join(args.out, "records.jsonl"), args.scenarios, ctx.count)
     for p in probs:
         log(f"check: {p}")
     return 1 if probs else 0

@@ -18,6 +18,7 @@ pkgs=(
   opentracker                  # BitTorrent tracker (pull.py)
   aria2                        # BitTorrent client (pull.py)
   procps                       # ps, pkill-free process inspection helpers
+  linux-perf                   # perf stat: system calls per GiB (bench.py's counted runs, zerocopy.py)
   tar
 )
 missing=()

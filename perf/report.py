@@ -21,11 +21,12 @@ MiB, GiB = 1 << 20, 1 << 30
 
 TOOL_LABEL = {
     "xdfs": "xDFS", "xdfs-private": "xDFS private", "gridftp": "GridFTP", "gridftp-pp": "GridFTP -pp",
-    "gridftp-pp-cc": "GridFTP -pp -cc", "iperf3": "iperf3", "rsync": "rsync -a", "tar": "tar | tar",
+    "gridftp-pp-cc": "GridFTP -pp -cc", "iperf3": "iperf3", "iperf3-z": "iperf3 -Z",
+    "rsync": "rsync -a", "tar": "tar | tar",
 }
 TOOL_COLOR = {
     "xdfs": "#d62728", "xdfs-private": "#ff7f0e", "gridftp": "#1f77b4", "gridftp-pp": "#17becf", "gridftp-pp-cc": "#9467bd",
-    "iperf3": "#7f7f7f", "rsync": "#2ca02c", "tar": "#8c564b",
+    "iperf3": "#7f7f7f", "iperf3-z": "#bcbd22", "rsync": "#2ca02c", "tar": "#8c564b",
 }
 SCEN_TITLE = {"mem": "Memory to memory (loopback)", "disk": "Disk to disk (loopback)",
               "small": "Lots of small files", "link": "Link mode (veth + tc tbf between two namespaces)"}
@@ -95,9 +96,12 @@ class Agg:
 
     def __init__(self, recs):
         self.groups = defaultdict(list)
+        self.counted = defaultdict(list)  # runs that counted system calls, never timed
         self.other = []  # failed / unsupported
         for r in recs:
-            if r["status"] == "ok":
+            if r["status"] == "ok" and r.get("counted"):
+                self.counted[key_of(r)].append(r)
+            elif r["status"] == "ok":
                 self.groups[key_of(r)].append(r)
             else:
                 self.other.append(r)
@@ -105,6 +109,9 @@ class Agg:
     def get(self, scenario, tool, direction, streams, size, files=1, link=""):
         rs = self.groups.get((scenario, link, tool, direction, streams, size, files))
         return rs or []
+
+    def get_counted(self, scenario, tool, direction, streams, size, files=1, link=""):
+        return self.counted.get((scenario, link, tool, direction, streams, size, files)) or []
 
     @staticmethod
     def stat(rs, field, scale=1.0):
@@ -139,6 +146,31 @@ def fmt_num(s: Stat, digits=2) -> str:
 def cpu_per_gib(rs, side) -> Stat:
     return Stat([r[f"{side}_cpu_s"] / (r["bytes"] / GiB) for r in rs
                  if isinstance(r.get(f"{side}_cpu_s"), (int, float)) and r["bytes"]])
+
+
+def syscalls_per_gib(rs, side) -> Stat:
+    return Stat([r[f"{side}_syscalls"] / (r["bytes"] / GiB) for r in rs
+                 if isinstance(r.get(f"{side}_syscalls"), int) and r["bytes"]])
+
+
+def fmt_calls(s: Stat) -> str:
+    return "–" if s.med is None else f"{s.med:,.0f}"
+
+
+def syscalls_table(agg: "Agg", out, rows, tools, lead) -> None:
+    """System calls per GiB (client / server) of the counted runs; rows are (cells, key args)."""
+    if not any(agg.get_counted(*k) for _, ks in rows for k in ks.values()):
+        return
+    out.append("\nSystem calls per GiB moved (client / server), from one more run of each point that perf stat "
+               "counted (raw_syscalls:sys_enter) and that is not timed:\n")
+    out.append("| " + " | ".join(lead) + " | " + " | ".join(f"{label(t)} calls/GiB" for t in tools) + " |")
+    out.append("|" + "---:|" * (len(lead) + len(tools)))
+    for cells, ks in rows:
+        row = []
+        for t in tools:
+            r = agg.get_counted(*ks[t])
+            row.append(f"{fmt_calls(syscalls_per_gib(r, 'client'))} / {fmt_calls(syscalls_per_gib(r, 'server'))}")
+        out.append("| " + " | ".join(cells) + " | " + " | ".join(row) + " |")
 
 
 def rss_mib(rs, side) -> Stat:
@@ -230,7 +262,7 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
     pts = agg.points(scenario, link if scenario == "link" else None)
     if not pts:
         return
-    tools = [t for t in ("xdfs", "xdfs-private", "gridftp", "iperf3") if any(p[2] == t for p in pts)]
+    tools = [t for t in ("xdfs", "xdfs-private", "gridftp", "iperf3", "iperf3-z") if any(p[2] == t for p in pts)]
     sizes = sorted({p[5] for p in pts}, reverse=True)
     for size, direction in [(sz, d) for sz in sizes for d in ("upload", "download")]:
         streams = sorted({p[4] for p in pts if p[5] == size and p[3] == direction})
@@ -244,6 +276,8 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
             cols.append(("xDFS/GridFTP", "gridftp"))
         if "xdfs" in tools and "iperf3" in tools:
             cols.append(("xDFS/iperf3", "iperf3"))
+        if "xdfs" in tools and "iperf3-z" in tools:
+            cols.append(("xDFS/iperf3 -Z", "iperf3-z"))
         head += "".join(f" | {c[0]}" for c in cols) + " |"
         out.append(head)
         out.append("|" + "---:|" * (1 + len(tools) + len(cols)))
@@ -261,6 +295,8 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
                 cells.append(f"{fmt_num(cpu_per_gib(r, 'client'))} / {fmt_num(cpu_per_gib(r, 'server'))}")
                 cells.append(f"{fmt_num(rss_mib(r, 'client'), 1)} / {fmt_num(rss_mib(r, 'server'), 1)}")
             out.append(f"| {n} | " + " | ".join(cells) + " |")
+        syscalls_table(agg, out, [([str(n)], {t: (scenario, t, direction, n, size, 1, link) for t in tools})
+                                  for n in streams], tools, ["streams"])
 
         if plt is None:
             continue
@@ -270,7 +306,7 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
         line_plot(plt, os.path.join(plots_dir, fname),
                   f"{'Parallel' if scenario == 'mem' else link} throughput, {direction}, memory to memory",
                   "parallel streams", "MB/s",
-                  [(label(t), TOOL_COLOR[t], "-" if t != "iperf3" else "--", streams, [tp(rs[(t, n)]) for n in streams])
+                  [(label(t), TOOL_COLOR[t], "-" if not t.startswith("iperf3") else "--", streams, [tp(rs[(t, n)]) for n in streams])
                    for t in tools], logx=True, xticks=xt, note=f"{human(size)} per run; median, bars min–max")
         out.append(f"\n![{tag} throughput]({rel(fname)})")
         series_cpu, series_mem = [], []
@@ -317,6 +353,8 @@ def section_disk(agg: Agg, plt, plots_dir, rel, out):
                 row += (f" | {fmt_num(cpu_per_gib(rs[t], 'client'))} / {fmt_num(cpu_per_gib(rs[t], 'server'))}"
                         f" | {fmt_num(rss_mib(rs[t], 'client'), 1)} / {fmt_num(rss_mib(rs[t], 'server'), 1)}")
             out.append(row + " |")
+        syscalls_table(agg, out, [([human(size), str(n)], {t: ("disk", t, direction, n, size) for t in tools})
+                                  for size, n in combos], tools, ["file", "streams"])
         if plt is None:
             continue
         # Throughput and CPU against file size at one stream (paper figs 12-14).

@@ -35,29 +35,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import syscalls  # noqa: E402  (perf stat's count of system calls)
 import xsec  # noqa: E402  (the loopback server and the CPU accounting are the xSec benchmark's)
-
-EVENT = "raw_syscalls:sys_enter"
-
-
-def perf_works() -> bool:
-    if not shutil.which("perf"):
-        return False
-    r = subprocess.run(["perf", "stat", "-x", ",", "-e", EVENT, "--", "true"], capture_output=True, text=True)
-    return r.returncode == 0 and "not supported" not in r.stderr and "<not" not in r.stderr
-
-
-def counted(text: str) -> int | None:
-    """The count of perf stat -x, output, or None."""
-    for line in text.splitlines():
-        fields = line.split(",")
-        if len(fields) > 2 and fields[2] == EVENT:
-            try:
-                return int(fields[0])
-            except ValueError:
-                return None
-    return None
-
 
 class Watch:
     """perf stat on a running process for the length of one run (None when perf cannot)."""
@@ -65,7 +44,7 @@ class Watch:
     def __init__(self, pid: int | None, on: bool) -> None:
         self.proc = None
         if on and pid:
-            self.proc = subprocess.Popen(["perf", "stat", "-x", ",", "-e", EVENT, "-p", str(pid)],
+            self.proc = subprocess.Popen(["perf", "stat", "-x", ",", "-e", syscalls.EVENT, "-p", str(pid)],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             time.sleep(0.3)  # attached before the run starts
 
@@ -74,18 +53,18 @@ class Watch:
             return None
         self.proc.send_signal(2)
         _, err = self.proc.communicate(timeout=30)
-        return counted(err)
+        return syscalls.parse(err)
 
 
 def run_counted(cmd: list[str], on: bool) -> tuple[float, int | None]:
     """Runs cmd (perf stat around it if on); returns its wall seconds and its system calls."""
-    full = ["perf", "stat", "-x", ",", "-e", EVENT, "-o", "/dev/stderr", "--", *cmd] if on else cmd
+    full = syscalls.wrap(cmd, "/dev/stderr") if on else cmd
     t0 = time.monotonic()
     r = subprocess.run(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.monotonic() - t0
     if r.returncode != 0:
         xsec.fail(f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}")
-    return wall, counted(r.stderr) if on else None
+    return wall, syscalls.parse(r.stderr) if on else None
 
 
 def main() -> None:
@@ -106,7 +85,7 @@ def main() -> None:
     if shutil.disk_usage(base).free < 3 * size:
         xsec.fail(f"{base} has not room for 3 x {a.size}")
     iperf = shutil.which("iperf3")
-    syscalls = perf_works()
+    counting = syscalls.works()
     with tempfile.TemporaryDirectory(dir=base, prefix="xdfs-zc-") as work:
         root = os.path.join(work, "root")
         os.makedirs(root)
@@ -141,9 +120,9 @@ def main() -> None:
             for name, (srv, cmd) in cases.items():
                 pid = srv.proc.pid if srv else ip.pid
                 upload = name.startswith("upload")
-                watch = Watch(pid, syscalls)
+                watch = Watch(pid, counting)
                 c0, s0 = xsec.children_cpu(), xsec.server_cpu(pid)
-                wall, client_calls = run_counted(cmd(), syscalls)
+                wall, client_calls = run_counted(cmd(), counting)
                 server_calls = watch.stop()
                 c1, s1 = xsec.children_cpu(), xsec.server_cpu(pid)
                 ccpu, scpu = c1 - c0, s1 - s0
@@ -176,7 +155,7 @@ def main() -> None:
         gbs = [r[0] for r in rs]
         print(f"| {name} | {med(gbs)} | {min(gbs):.2f}-{max(gbs):.2f} | {med([r[1] for r in rs])} | "
               f"{med([r[2] for r in rs])} | {per_gib([r[3] for r in rs])} | {per_gib([r[4] for r in rs])} |")
-    if not syscalls:
+    if not counting:
         print("\n(perf cannot count system calls here: install linux-perf, run as root or lower "
               "kernel.perf_event_paranoid)")
 
