@@ -480,6 +480,73 @@ TEST_CASE("zero copy falls back to reading blocks, saying why: a setting, sealed
   xt::check_no_partials(root.path());
 }
 
+TEST_CASE("zero copy in: a receiver that discards (memory mode, /dev/null) takes clear blocks without digests by splice, and says why not otherwise") {
+  xt::TempDir root, local;
+  auto cfg = config_for(root);
+  cfg.debug = true;
+  cfg.allow_memory_mode = true;
+  xt::InProcessServer srv(cfg);
+  const std::uint32_t bs = 64 * 1024;
+  DebugLines dbg;
+  xdfs::TransferOptions opt;
+  opt.protect = xdfs::xsec::Protect::clear;
+  opt.verify = false;
+  opt.block_size = bs;
+  opt.ring_bytes = 8 * bs;
+  opt.debug = dbg.sink();
+  // Every payload byte skipped by splice, and the frames after them (more blocks, the EOFRs,
+  // whose MACs count the skipped frames too) read as they were sent: the transfers complete.
+  for (std::uint64_t size : {std::uint64_t(1), std::uint64_t(bs), std::uint64_t(7 * bs + 3), std::uint64_t(8u << 20)}) {
+    for (unsigned n : {1u, 4u}) {
+      CAPTURE(size);
+      CAPTURE(n);
+      opt.channels = n;
+      opt.memory = true;
+      opt.memory_size = size;
+      dbg.clear();
+      CHECK(xdfs::download({"127.0.0.1", srv.port()}, "m", "/dev/null", opt).bytes == size);
+      CHECK(dbg.has(fmt::format("zero copy in: {} bytes by splice", size)));
+      CHECK(xdfs::upload("/dev/zero", {"127.0.0.1", srv.port()}, "m", opt).bytes == size);
+      CHECK(srv.wait_for_log(fmt::format("debug: zero copy in: {} bytes by splice", size)));
+      // A file's blocks to /dev/null: skipped the same way.
+      opt.memory = false;
+      const std::string name = fmt::format("n{}_{}", size, n);
+      xt::write_random_file(root / name, size, size + n);
+      dbg.clear();
+      CHECK(xdfs::download({"127.0.0.1", srv.port()}, name, "/dev/null", opt).bytes == size);
+      CHECK(dbg.has(fmt::format("zero copy in: {} bytes by splice", size)));
+    }
+  }
+  // Where the bytes are needed, they are read, and the debug line says why.
+  opt.channels = 2;
+  opt.memory = false;
+  xt::write_random_file(root / "f", (3u << 20) + 5, 31);
+  struct Case {
+    xdfs::xsec::Protect protect;
+    bool verify;
+    bool zero_copy;
+    const char* to;
+    const char* why;
+  };
+  for (const Case& c : {Case{xdfs::xsec::Protect::clear, false, false, "/dev/null", "zero copy in off: switched off by a setting"},
+                        Case{xdfs::xsec::Protect::clear, true, true, "/dev/null", "zero copy in off: blocks carry digests to check"},
+                        Case{xdfs::xsec::Protect::private_, false, true, "/dev/null", "zero copy in off: blocks are sealed"},
+                        Case{xdfs::xsec::Protect::integrity, false, true, "/dev/null", "zero copy in off: blocks are sealed"},
+                        Case{xdfs::xsec::Protect::clear, false, true, "file", "zero copy in off: the blocks are written"}}) {
+    CAPTURE(c.why);
+    CAPTURE(c.to);
+    opt.protect = c.protect;
+    opt.verify = c.verify;
+    opt.zero_copy = c.zero_copy;
+    dbg.clear();
+    const auto to = std::string(c.to) == "file" ? (local / "back") : std::string(c.to);
+    CHECK(xdfs::download({"127.0.0.1", srv.port()}, "f", to, opt).bytes == (3u << 20) + 5);
+    CHECK(dbg.has(c.why));
+    CHECK_FALSE(dbg.has("bytes by splice"));
+  }
+  CHECK(xt::files_equal(root / "f", local / "back"));
+}
+
 TEST_CASE("frames that arrive a byte at a time are put together: an upload and a path request") {
   xt::TempDir root;
   xt::XdfsdProcess d(root.path());

@@ -6,6 +6,8 @@
 
 #include <fmt/core.h>
 
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/sendfile.h>
@@ -18,6 +20,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <stdexcept>
 #include <utility>
@@ -116,6 +120,22 @@ namespace {
 // channel's loop runs on one thread (the class's rule), so no readiness is lost between the
 // read that found nothing and the wait. A close while it waits ends it with operation_aborted;
 // a socket found closed when it goes on (or starts), with bad_descriptor, as asio's reads do.
+// What a non-blocking read's result r means, as asio's reads would say it: bytes came; try again
+// (interrupted); none for now; or the read has ended (the peer closed, or an error, in ec).
+enum class ReadResult { bytes, again, empty, ended };
+
+ReadResult read_result(ssize_t r, ErrorCode& ec) {
+  if (r > 0) return ReadResult::bytes;
+  if (r == 0) {
+    ec = asio::error::eof;
+    return ReadResult::ended;
+  }
+  if (errno == EINTR) return ReadResult::again;
+  if (errno == EAGAIN || errno == EWOULDBLOCK) return ReadResult::empty;
+  ec = ErrorCode(errno, asio::error::get_system_category());
+  return ReadResult::ended;
+}
+
 struct ReadExactly {
   tcp::socket* s;
   std::uint8_t* p;
@@ -131,18 +151,12 @@ struct ReadExactly {
         return true;
       }
       const ssize_t r = ::recv(s->native_handle(), p + done, n - done, MSG_DONTWAIT);
-      if (r > 0) {
-        done += static_cast<std::size_t>(r);
-        continue;
+      switch (read_result(r, ec)) {
+        case ReadResult::bytes: done += static_cast<std::size_t>(r); break;
+        case ReadResult::again: break;
+        case ReadResult::empty: return false;
+        case ReadResult::ended: return true;
       }
-      if (r == 0) {
-        ec = asio::error::eof;
-        return true;
-      }
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
-      ec = ErrorCode(errno, asio::error::get_system_category());
-      return true;
     }
     return true;
   }
@@ -153,6 +167,55 @@ struct ReadExactly {
     s->async_wait(tcp::socket::wait_read, std::move(*this));
   }
 };
+
+// The pipe through which a network thread splices the payloads it skips (async_skip_payload):
+// one a thread, shared by the channels of its loop, since each empties it before it returns.
+// A failure to make one is tried again at the next payload: out of descriptors is not forever.
+struct SkipPipe {
+  int r = -1;
+  int w = -1;
+  std::string error;  // why there is none
+
+  SkipPipe() = default;
+  SkipPipe(const SkipPipe&) = delete;
+  SkipPipe& operator=(const SkipPipe&) = delete;
+  ~SkipPipe() { drop(); }
+  bool ready() {
+    if (r >= 0) return true;
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+      error = std::string("no pipe to splice through: ") + std::strerror(errno);
+      return false;
+    }
+    r = fds[0];
+    w = fds[1];
+    // Fewer splices a block; the default 64 KiB where a larger pipe is refused.
+    (void)::fcntl(w, F_SETPIPE_SZ, 256 * 1024);
+    return true;
+  }
+  void drop() noexcept {
+    if (r >= 0) ::close(r);
+    if (w >= 0) ::close(w);
+    r = w = -1;
+  }
+};
+
+SkipPipe& skip_pipe() {
+  thread_local SkipPipe p;
+  return p;
+}
+
+// /dev/null, opened once it can be (-1 until then).
+int dev_null() {
+  static std::atomic<int> fd{-1};
+  if (const int f = fd.load(std::memory_order_acquire); f >= 0) return f;
+  const int f = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+  if (f < 0) return -1;
+  int none = -1;
+  if (fd.compare_exchange_strong(none, f, std::memory_order_acq_rel)) return f;
+  ::close(f);  // another thread's is there
+  return none;
+}
 
 // Starts a ReadExactly; h never runs inside this call.
 void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n,
@@ -198,6 +261,105 @@ void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
 
 void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
   read_exactly(socket_, dst.data(), dst.size(), [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+}
+
+void Channel::async_skip_payload(std::size_t n, Handler h) {
+  if (!clear_frames(static_cast<wire::ChannelEvent>(in_header_[0])))
+    return asio::post(socket_.get_executor(),
+                      [h = std::move(h)] { h(make_error_code(boost::system::errc::operation_not_supported)); });
+  // splice(2) from a socket blocks unless the socket itself is non-blocking.
+  ErrorCode ec;
+  if (!socket_.native_non_blocking()) socket_.native_non_blocking(true, ec);
+  std::size_t left = n;
+  if (ec || skip_some(left, ec)) {
+    return asio::post(socket_.get_executor(), [this, ec, h = std::move(h)]() mutable {
+      if (ec || !guard_) return h(ec);
+      read_tag_then({}, std::move(h));  // nothing to read or check: the guard counts the frame
+    });
+  }
+  socket_.async_wait(tcp::socket::wait_read, [this, left, h = std::move(h)](const ErrorCode& e) mutable {
+    skip_wait(left, std::move(h), e);
+  });
+}
+
+void Channel::skip_wait(std::size_t left, Handler h, const ErrorCode& waited) {
+  ErrorCode ec = waited;
+  if (ec || skip_some(left, ec)) {
+    if (ec || !guard_) return h(ec);
+    return read_tag_then({}, std::move(h));
+  }
+  socket_.async_wait(tcp::socket::wait_read, [this, left, h = std::move(h)](const ErrorCode& e) mutable {
+    skip_wait(left, std::move(h), e);
+  });
+}
+
+bool Channel::skip_some(std::size_t& left, ErrorCode& ec) {
+  auto& pipe = skip_pipe();
+  const int null = dev_null();
+  // Reading instead, for this payload (a channel that once could not splice its socket stays so).
+  bool copy = !skip_fallback_.empty();
+  auto read_instead = [&](std::string why) {
+    copy = true;
+    if (skip_fallback_.empty()) skip_fallback_ = std::move(why);
+  };
+  if (!copy && !pipe.ready()) read_instead(pipe.error);
+  if (!copy && null < 0) read_instead(std::string("cannot open /dev/null: ") + std::strerror(errno));
+  while (left > 0) {
+    if (!socket_.is_open()) {
+      ec = asio::error::bad_descriptor;
+      return true;
+    }
+    const int fd = socket_.native_handle();
+    ssize_t got;
+    if (!copy) {
+      got = ::splice(fd, nullptr, pipe.w, nullptr, left, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+      if (got < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EPERM ||
+                      errno == EACCES || errno == ENOMEM)) {
+        // Not this socket, no memory for it, or a system call filter refuses it: read it.
+        read_instead(std::string("the socket does not splice: ") + std::strerror(errno));
+        continue;
+      }
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        // Splicing stops at urgent data: waiting would never end. recv reads past it (the
+        // frames after it will not make sense, and say so).
+        const int again = errno;
+        int at_mark = 0;
+        if (::ioctl(fd, SIOCATMARK, &at_mark) == 0 && at_mark) {
+          copy = true;
+          continue;
+        }
+        errno = again;
+      }
+      // Out of the pipe at once: it is empty again whenever this returns.
+      for (auto in = got; in > 0;) {
+        const ssize_t out = ::splice(pipe.r, nullptr, null, nullptr, static_cast<std::size_t>(in),
+                                     SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+        if (out < 0 && errno == EINTR) continue;
+        if (out <= 0) {
+          // Bytes are stranded in the pipe: it goes (the next payload makes another), and so
+          // does this frame. A failure of this side's, not the peer's.
+          const int err = out < 0 ? errno : EIO;
+          pipe.drop();
+          source_code_ = errc::io_error;
+          source_text_ = std::string("a payload skipped by splice would not go into /dev/null: ") + std::strerror(err);
+          ec = source_failure;
+          return true;
+        }
+        in -= out;
+      }
+      if (got > 0) zero_copy_in_bytes_ += static_cast<std::uint64_t>(got);
+    } else {
+      thread_local std::vector<std::uint8_t> scratch(64 * 1024);
+      got = ::recv(fd, scratch.data(), std::min(left, scratch.size()), MSG_DONTWAIT);
+    }
+    switch (read_result(got, ec)) {
+      case ReadResult::bytes: left -= static_cast<std::size_t>(got); break;
+      case ReadResult::again: break;
+      case ReadResult::empty: return false;
+      case ReadResult::ended: return true;
+    }
+  }
+  return true;
 }
 
 void Channel::async_check_payload(std::span<std::uint8_t> whole, Handler h) {

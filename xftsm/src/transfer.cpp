@@ -616,6 +616,28 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
   ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
+  const std::string refusal = skip_refusal();
+  skip_ = refusal.empty();
+  zero_copy_in_from_ = zero_copy_in_bytes();
+  host_.debug(skip_ ? "zero copy in: payloads go from the sockets into /dev/null by splice"
+                    : "zero copy in off: " + refusal);
+}
+
+std::string Receiver::skip_refusal() const {
+  if (!params_.zero_copy) return "switched off by a setting";
+  if (!sink_.discard) return "the blocks are written (splicing into a file is not built)";
+  if (params_.open_ended) return "a stream's blocks are read";
+  if (sink_.opener) return "blocks are sealed (integrity or private protection)";
+  if (tag().value() != 0) return "blocks carry digests to check";
+  for (const auto& ch : channels_)
+    if (!ch->clear_frames(params_.data_event)) return "data frames are protected";
+  return "";
+}
+
+std::uint64_t Receiver::zero_copy_in_bytes() const noexcept {
+  std::uint64_t n = 0;
+  for (const auto& ch : channels_) n += ch->zero_copy_in_bytes();
+  return n;
 }
 
 Receiver::~Receiver() { stop_disk(); }
@@ -696,23 +718,26 @@ void Receiver::admit(xdsi::Channel& ch, const FrameHeader& h) {
 void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
   const std::uint32_t slot = free_slots_.back();
   free_slots_.pop_back();
-  ch.async_read_payload(std::span<std::uint8_t>(pipe_.slot_data(slot), h.length),
-                        [this, &ch, slot, h](const xdsi::ErrorCode& ec) {
-                          if (machine_.finished()) return;
-                          if (ec) return channel_error(ch, ec);
-                          touch();
-                          // Authenticated now: it must name one whole, aligned, new block.
-                          const FileOffset at(h.offset);
-                          std::string why = "not one of the file's blocks";
-                          const auto expect = params_.open_ended
-                                                  ? stream_block(h, why)
-                                                  : block_at(at, params_.file_size, DataLength(params_.block_size));
-                          if (machine_.finished()) return;
-                          if (!expect || framed(*expect, tag()) != FrameLength(h.length)) return bad_block(ch, h, why);
-                          if (!seen_.insert(at.value(), after(at, *expect)->value()))
-                            return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
-                          on(TransferEvent::block_received, Arrival{&ch, slot, h, *expect});
-                        });
+  // The block still goes through its slot and the disk thread (which writes nothing to a
+  // discarding sink): the table's path is the same, only its bytes never reach user space.
+  auto arrived = [this, &ch, slot, h](const xdsi::ErrorCode& ec) {
+    if (machine_.finished()) return;
+    if (ec) return channel_error(ch, ec);
+    touch();
+    // Authenticated now: it must name one whole, aligned, new block.
+    const FileOffset at(h.offset);
+    std::string why = "not one of the file's blocks";
+    const auto expect = params_.open_ended
+                            ? stream_block(h, why)
+                            : block_at(at, params_.file_size, DataLength(params_.block_size));
+    if (machine_.finished()) return;
+    if (!expect || framed(*expect, tag()) != FrameLength(h.length)) return bad_block(ch, h, why);
+    if (!seen_.insert(at.value(), after(at, *expect)->value()))
+      return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
+    on(TransferEvent::block_received, Arrival{&ch, slot, h, *expect});
+  };
+  if (skip_) return ch.async_skip_payload(h.length, std::move(arrived));
+  ch.async_read_payload(std::span<std::uint8_t>(pipe_.slot_data(slot), h.length), std::move(arrived));
 }
 
 void Receiver::queue_write(const Arrival& a) {
@@ -841,6 +866,14 @@ void Receiver::commit() {
   // Every block matched its digest; the list of them must be the one the sender hashed.
   if (!digests_agree()) return;
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
+  if (skip_) {
+    std::string fallback;
+    std::size_t copied = 0;
+    for (const auto& ch : channels_)
+      if (!ch->skip_fallback().empty() && ++copied == 1) fallback = ch->skip_fallback();
+    if (copied) fallback = fmt::format("; read instead on {} of {} channels: {}", copied, channels_.size(), fallback);
+    host_.debug(fmt::format("zero copy in: {} bytes by splice{}", zero_copy_in_bytes() - zero_copy_in_from_, fallback));
+  }
   // EOFR back on every channel, with the bytes committed: this side is done with the transfer
   // there, and the channel is ready for the session's next operation.
   eofr_everywhere(end_);

@@ -94,6 +94,17 @@ public:
   void async_read_payload_part(std::span<std::uint8_t> dst, Handler h);
   /// ...and, once all have arrived, reads the tag and checks (and decrypts) the whole payload.
   void async_check_payload(std::span<std::uint8_t> whole, Handler h);
+  /// Zero copy in, for a receiver that discards what it receives (memory mode, /dev/null):
+  /// consumes the n payload bytes of the frame whose header was just read without copying them
+  /// to user space, by splice(2) from the socket through a pipe into /dev/null. Only for a frame
+  /// that goes without a tag (clear_frames()); its guard still counts it. Where the kernel will
+  /// not splice the socket it reads them into a scratch buffer instead (skip_fallback() says
+  /// why).
+  void async_skip_payload(std::size_t n, Handler h);
+  /// Payload bytes this channel has skipped by splice(2) so far.
+  std::uint64_t zero_copy_in_bytes() const noexcept { return zero_copy_in_bytes_; }
+  /// Why async_skip_payload copied instead ("" while it has not had to).
+  const std::string& skip_fallback() const noexcept { return skip_fallback_; }
 
   /// Queues a frame whose payload the caller keeps alive until h runs. On a protected channel
   /// the payload may be encrypted in place.
@@ -174,6 +185,10 @@ private:
   void pump_file();
   void complete_front(const ErrorCode& ec);
   void read_tag_then(std::span<std::uint8_t> payload, Handler h);
+  /// Skips what the socket holds of `left` more payload bytes: true once it has ended (all
+  /// skipped, or ec set), false when the socket has nothing more for now.
+  bool skip_some(std::size_t& left, ErrorCode& ec);
+  void skip_wait(std::size_t left, Handler h, const ErrorCode& waited);
 
   tcp::socket socket_;
   std::uint32_t index_;
@@ -185,6 +200,8 @@ private:
   std::array<std::uint8_t, 16> in_tag_{};
   std::unique_ptr<FrameGuard> guard_;
   std::uint64_t zero_copy_bytes_ = 0;
+  std::uint64_t zero_copy_in_bytes_ = 0;
+  std::string skip_fallback_;
   bool corked_ = false;
   errc source_code_ = errc::ok;  // what source_failure stands for, and why
   std::string source_text_;

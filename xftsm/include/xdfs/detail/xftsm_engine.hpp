@@ -353,6 +353,12 @@ private:
   /// An ACK or a NACK on channel 0 (told_unsent_ counts it until it has left).
   void tell_sender(wire::ChannelEvent event, std::uint64_t offset);
   bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
+  /// Zero copy in: why the blocks' payloads are read into slots ("" when, discarded anyway,
+  /// they are skipped by splice with xdsi::Channel::async_skip_payload).
+  std::string skip_refusal() const;
+  std::uint64_t zero_copy_in_bytes() const noexcept;
+  bool skip_ = false;
+  std::uint64_t zero_copy_in_from_ = 0;  // the channels' spliced bytes when the transfer began
   /// Per offset: times asked again, until the block is written (at most a window of them: a
   /// correct sender has no more blocks than that unacknowledged).
   std::map<std::uint64_t, unsigned> refetched_;
