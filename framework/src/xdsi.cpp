@@ -271,7 +271,7 @@ void Channel::async_skip_payload(std::size_t n, Handler h) {
   ErrorCode ec;
   if (!socket_.native_non_blocking()) socket_.native_non_blocking(true, ec);
   std::size_t left = n;
-  if (ec || skip_some(left, ec)) {
+  if (ec || skip_some(left, ec, false)) {
     return asio::post(socket_.get_executor(), [this, ec, h = std::move(h)]() mutable {
       if (ec || !guard_) return h(ec);
       read_tag_then({}, std::move(h));  // nothing to read or check: the guard counts the frame
@@ -284,7 +284,7 @@ void Channel::async_skip_payload(std::size_t n, Handler h) {
 
 void Channel::skip_wait(std::size_t left, Handler h, const ErrorCode& waited) {
   ErrorCode ec = waited;
-  if (ec || skip_some(left, ec)) {
+  if (ec || skip_some(left, ec, true)) {
     if (ec || !guard_) return h(ec);
     return read_tag_then({}, std::move(h));
   }
@@ -293,7 +293,7 @@ void Channel::skip_wait(std::size_t left, Handler h, const ErrorCode& waited) {
   });
 }
 
-bool Channel::skip_some(std::size_t& left, ErrorCode& ec) {
+bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
   auto& pipe = skip_pipe();
   const int null = dev_null();
   // Reading instead, for this payload (a channel that once could not splice its socket stays so).
@@ -304,6 +304,7 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec) {
   };
   if (!copy && !pipe.ready()) read_instead(pipe.error);
   if (!copy && null < 0) read_instead(std::string("cannot open /dev/null: ") + std::strerror(errno));
+  bool moved = false;  // since the wake-up
   while (left > 0) {
     if (!socket_.is_open()) {
       ec = asio::error::bad_descriptor;
@@ -319,9 +320,9 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec) {
         read_instead(std::string("the socket does not splice: ") + std::strerror(errno));
         continue;
       }
-      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        // Splicing stops at urgent data: waiting would never end. recv reads past it (the
-        // frames after it will not make sense, and say so).
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && woke && !moved) {
+        // Readable, yet nothing to splice: splicing stops at urgent data, so waiting would
+        // never end. recv reads past it (the frames after it will not make sense, and say so).
         const int again = errno;
         int at_mark = 0;
         if (::ioctl(fd, SIOCATMARK, &at_mark) == 0 && at_mark) {
@@ -347,7 +348,10 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec) {
         }
         in -= out;
       }
-      if (got > 0) zero_copy_in_bytes_ += static_cast<std::uint64_t>(got);
+      if (got > 0) {
+        zero_copy_in_bytes_ += static_cast<std::uint64_t>(got);
+        moved = true;
+      }
     } else {
       thread_local std::vector<std::uint8_t> scratch(64 * 1024);
       got = ::recv(fd, scratch.data(), std::min(left, scratch.size()), MSG_DONTWAIT);

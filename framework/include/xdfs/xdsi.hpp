@@ -186,8 +186,9 @@ private:
   void complete_front(const ErrorCode& ec);
   void read_tag_then(std::span<std::uint8_t> payload, Handler h);
   /// Skips what the socket holds of `left` more payload bytes: true once it has ended (all
-  /// skipped, or ec set), false when the socket has nothing more for now.
-  bool skip_some(std::size_t& left, ErrorCode& ec);
+  /// skipped, or ec set), false when the socket has nothing more for now. `woke`: the socket
+  /// was just reported readable.
+  bool skip_some(std::size_t& left, ErrorCode& ec, bool woke);
   void skip_wait(std::size_t left, Handler h, const ErrorCode& waited);
 
   tcp::socket socket_;
