@@ -113,13 +113,6 @@ Failure Channel::failure(const ErrorCode& ec, std::string_view peer) const {
 
 namespace {
 
-// Reads exactly n bytes into p, then h(ec, bytes read): as many non-blocking reads in a row as
-// the socket has data for, waiting for readability only when it has none. asio::async_read
-// takes every partial read through the event loop (a scheduler turn and an epoll_wait each:
-// about 16 per 1 MiB block on loopback); here the bytes that are there come in one turn. A
-// channel's loop runs on one thread (the class's rule), so no readiness is lost between the
-// read that found nothing and the wait. A close while it waits ends it with operation_aborted;
-// a socket found closed when it goes on (or starts), with bad_descriptor, as asio's reads do.
 // What a non-blocking read's result r means, as asio's reads would say it: bytes came; try again
 // (interrupted); none for now; or the read has ended (the peer closed, or an error, in ec).
 enum class ReadResult { bytes, again, empty, ended };
@@ -136,37 +129,56 @@ ReadResult read_result(ssize_t r, ErrorCode& ec) {
   return ReadResult::ended;
 }
 
-struct ReadExactly {
+// A read that takes what the socket holds in one turn of the loop: step(ec, woke) reads what is
+// there and says true once the read has ended (done, or ec set); it runs at once, then again
+// each time the socket is readable, and `done` gets the outcome. asio::async_read takes every
+// partial read through the event loop (a scheduler turn and an epoll_wait each: about 16 per
+// 1 MiB block on loopback). A channel's loop runs on one thread (the class's rule), so no
+// readiness is lost between the read that found nothing and the wait. A close while it waits
+// ends it with operation_aborted. `done` never runs inside the starting call.
+template <typename Step>
+struct WhileReadable {
   tcp::socket* s;
-  std::uint8_t* p;
-  std::size_t n;
-  std::size_t done = 0;
-  std::function<void(const ErrorCode&, std::size_t)> h;
-
-  // Reads what is there: true once it has ended (all n bytes in, or ec set).
-  bool step(ErrorCode& ec) {
-    while (done < n) {
-      if (!s->is_open()) {
-        ec = asio::error::bad_descriptor;
-        return true;
-      }
-      const ssize_t r = ::recv(s->native_handle(), p + done, n - done, MSG_DONTWAIT);
-      switch (read_result(r, ec)) {
-        case ReadResult::bytes: done += static_cast<std::size_t>(r); break;
-        case ReadResult::again: break;
-        case ReadResult::empty: return false;
-        case ReadResult::ended: return true;
-      }
-    }
-    return true;
-  }
+  Step step;
+  Channel::Handler done;
 
   void operator()(const ErrorCode& waited) {
     ErrorCode ec = waited;
-    if (ec || step(ec)) return h(ec, done);
+    if (ec || step(ec, true)) return done(ec);
     s->async_wait(tcp::socket::wait_read, std::move(*this));
   }
 };
+
+template <typename Step>
+void while_readable(tcp::socket& s, Step step, Channel::Handler done) {
+  ErrorCode ec;
+  if (step(ec, false)) return asio::post(s.get_executor(), [done = std::move(done), ec] { done(ec); });
+  s.async_wait(tcp::socket::wait_read, WhileReadable<Step>{&s, std::move(step), std::move(done)});
+}
+
+// Reads exactly n bytes into p. A socket found closed ends it with bad_descriptor, as asio's
+// reads do.
+void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n, Channel::Handler h) {
+  while_readable(
+      s,
+      [&s, p, n, got = std::size_t(0)](ErrorCode& ec, bool) mutable {
+        while (got < n) {
+          if (!s.is_open()) {
+            ec = asio::error::bad_descriptor;
+            return true;
+          }
+          const ssize_t r = ::recv(s.native_handle(), p + got, n - got, MSG_DONTWAIT);
+          switch (read_result(r, ec)) {
+            case ReadResult::bytes: got += static_cast<std::size_t>(r); break;
+            case ReadResult::again: break;
+            case ReadResult::empty: return false;
+            case ReadResult::ended: return true;
+          }
+        }
+        return true;
+      },
+      std::move(h));
+}
 
 // The pipe through which a network thread splices the payloads it skips (async_skip_payload):
 // one a thread, shared by the channels of its loop, since each empties it before it returns.
@@ -217,20 +229,11 @@ int dev_null() {
   return none;
 }
 
-// Starts a ReadExactly; h never runs inside this call.
-void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n,
-                  std::function<void(const ErrorCode&, std::size_t)> h) {
-  ReadExactly op{&s, p, n, 0, std::move(h)};
-  ErrorCode ec;
-  if (!op.step(ec)) return s.async_wait(tcp::socket::wait_read, std::move(op));
-  asio::post(s.get_executor(), [op = std::move(op), ec]() mutable { op.h(ec, op.done); });
-}
-
 }  // namespace
 
 void Channel::async_read_header(HeaderHandler h) {
   read_exactly(socket_, in_header_.data(), in_header_.size(),
-               [this, h = std::move(h)](const ErrorCode& ec, std::size_t) {
+               [this, h = std::move(h)](const ErrorCode& ec) {
                  if (ec) return h(ec, {});
                  auto hdr = wire::decode(std::span<const std::uint8_t, wire::frame_header_size>(in_header_), &error_text_);
                  if (!hdr) return h(make_error_code(boost::system::errc::protocol_error), {});
@@ -253,14 +256,11 @@ void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
     return asio::post(socket_.get_executor(), [h = std::move(h)] { h({}); });
   }
   read_exactly(socket_, dst.data(), dst.size(),
-               [this, dst, h = std::move(h)](const ErrorCode& ec, std::size_t) {
-                 if (ec || !guard_) return h(ec);
-                 read_tag_then(dst, std::move(h));
-               });
+               [this, dst, h = std::move(h)](const ErrorCode& ec) mutable { check_payload(ec, dst, std::move(h)); });
 }
 
 void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
-  read_exactly(socket_, dst.data(), dst.size(), [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+  read_exactly(socket_, dst.data(), dst.size(), std::move(h));
 }
 
 void Channel::async_skip_payload(std::size_t n, Handler h) {
@@ -270,27 +270,11 @@ void Channel::async_skip_payload(std::size_t n, Handler h) {
   // splice(2) from a socket blocks unless the socket itself is non-blocking.
   ErrorCode ec;
   if (!socket_.native_non_blocking()) socket_.native_non_blocking(true, ec);
-  std::size_t left = n;
-  if (ec || skip_some(left, ec, false)) {
-    return asio::post(socket_.get_executor(), [this, ec, h = std::move(h)]() mutable {
-      if (ec || !guard_) return h(ec);
-      read_tag_then({}, std::move(h));  // nothing to read or check: the guard counts the frame
-    });
-  }
-  socket_.async_wait(tcp::socket::wait_read, [this, left, h = std::move(h)](const ErrorCode& e) mutable {
-    skip_wait(left, std::move(h), e);
-  });
-}
-
-void Channel::skip_wait(std::size_t left, Handler h, const ErrorCode& waited) {
-  ErrorCode ec = waited;
-  if (ec || skip_some(left, ec, true)) {
-    if (ec || !guard_) return h(ec);
-    return read_tag_then({}, std::move(h));
-  }
-  socket_.async_wait(tcp::socket::wait_read, [this, left, h = std::move(h)](const ErrorCode& e) mutable {
-    skip_wait(left, std::move(h), e);
-  });
+  if (ec) return asio::post(socket_.get_executor(), [h = std::move(h), ec] { h(ec); });
+  while_readable(
+      socket_, [this, left = n](ErrorCode& e, bool woke) mutable { return skip_some(left, e, woke); },
+      // Nothing to check, but the guard counts the frame.
+      [this, h = std::move(h)](const ErrorCode& e) mutable { check_payload(e, {}, std::move(h)); });
 }
 
 bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
@@ -366,6 +350,11 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
   return true;
 }
 
+void Channel::check_payload(const ErrorCode& ec, std::span<std::uint8_t> payload, Handler h) {
+  if (ec || !guard_) return h(ec);
+  read_tag_then(payload, std::move(h));
+}
+
 void Channel::async_check_payload(std::span<std::uint8_t> whole, Handler h) {
   if (!guard_) return asio::post(socket_.get_executor(), [h = std::move(h)] { h({}); });
   read_tag_then(whole, std::move(h));
@@ -373,7 +362,7 @@ void Channel::async_check_payload(std::span<std::uint8_t> whole, Handler h) {
 
 void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
   const std::size_t n = guard_->tag_bytes(static_cast<wire::ChannelEvent>(in_header_[0]));
-  auto check = [this, payload, h = std::move(h)](const ErrorCode& ec, std::size_t) {
+  auto check = [this, payload, h = std::move(h)](const ErrorCode& ec) {
     if (ec) return h(ec);
     if (!guard_->open(in_header_, payload, in_tag_.data())) {
       error_text_ = "frame failed its integrity check (modified, replayed, reordered or a frame was dropped)";
@@ -381,7 +370,7 @@ void Channel::read_tag_then(std::span<std::uint8_t> payload, Handler h) {
     }
     h({});
   };
-  if (n == 0) return check({}, 0);
+  if (n == 0) return check({});
   read_exactly(socket_, in_tag_.data(), n, std::move(check));
 }
 

@@ -179,6 +179,12 @@ void Engine::read_exception(xdsi::Channel& ch, std::uint32_t length) {
   });
 }
 
+std::uint64_t Engine::channel_total(std::uint64_t (xdsi::Channel::*count)() const noexcept) const noexcept {
+  std::uint64_t n = 0;
+  for (const auto& ch : channels_) n += ((*ch).*count)();
+  return n;
+}
+
 void Engine::channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec) {
   if (machine_.finished() || ec == werr::operation_aborted) return;
   const bool client = machine_.role() == Role::client_upload || machine_.role() == Role::client_download;
@@ -288,7 +294,7 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   ready_.reserve(pipe_.slots());
   const std::string refusal = zero_copy_refusal();
   source_.zero_copy = refusal.empty();
-  zero_copy_from_ = zero_copy_bytes();
+  zero_copy_from_ = channel_total(&xdsi::Channel::zero_copy_bytes);
   host_.debug(source_.zero_copy ? "zero copy: file data goes to the sockets by sendfile"
                                 : "zero copy off: " + refusal);
   // A resumed transfer: what the receiver has counts as sent and acknowledged.
@@ -296,12 +302,6 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
 }
 
 Sender::~Sender() { stop_disk(); }
-
-std::uint64_t Sender::zero_copy_bytes() const noexcept {
-  std::uint64_t n = 0;
-  for (const auto& ch : channels_) n += ch->zero_copy_bytes();
-  return n;
-}
 
 std::string Sender::zero_copy_refusal() const {
   if (!params_.zero_copy) return "switched off by a setting";
@@ -591,7 +591,8 @@ void Sender::maybe_finish() {
   for (auto q : inflight_)
     if (q != 0) return;
   if (!digests_agree()) return;
-  if (source_.zero_copy) host_.debug(fmt::format("zero copy: {} bytes by sendfile", zero_copy_bytes() - zero_copy_from_));
+  if (source_.zero_copy) host_.debug(fmt::format("zero copy: {} bytes by sendfile",
+                                                  channel_total(&xdsi::Channel::zero_copy_bytes) - zero_copy_from_));
   on(TransferEvent::committed);
 }
 
@@ -618,7 +619,7 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
   const std::string refusal = skip_refusal();
   skip_ = refusal.empty();
-  zero_copy_in_from_ = zero_copy_in_bytes();
+  zero_copy_in_from_ = channel_total(&xdsi::Channel::zero_copy_in_bytes);
   host_.debug(skip_ ? "zero copy in: payloads go from the sockets into /dev/null by splice"
                     : "zero copy in off: " + refusal);
 }
@@ -634,11 +635,6 @@ std::string Receiver::skip_refusal() const {
   return "";
 }
 
-std::uint64_t Receiver::zero_copy_in_bytes() const noexcept {
-  std::uint64_t n = 0;
-  for (const auto& ch : channels_) n += ch->zero_copy_in_bytes();
-  return n;
-}
 
 Receiver::~Receiver() { stop_disk(); }
 
@@ -872,7 +868,8 @@ void Receiver::commit() {
     for (const auto& ch : channels_)
       if (!ch->skip_fallback().empty() && ++copied == 1) fallback = ch->skip_fallback();
     if (copied) fallback = fmt::format("; read instead on {} of {} channels: {}", copied, channels_.size(), fallback);
-    host_.debug(fmt::format("zero copy in: {} bytes by splice{}", zero_copy_in_bytes() - zero_copy_in_from_, fallback));
+    const auto spliced = channel_total(&xdsi::Channel::zero_copy_in_bytes) - zero_copy_in_from_;
+    host_.debug(fmt::format("zero copy in: {} bytes by splice{}", spliced, fallback));
   }
   // EOFR back on every channel, with the bytes committed: this side is done with the transfer
   // there, and the channel is ready for the session's next operation.

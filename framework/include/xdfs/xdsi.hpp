@@ -185,11 +185,13 @@ private:
   void pump_file();
   void complete_front(const ErrorCode& ec);
   void read_tag_then(std::span<std::uint8_t> payload, Handler h);
+  /// The end of a payload's read: h(ec) on an error or without a guard, else its tag is read
+  /// and checked.
+  void check_payload(const ErrorCode& ec, std::span<std::uint8_t> payload, Handler h);
   /// Skips what the socket holds of `left` more payload bytes: true once it has ended (all
   /// skipped, or ec set), false when the socket has nothing more for now. `woke`: the socket
   /// was just reported readable.
   bool skip_some(std::size_t& left, ErrorCode& ec, bool woke);
-  void skip_wait(std::size_t left, Handler h, const ErrorCode& waited);
 
   tcp::socket socket_;
   std::uint32_t index_;

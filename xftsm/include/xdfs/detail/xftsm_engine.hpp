@@ -185,6 +185,8 @@ protected:
   virtual void on_noop() { touch(); }
   void channel_error(xdsi::Channel& ch, const xdsi::ErrorCode& ec);
   void read_exception(xdsi::Channel& ch, std::uint32_t length);
+  /// A channel counter (sendfile or splice bytes) summed over the session's channels.
+  std::uint64_t channel_total(std::uint64_t (xdsi::Channel::*count)() const noexcept) const noexcept;
 
   asio::io_context& io_;
   Machine& machine_;
@@ -245,8 +247,6 @@ private:
   void on_frame(xdsi::Channel& ch, const wire::FrameHeader& h);
   /// Why the blocks cannot go by sendfile(2) from the source, or nothing if they can.
   std::string zero_copy_refusal() const;
-  /// What the session's channels have moved by sendfile(2) so far, together.
-  std::uint64_t zero_copy_bytes() const noexcept;
 
   piod::Source source_;
   std::uint64_t zero_copy_from_ = 0;     // the channels' sendfile bytes when the transfer began
@@ -356,7 +356,6 @@ private:
   /// Zero copy in: why the blocks' payloads are read into slots ("" when, discarded anyway,
   /// they are skipped by splice with xdsi::Channel::async_skip_payload).
   std::string skip_refusal() const;
-  std::uint64_t zero_copy_in_bytes() const noexcept;
   bool skip_ = false;
   std::uint64_t zero_copy_in_from_ = 0;  // the channels' spliced bytes when the transfer began
   /// Per offset: times asked again, until the block is written (at most a window of them: a
