@@ -54,16 +54,16 @@ TOOLS = {
     "small": ["xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
     "link": ["xdfs", "xdfs-private", "gridftp", "iperf3", "iperf3-z"],
 }
-# iperf3-z is iperf3 -Z: its sender moves the bytes by sendfile(2).
-
-# System calls are counted (perf stat; perf/syscalls.py) in one extra run of every point and tool
-# after the timed repetitions: perf around a process costs tens of milliseconds of its own and
-# a little per call, so counted runs are never timed (records with counted: true).
 # xdfs runs with --protect clear --no-verify: control frames MACed, data as is, no block digests,
 # like GridFTP's anonymous clear data channel without -verify-checksum (the fair comparison).
 # xdfs-private is xduc's default, every frame AES-256-GCM (or ChaCha20-Poly1305) and every block
 # verified against its digest, what a user gets without options. perf/xsec.py measures what
-# verification costs (clear against clear/no-verify).
+# verification costs (clear against clear/no-verify). iperf3-z is iperf3 -Z: its sender moves the
+# bytes by sendfile(2).
+
+# System calls are counted (perf stat; perf/syscalls.py) in one extra run of every point and tool
+# after the timed repetitions: perf around a process costs tens of milliseconds of its own and
+# a little per call, so counted runs are never timed (records with counted: true).
 
 # Default matrix of a full run (about 40 minutes on the 2-core development machine, and a third
 # more with the counted runs; see README).
@@ -494,7 +494,7 @@ class Server:
                 # perf stat writes its count once the server has ended: the server goes first.
                 for p in self.servers():
                     H.kill_tree(p, signal.SIGTERM)
-            elif any(proc_children(c) for c in proc_children(self.pid)):
+            elif any(proc_children(c) for c in self.servers()):
                 H.kill_tree(self.pid, signal.SIGTERM)
             else:
                 os.kill(self.pid, signal.SIGTERM)  # xrun passes it on to the server
@@ -1462,7 +1462,8 @@ def main(argv=None) -> int:
     ctx.count = not args.no_syscalls and syscalls.works()
     if not args.no_syscalls and not ctx.count:
         log("bench: perf cannot count system calls here (perf stat -e raw_syscalls:sys_enter): none counted")
-    total = sum(len(tools_for(args, sc)) for sc, _ in plan) * (args.reps + (1 if ctx.count else 0))
+    rounds = args.reps + (1 if ctx.count else 0)  # the last one counted, when counting
+    total = sum(len(tools_for(args, sc)) for sc, _ in plan) * rounds
     log(f"bench: {total} runs ({args.reps} reps) of {', '.join(args.scenarios)}; work {args.work}; out {args.out}")
     done = 0
     scen_secs: dict[str, float] = {}
@@ -1495,7 +1496,7 @@ def main(argv=None) -> int:
             else:
                 warm = parse_size(args.warm)
             warm_memory(warm)
-            for rep in range(args.reps + (1 if ctx.count else 0)):
+            for rep in range(rounds):
                 for i, point in enumerate(points):
                     # Taking turns: the tool order rotates with the point and the repetition.
                     for tool in rotated(tools, rep + i):
