@@ -330,12 +330,23 @@ void RawPeer::send_bytes(const void* data, std::size_t n) {
       if (::send(fd_, p + i, 1, MSG_NOSIGNAL) != 1) return;
     return;
   }
-  while (n > 0) {
-    ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
-    if (w <= 0) return;  // the server may already have closed on us; the test reads the reason
-    p += w;
-    n -= static_cast<std::size_t>(w);
+  auto send_all = [this](const char* q, std::size_t m) {
+    while (m > 0) {
+      ssize_t w = ::send(fd_, q, m, MSG_NOSIGNAL);
+      if (w <= 0) return;  // the server may already have closed on us; the test reads the reason
+      q += w;
+      m -= static_cast<std::size_t>(w);
+    }
+  };
+  if (urgent_before && *urgent_before < n) {
+    const std::size_t at = *urgent_before;
+    urgent_before.reset();
+    send_all(p, at);
+    (void)::send(fd_, "!", 1, MSG_OOB | MSG_NOSIGNAL);
+    p += at;
+    n -= at;
   }
+  send_all(p, n);
 }
 
 void RawChannel::send_preamble(std::uint16_t version) {

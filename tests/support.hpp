@@ -149,6 +149,9 @@ public:
   /// Sends every byte on its own (with TCP_NODELAY: its own segment), so that the peer reads
   /// each frame a byte at a time.
   bool trickle = false;
+  /// If set, the next send sends one byte of urgent data (MSG_OOB, out of band: the peer's
+  /// stream goes on without it) before byte *urgent_before of what it sends. Not with trickle.
+  std::optional<std::size_t> urgent_before;
   /// Blocks carry their digest after their data, as a real disk thread writes it (the
   /// negotiation's flag_manifest, set when the handshake sends or reads it).
   bool manifest = false;

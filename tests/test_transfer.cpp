@@ -547,6 +547,45 @@ TEST_CASE("zero copy in: a receiver that discards (memory mode, /dev/null) takes
   CHECK(xt::files_equal(root / "f", local / "back"));
 }
 
+TEST_CASE("zero copy in: urgent data in the middle of a block does not stall the splice; the stream around it arrives whole") {
+  // splice(2) from a TCP socket stops at the urgent mark and then finds nothing, however long
+  // it waits: a peer could hold the channel until the idle timeout. The receiver reads past
+  // the mark instead (recv leaves the out-of-band byte out of the stream) and the upload
+  // completes, every byte before the mark and after that payload skipped by splice.
+  xt::TempDir root;
+  xt::XdfsdProcess d(root.path(), {"--allow-memory-mode", "--debug", "--idle-timeout", "600"});
+  const std::uint32_t bs = 64 * 1024;
+  const std::uint64_t size = 3 * bs;
+  auto h = xt::make_hello(xdfs::Mode::upload, "m", 1, size);
+  h.nego.extended_flags = xdfs::wire::flag_memory;
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  auto reply = c.read_frame();
+  REQUIRE(reply.has_value());
+  REQUIRE(reply->first.event == xdfs::wire::ChannelEvent::nego_reply);
+  REQUIRE(d.wait_for_log("zero copy in: payloads go from the sockets into /dev/null by splice"));
+  const std::size_t mark = bs / 2 + 7;  // into the second block's payload
+  for (std::uint64_t off = 0; off < size; off += bs) {
+    if (off == bs) {
+      // The first block is in and skipped: the second's bytes up to the mark come alone.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      c.urgent_before = xdfs::wire::frame_header_size + mark;
+    }
+    c.send_block(xdfs::wire::ChannelEvent::xftsmu, off, std::vector<std::uint8_t>(bs, static_cast<std::uint8_t>(off >> 16)));
+  }
+  xdfs::wire::FrameHeader eofr;
+  eofr.event = xdfs::wire::ChannelEvent::eofr;
+  c.send_frame(eofr);  // its MAC counts the skipped frames: one byte too many or too few breaks it
+  auto done = c.read_frame();
+  while (done && done->first.event == xdfs::wire::ChannelEvent::ack) done = c.read_frame();
+  REQUIRE_MESSAGE(done.has_value(), d.log());
+  CHECK(done->first.event == xdfs::wire::ChannelEvent::eofr);
+  CHECK(done->first.offset == size);
+  // Read instead from the mark to the end of that payload; spliced before and after it.
+  CHECK_MESSAGE(d.wait_for_log(fmt::format("debug: zero copy in: {} bytes by splice", size - (bs - mark))), d.log());
+  REQUIRE(d.alive());
+}
+
 TEST_CASE("frames that arrive a byte at a time are put together: an upload and a path request") {
   xt::TempDir root;
   xt::XdfsdProcess d(root.path());
