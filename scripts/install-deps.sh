@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing xDFS needs, from Debian packages, only if missing.
 set -euo pipefail
-pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libfmt-dev capnproto libcapnp-dev doctest-dev
+pkgs=(g++ cmake ninja-build pkg-config libboost-dev libbotan-2-dev libssl-dev libfmt-dev capnproto libcapnp-dev doctest-dev
       clang libclang-rt-14-dev spin gdb iproute2 util-linux python3
       libcli11-dev libtomlplusplus-dev libsystemd-dev
       help2man systemd bash-completion dpkg-dev lintian man-db strace)  # packaging/ and its tests

@@ -10,6 +10,9 @@
 #include <fstream>
 #include <thread>
 
+#include <botan/aead.h>
+#include <botan/mac.h>
+
 #include "support.hpp"
 #include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
@@ -217,6 +220,71 @@ TEST_CASE("block payloads: sealed on the disk thread, bound to their offset") {
       xs::BlockCrypto other(mode, cipher, xs::data_key(xs::Key32{}, false, 0));
       auto wrong_key = slot;
       CHECK_FALSE(other.open(wrong_key.data(), xdfs::DataLength(5000), xdfs::FileOffset(65536)));
+    }
+  }
+}
+
+TEST_CASE("a sealed block is its cipher's AEAD (private) or GMAC (integrity) over the documented nonce and associated data, byte for byte as Botan makes it") {
+  // The wire format of a sealed block, whatever library seals it here: nonce "blk\0" then the
+  // offset (8 bytes, little-endian); associated data the offset (8) and the length (4, both
+  // little-endian); the tag after the data. Integrity's tag is GMAC(AES-256) over the associated
+  // data then the block. A peer built on either library reads the other's.
+  const auto key = xs::data_key(xs::Key32{}, false, 3);
+  for (auto cipher : {xs::Cipher::aes256gcm, xs::Cipher::chacha20poly1305}) {
+    // One of each for every block, as a disk thread keeps them: a forged block must not spoil
+    // the context for the blocks after it.
+    xs::BlockCrypto bc(xs::Protect::private_, cipher, key), ic(xs::Protect::integrity, cipher, key);
+    for (std::uint32_t len : {0u, 1u, 15u, 16u, 5000u, (1u << 20) + 3}) {
+      for (std::uint64_t offset : {std::uint64_t(0), std::uint64_t(1) << 20, (std::uint64_t(1) << 62) - (1u << 20)}) {
+        CAPTURE(xs::to_string(cipher));
+        CAPTURE(len);
+        CAPTURE(offset);
+        std::vector<std::uint8_t> nonce{'b', 'l', 'k', 0}, ad;
+        for (int i = 0; i < 8; ++i) nonce.push_back(static_cast<std::uint8_t>(offset >> (8 * i)));
+        for (int i = 0; i < 8; ++i) ad.push_back(static_cast<std::uint8_t>(offset >> (8 * i)));
+        for (int i = 0; i < 4; ++i) ad.push_back(static_cast<std::uint8_t>(len >> (8 * i)));
+        const auto plain = xt::random_bytes(len, len + offset % 89);
+        auto botan_seal = Botan::AEAD_Mode::create_or_throw(xs::to_string(cipher), Botan::ENCRYPTION);
+        botan_seal->set_key(key.data(), key.size());
+        botan_seal->set_associated_data(ad.data(), ad.size());
+        botan_seal->start(nonce.data(), nonce.size());
+        Botan::secure_vector<std::uint8_t> expect(plain.begin(), plain.end());
+        botan_seal->finish(expect);
+        REQUIRE(expect.size() == len + 16u);
+
+        std::vector<std::uint8_t> slot(plain);
+        slot.resize(len + 16u);
+        bc.seal(slot.data(), xdfs::DataLength(len), xdfs::FileOffset(offset));
+        CHECK(std::equal(slot.begin(), slot.end(), expect.begin(), expect.end()));
+
+        std::vector<std::uint8_t> forged(expect.begin(), expect.end());
+        forged[len] ^= 1;  // the tag's first byte
+        CHECK_FALSE(bc.open(forged.data(), xdfs::DataLength(len), xdfs::FileOffset(offset)));
+        std::vector<std::uint8_t> theirs(expect.begin(), expect.end());
+        REQUIRE(bc.open(theirs.data(), xdfs::DataLength(len), xdfs::FileOffset(offset)));
+        CHECK(std::equal(plain.begin(), plain.end(), theirs.begin()));
+
+        auto gmac = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");  // with either cipher
+        gmac->set_key(key.data(), key.size());
+        gmac->start(nonce.data(), nonce.size());
+        gmac->update(ad.data(), ad.size());
+        gmac->update(plain.data(), plain.size());
+        const auto tag = gmac->final();
+        std::vector<std::uint8_t> marked(plain), their_mark(plain);
+        marked.resize(len + 16u);
+        their_mark.insert(their_mark.end(), tag.begin(), tag.end());
+        ic.seal(marked.data(), xdfs::DataLength(len), xdfs::FileOffset(offset));
+        CHECK(marked == their_mark);
+        auto bad_tag = their_mark;
+        bad_tag[len + 15] ^= 0x80;  // the tag's last byte
+        CHECK_FALSE(ic.open(bad_tag.data(), xdfs::DataLength(len), xdfs::FileOffset(offset)));
+        if (len > 0) {
+          auto bad_data = their_mark;
+          bad_data[0] ^= 1;
+          CHECK_FALSE(ic.open(bad_data.data(), xdfs::DataLength(len), xdfs::FileOffset(offset)));
+        }
+        CHECK(ic.open(their_mark.data(), xdfs::DataLength(len), xdfs::FileOffset(offset)));
+      }
     }
   }
 }

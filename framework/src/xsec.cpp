@@ -14,8 +14,11 @@
 #include <botan/mac.h>
 #include <botan/mem_ops.h>
 #include <botan/system_rng.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -640,6 +643,63 @@ Key32 data_key(const Key32& session_secret, bool client_to_server, std::uint64_t
   return k;
 }
 
+// A block's AEAD on OpenSSL's EVP: the same AES-256-GCM or ChaCha20-Poly1305 (RFC 8439) as
+// Botan's, bytes for bytes, in about half the CPU time where the CPU has AES-NI and carry-less
+// multiply (one pass of AES and GHASH together, in wide registers where there are); and GMAC,
+// which is AES-256-GCM over associated data alone. Blocks are the bulk of the private and
+// integrity modes; the handshakes and frames stay with Botan. One direction, one key.
+static_assert(sizeof(Nonce) == 12, "both ciphers' default IV length");
+static_assert(std::uint64_t(wire::max_block_size) + wire::max_block_tag <= INT_MAX, "EVP takes lengths as int");
+
+class BlockCrypto::Evp {
+public:
+  Evp(Cipher cipher, const Key32& key, bool encrypt) : ctx_(EVP_CIPHER_CTX_new()), encrypt_(encrypt) {
+    const EVP_CIPHER* c = cipher == Cipher::aes256gcm ? EVP_aes_256_gcm() : EVP_chacha20_poly1305();
+    if (!ctx_ || !c || EVP_CipherInit_ex(ctx_, c, nullptr, key.data(), nullptr, encrypt ? 1 : 0) != 1) {
+      EVP_CIPHER_CTX_free(ctx_);
+      throw Error(errc::internal, std::string("OpenSSL's ") + to_string(cipher) + ": " + openssl_error());
+    }
+  }
+  // What OpenSSL's error queue says last (and the queue emptied), or a generic reason.
+  static std::string openssl_error() {
+    char text[256] = "no reason given";
+    for (unsigned long e; (e = ERR_get_error()) != 0;) ERR_error_string_n(e, text, sizeof text);
+    return text;
+  }
+  ~Evp() { EVP_CIPHER_CTX_free(ctx_); }
+  Evp(const Evp&) = delete;
+  Evp& operator=(const Evp&) = delete;
+
+  // In place; the tag goes to (seal) or is checked against (open) `tag`. False: the block or
+  // its tag is not what was sealed (its bytes are then garbage), or OpenSSL failed.
+  bool run(const Nonce& n, std::span<const std::uint8_t> ad, std::uint8_t* data, std::size_t len, std::uint8_t* tag) {
+    int out = 0;
+    if (EVP_CipherInit_ex(ctx_, nullptr, nullptr, nullptr, n.data(), encrypt_ ? 1 : 0) != 1 ||
+        EVP_CipherUpdate(ctx_, nullptr, &out, ad.data(), static_cast<int>(ad.size())) != 1 ||
+        (len > 0 && EVP_CipherUpdate(ctx_, data, &out, data, static_cast<int>(len)) != 1))
+      return false;
+    if (!encrypt_ && EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_SET_TAG, static_cast<int>(xsec::tag_size), tag) != 1) return false;
+    if (EVP_CipherFinal_ex(ctx_, data + len, &out) != 1) return false;
+    return !encrypt_ || EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_GET_TAG, static_cast<int>(xsec::tag_size), tag) == 1;
+  }
+
+  // GMAC (a sealing AES-256-GCM context): the tag of ad then data, both associated data, into
+  // `tag`. False if OpenSSL failed.
+  bool mac(const Nonce& n, std::span<const std::uint8_t> ad, const std::uint8_t* data, std::size_t len, std::uint8_t* tag) {
+    int out = 0;
+    std::uint8_t none[16];  // the final call writes no bytes: there is no plaintext
+    return EVP_CipherInit_ex(ctx_, nullptr, nullptr, nullptr, n.data(), 1) == 1 &&
+           EVP_CipherUpdate(ctx_, nullptr, &out, ad.data(), static_cast<int>(ad.size())) == 1 &&
+           (len == 0 || EVP_CipherUpdate(ctx_, nullptr, &out, data, static_cast<int>(len)) == 1) &&
+           EVP_CipherFinal_ex(ctx_, none, &out) == 1 &&
+           EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_GET_TAG, static_cast<int>(xsec::tag_size), tag) == 1;
+  }
+
+private:
+  EVP_CIPHER_CTX* ctx_;
+  bool encrypt_;
+};
+
 namespace {
 // A block is sealed once per operation and direction (its key), so its offset is a unique nonce; the associated
 // data binds offset and length.
@@ -652,14 +712,12 @@ std::array<std::uint8_t, 12> block_ad(std::uint64_t offset, std::uint32_t len) {
 }
 }  // namespace
 
-BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(mode), key_(key) {
+BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(mode) {
   if (mode == Protect::private_) {
-    enc_ = Botan::AEAD_Mode::create_or_throw(to_string(cipher), Botan::ENCRYPTION);
-    dec_ = Botan::AEAD_Mode::create_or_throw(to_string(cipher), Botan::DECRYPTION);
-    enc_->set_key(key.data(), key.size());
-    dec_->set_key(key.data(), key.size());
+    seal_ = std::make_unique<Evp>(cipher, key, true);
+    open_ = std::make_unique<Evp>(cipher, key, false);
   } else {
-    mac_ = Botan::MessageAuthenticationCode::create_or_throw("GMAC(AES-256)");
+    seal_ = std::make_unique<Evp>(Cipher::aes256gcm, key, true);  // GMAC(AES-256), whatever the cipher
   }
 }
 
@@ -669,8 +727,8 @@ void BlockCrypto::seal(std::uint8_t* data, DataLength length, FileOffset at) {
   const std::uint32_t len = length.value();
   const auto n = block_nonce(at.value());
   const auto ad = block_ad(at.value(), len);
-  if (mode_ != Protect::private_) return gmac(*mac_, key_, n, ad, {data, len}, data + len);
-  aead_seal(*enc_, n, ad, data, len, data + len);
+  if (mode_ != Protect::private_ ? !seal_->mac(n, ad, data, len, data + len) : !seal_->run(n, ad, data, len, data + len))
+    throw Error(errc::internal, "sealing the block at offset " + std::to_string(at.value()) + ": " + Evp::openssl_error());
 }
 
 bool BlockCrypto::open(std::uint8_t* data, DataLength length, FileOffset at) {
@@ -679,10 +737,15 @@ bool BlockCrypto::open(std::uint8_t* data, DataLength length, FileOffset at) {
   const auto ad = block_ad(at.value(), len);
   if (mode_ != Protect::private_) {
     std::uint8_t expect[xsec::tag_size];
-    gmac(*mac_, key_, n, ad, {data, len}, expect);
+    if (!seal_->mac(n, ad, data, len, expect)) {
+      ERR_clear_error();
+      return false;
+    }
     return Botan::constant_time_compare(expect, data + len, xsec::tag_size);
   }
-  return aead_open(*dec_, n, ad, data, len, data + len);
+  if (open_->run(n, ad, data, len, data + len)) return true;
+  ERR_clear_error();  // a forged block is the peer's doing: nothing of it stays on this thread
+  return false;
 }
 
 }  // namespace xdfs::xsec

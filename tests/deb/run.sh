@@ -89,7 +89,7 @@ if [ -f "$src/packaging/xdfsd.toml" ]; then
   grep -qx /etc/xdfs/xdfsd.toml "$work/control/conffiles" 2>/dev/null || bad "/etc/xdfs/xdfsd.toml is not a conffile"
 fi
 depends="$(dpkg-deb -f "$deb" Depends)"
-for d in libc6 libstdc++6 libsystemd0; do
+for d in libc6 libstdc++6 libsystemd0 libssl3; do
   [[ ", $depends," == *", $d "* || ", $depends," == *", $d,"* ]] || bad "Depends lacks $d (dpkg-shlibdeps)"
 done
 

@@ -18,7 +18,8 @@
 // per-direction key, the block's offset as nonce, its tag stored after the data), so that bulk
 // cryptography runs beside the network thread; the channel then authenticates the frame's header
 // and that tag with its own key and counter, which binds each block to its place in the stream.
-// All primitives come from Botan 2.
+// Block payloads are sealed and opened with OpenSSL's libcrypto (the same AES-256-GCM,
+// ChaCha20-Poly1305 and GMAC, in about half the CPU time); every other primitive comes from Botan 2.
 #pragma once
 
 #include <array>
@@ -171,7 +172,8 @@ bool equal_constant_time(std::span<const std::uint8_t> a, std::span<const std::u
 /// once; so no (key, nonce) pair is ever used twice in a session.
 Key32 data_key(const Key32& session_secret, bool client_to_server, std::uint64_t transfer);
 
-/// Seals and opens block payloads on a disk thread (integrity: GMAC tag; private: AEAD).
+/// Seals and opens block payloads on a disk thread (integrity: GMAC tag; private: AEAD). One
+/// thread at a time: it keeps its cipher contexts between blocks.
 class BlockCrypto final : public piod::BlockSealer {
 public:
   BlockCrypto(Protect mode, Cipher cipher, const Key32& key);
@@ -181,10 +183,10 @@ public:
   bool open(std::uint8_t* data, DataLength len, FileOffset offset) override;
 
 private:
+  class Evp;
   Protect mode_;
-  Key32 key_;
-  std::unique_ptr<Botan::AEAD_Mode> enc_, dec_;
-  std::unique_ptr<Botan::MessageAuthenticationCode> mac_;
+  std::unique_ptr<Evp> seal_;  // private: seals; integrity: makes and checks GMACs
+  std::unique_ptr<Evp> open_;  // private only
 };
 
 /// Random bytes from the system RNG.
