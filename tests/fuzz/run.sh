@@ -38,7 +38,7 @@ session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/f
          "$src/pathm/src/pool.cpp" "$src/pathm/src/path_fsm.cpp" "$src/pathm/src/server.cpp" "$src/pathm/src/operation.cpp"
          "$src/relay/src/relay_fsm.cpp" "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp" "$src/relay/src/pack.cpp" "$src/relay/src/pull.cpp"
          "$src/xftsm/src/client.cpp" "$src/framework/src/client_session.cpp")
-libs=(-lcapnp -lkj -lbotan-2 -lfmt -lpthread)
+libs=(-lcapnp -lkj -lbotan-2 -lcrypto -lfmt -lpthread)
 status=0
 for name in "${harnesses[@]}"; do
   sources=("${parsers[@]}")
