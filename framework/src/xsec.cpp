@@ -735,17 +735,12 @@ bool BlockCrypto::open(std::uint8_t* data, DataLength length, FileOffset at) {
   const std::uint32_t len = length.value();
   const auto n = block_nonce(at.value());
   const auto ad = block_ad(at.value(), len);
-  if (mode_ != Protect::private_) {
-    std::uint8_t expect[xsec::tag_size];
-    if (!seal_->mac(n, ad, data, len, expect)) {
-      ERR_clear_error();
-      return false;
-    }
-    return Botan::constant_time_compare(expect, data + len, xsec::tag_size);
-  }
-  if (open_->run(n, ad, data, len, data + len)) return true;
-  ERR_clear_error();  // a forged block is the peer's doing: nothing of it stays on this thread
-  return false;
+  std::uint8_t expect[xsec::tag_size];
+  const bool ok = mode_ != Protect::private_
+                      ? seal_->mac(n, ad, data, len, expect) && Botan::constant_time_compare(expect, data + len, xsec::tag_size)
+                      : open_->run(n, ad, data, len, data + len);
+  if (!ok) ERR_clear_error();  // a forged block is the peer's doing: nothing of it stays on this thread
+  return ok;
 }
 
 }  // namespace xdfs::xsec
