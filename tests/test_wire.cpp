@@ -762,6 +762,66 @@ TEST_CASE("pull: a pull's port and name travel whole; a bad one is refused with 
   CHECK(why.find("only with a pull") != std::string::npos);
 }
 
+TEST_CASE("pull: a set's part and its plan travel whole, both ways; a bad one is refused with its cause") {
+  auto n = sample_negotiation();
+  n.mode = Mode::pull;
+  n.pull_port = 40123;
+  n.pull_name = ".xdfs-set-3";
+  n.pull_set = true;
+  n.pull_parts = true;
+  n.pull_part = 3;
+  n.pull_plan.assign(32, 0xa5);
+  auto d = w::decode_negotiation(w::encode(n));
+  REQUIRE(d);
+  CHECK(*d == n);
+  struct Bad {
+    bool set, parts;
+    std::uint32_t part;
+    std::size_t plan;
+  };
+  // A part without the set, a part past the first without its plan (or with a plan of another
+  // size, or with parts off), a part past the most a set has, a plan on the first part.
+  for (const auto& b : {Bad{false, true, 0, 0}, Bad{true, true, 1, 0}, Bad{true, true, 1, 31}, Bad{true, false, 1, 32},
+                        Bad{true, true, w::max_set_parts, 32}, Bad{true, true, 0, 32}}) {
+    auto m = n;
+    m.pull_set = b.set;
+    m.pull_parts = b.parts;
+    m.pull_part = b.part;
+    m.pull_plan.assign(b.plan, 1);
+    std::string why;
+    CHECK_FALSE(w::decode_negotiation(w::encode(m), &why).has_value());
+    CHECK(why.find("part") != std::string::npos);
+  }
+  w::NegotiationReply r;
+  r.file_size = 17 << 20;
+  r.block_size = 1 << 18;
+  r.set_parts = 9;
+  r.set_plan.assign(32, 7);
+  r.set_path = "a/b/huge.bin";
+  r.set_bytes = 1ull << 40;
+  auto dr = w::decode_reply(w::encode(r));
+  REQUIRE(dr);
+  CHECK(*dr == r);
+  auto old = r;  // an older master's answer: no parts
+  old.set_parts = 0;
+  old.set_plan.clear();
+  old.set_path.clear();
+  old.set_bytes = 0;
+  dr = w::decode_reply(w::encode(old));
+  REQUIRE(dr);
+  CHECK(*dr == old);
+  for (int k = 0; k < 4; ++k) {
+    auto m = r;
+    if (k == 0) m.set_parts = w::max_set_parts + 1;
+    if (k == 1) m.set_plan.resize(31);
+    if (k == 2) m.set_path.assign(4097, 'a');
+    if (k == 3) m.set_bytes = w::max_file_size + 1;
+    std::string why;
+    CHECK_FALSE(w::decode_reply(w::encode(m), &why).has_value());
+    CHECK_FALSE(why.empty());
+  }
+}
+
 TEST_CASE("relay: a plan, a report and a relink travel whole") {
   auto n = sample_negotiation();
   n.mode = Mode::relay;

@@ -109,6 +109,12 @@ struct Negotiation {
                                  # address its session comes from; its key is the session's key)
   pullName @16 :Text;            # pull: the file's name in that server's root (one name, no '/')
   pullSet @17 :Bool;             # pull: remotePath is a directory, whose files come as one pack
+  pullParts @18 :Bool;           # pull of a set: this host takes a set in several parts (one
+                                 # operation each); without it a set must fit one pack
+  pullPart @19 :UInt32;          # pull of a set with pullParts: which part (0: the first, whose
+                                 # reply tells how many there are)
+  pullPlan @20 :Data;            # with pullPart > 0: the set's plan (32 bytes) as part 0's reply
+                                 # gave it; the master refuses a part of a set that changed since
 }
 
 
@@ -121,6 +127,11 @@ struct NegotiationReply {
   mtime @4 :Int64;               # download: the file's mtime (ns), for the client's resume record
   inPlace @5 :Bool;              # upload: written as it comes (a FIFO, xdfsd --allow-fifo): what
                                  # went cannot be resumed, and a new attempt would repeat it
+  setParts @6 :UInt32;           # pull of a set with pullParts: its parts (each a pack of small
+                                 # files or one large file)
+  setPlan @7 :Data;              # with setParts: 32 bytes naming the set's plan (pullPlan)
+  setPath @8 :Text;              # with setParts: this part's file, relative to the set (empty: a pack)
+  setBytes @9 :UInt64;           # with setParts: the bytes of all the set's parts
 }
 
 # An error travelling to the peer (code from xdfs::errc and a one-line message).

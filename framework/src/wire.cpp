@@ -240,6 +240,9 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     r.setPullPort(n.pull_port);
     r.setPullName(n.pull_name);
     r.setPullSet(n.pull_set);
+    r.setPullParts(n.pull_parts);
+    r.setPullPart(n.pull_part);
+    r.setPullPlan(kj::arrayPtr(n.pull_plan.data(), n.pull_plan.size()));
   }
   return to_bytes(msg);
 }
@@ -253,6 +256,12 @@ std::vector<std::uint8_t> encode(const NegotiationReply& n) {
   r.setResumeOffset(n.resume_offset);
   r.setMtime(n.mtime_ns);
   r.setInPlace(n.in_place);
+  if (n.set_parts) {
+    r.setSetParts(n.set_parts);
+    r.setSetPlan(kj::arrayPtr(n.set_plan.data(), n.set_plan.size()));
+    r.setSetPath(n.set_path);
+    r.setSetBytes(n.set_bytes);
+  }
   return to_bytes(msg);
 }
 
@@ -425,7 +434,18 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
       }
       n.pull_name.assign(nm);
       n.pull_set = r.getPullSet();
-    } else if (r.getPullPort() != 0 || r.getPullName().size() != 0 || r.getPullSet()) {
+      n.pull_parts = r.getPullParts();
+      n.pull_part = r.getPullPart();
+      auto plan = r.getPullPlan();
+      if ((n.pull_parts && !n.pull_set) || (n.pull_part != 0 && !n.pull_parts) || n.pull_part >= max_set_parts ||
+          (plan.size() != 0 && plan.size() != 32) || (n.pull_part != 0) != (plan.size() == 32)) {
+        set_why(why, "a set's part is one of at most " + std::to_string(max_set_parts) +
+                         ", and every part after the first names its set's 32-byte plan");
+        return std::nullopt;
+      }
+      n.pull_plan.assign(plan.begin(), plan.end());
+    } else if (r.getPullPort() != 0 || r.getPullName().size() != 0 || r.getPullSet() || r.getPullParts() ||
+               r.getPullPart() != 0 || r.hasPullPlan()) {
       set_why(why, "a pull's port and name go only with a pull");
       return std::nullopt;
     }
@@ -445,13 +465,33 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
 
 std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, std::string* why) {
   return read_message<schema::NegotiationReply>(b, why, [&](schema::NegotiationReply::Reader r) -> std::optional<NegotiationReply> {
-    NegotiationReply n{r.getFileSize(), r.getWindow(), r.getBlockSize(), r.getResumeOffset(), r.getMtime(),
-                       r.getInPlace()};
-    if (n.file_size > max_file_size || n.window > max_file_size || n.resume_offset > max_file_size) {
+    NegotiationReply n;
+    n.file_size = r.getFileSize();
+    n.window = r.getWindow();
+    n.block_size = r.getBlockSize();
+    n.resume_offset = r.getResumeOffset();
+    n.mtime_ns = r.getMtime();
+    n.in_place = r.getInPlace();
+    if (n.file_size > max_file_size || n.window > max_file_size || n.resume_offset > max_file_size ||
+        r.getSetBytes() > max_file_size) {
       set_why(why, "file size " + std::to_string(n.file_size) + " or window " + std::to_string(n.window) +
                        " exceeds the protocol's limit of 2^62 bytes");
       return std::nullopt;
     }
+    n.set_parts = r.getSetParts();
+    auto plan = r.getSetPlan();
+    auto path = r.getSetPath();
+    const std::string_view p(path.cStr(), path.size());
+    if (n.set_parts == 0 ? (plan.size() != 0 || p.size() != 0 || r.getSetBytes() != 0)
+                         : (n.set_parts > max_set_parts || plan.size() != 32 || p.size() > 4096)) {
+      set_why(why, "a set's parts (at most " + std::to_string(max_set_parts) +
+                       ") come with its 32-byte plan and a path of at most 4096 bytes");
+      return std::nullopt;
+    }
+    if (!check_text(p, "set path", why)) return std::nullopt;
+    n.set_plan.assign(plan.begin(), plan.end());
+    n.set_path.assign(p);
+    n.set_bytes = r.getSetBytes();
     return n;
   });
 }

@@ -186,8 +186,19 @@ struct Negotiation {
   std::string pull_name;
   /// Mode::pull: remote_path is a directory, whose files travel as one pack (a set).
   bool pull_set = false;
+  /// Mode::pull of a set: the host takes a set in several parts, one operation each (a pack of
+  /// small files, or one large file); without it a set larger than a pack is refused.
+  bool pull_parts = false;
+  /// With pull_parts: the part asked for (0: the first; its reply says how many there are).
+  std::uint32_t pull_part = 0;
+  /// With pull_part > 0: the set's plan as part 0's reply named it (32 bytes); a part of a set
+  /// that changed since is refused.
+  std::vector<std::uint8_t> pull_plan{};
   bool operator==(const Negotiation&) const = default;
 };
+
+/// Most parts a pulled set travels in (as many as a pack's files: every part holds one at least).
+inline constexpr std::uint32_t max_set_parts = 20000;
 
 /// Largest negotiation payload (a 4096-byte path and the scalars).
 inline constexpr std::uint32_t max_negotiation_payload = 8192;
@@ -206,6 +217,12 @@ struct NegotiationReply {
   std::int64_t mtime_ns = 0;  ///< download: the file's mtime, kept in the client's resume record
   /// Upload: the server writes it as it comes (into a FIFO): never resumed, never tried again.
   bool in_place = false;
+  /// Pull of a set in parts: how many parts, the plan they belong to (32 bytes), this part's
+  /// file relative to the set (empty: a pack of small files), and the bytes of all the parts.
+  std::uint32_t set_parts = 0;
+  std::vector<std::uint8_t> set_plan{};
+  std::string set_path{};
+  std::uint64_t set_bytes = 0;
   bool operator==(const NegotiationReply&) const = default;
 };
 
