@@ -717,6 +717,28 @@ Status TreeWriter::put_copy(const Entry& e, int src_fd, std::uint64_t src_offset
   return put_file(e, src_fd, src_offset, src_name);
 }
 
+Status TreeWriter::put_move(const Entry& e, int from_dir, const std::string& from_name) {
+  if (auto s = creatable(e.path); !s) return s;
+  if (e.type != Type::file || e.file_id != 0) return {errc::bad_argument, quoted(e.path) + " is not a whole file to create"};
+  Fd from(::openat(from_dir, from_name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+  struct stat st {};
+  if (!from || ::fstat(from.get(), &st) != 0) return Status::from_errno(errno, "open " + quoted(from_name));
+  if (!S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != e.size)
+    return {errc::size_mismatch, quoted(from_name) + " is not the " + std::to_string(e.size) + "-byte file " + quoted(e.path)};
+  Fd dir;
+  std::string name;
+  if (auto s = parent_of(e.path, dir, name, true); !s) return s;
+  if (auto s = finish_file(from.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_); !s) return s;
+  if (::renameat(from_dir, from_name.c_str(), dir.get(), name.c_str()) == 0) return Status::ok();
+  const int err = errno;
+  if (err != EXDEV) {
+    auto s = Status::from_errno(err, "rename into " + quoted(e.path));
+    if (err == EISDIR) s.code = errc::is_directory;
+    return s;
+  }
+  return put_file(e, from.get(), 0, from_name);
+}
+
 Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name) {
   if (src_fd < 0 && e.data.size() != e.size)
     return {errc::size_mismatch, quoted(e.path) + " announced " + std::to_string(e.size) + " bytes and carries " +

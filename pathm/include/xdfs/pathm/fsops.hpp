@@ -102,6 +102,10 @@ public:
   /// A whole file (e.type file, e.file_id 0) whose e.size bytes are src_fd's from src_offset
   /// (e.data unused): copied by copy_exact, then renamed into place as put does.
   Status put_copy(const Entry& e, int src_fd, std::uint64_t src_offset, const std::string& src_name = "its source");
+  /// A whole file (e.type file, e.file_id 0) that is now `from_name` in the directory from_dir,
+  /// e.size bytes: its mode and mtime set as put sets them, then renamed into place (copied by
+  /// copy_exact where the two are on different file systems, and the original left).
+  Status put_move(const Entry& e, int from_dir, const std::string& from_name);
   /// Sets mtime, and the mode of what this writer's copy made (Made: the same thing still at
   /// that path), directories after their contents are in place. What was there before keeps
   /// its mode: a peer must not be able to open up what it did not make.
