@@ -208,6 +208,14 @@ void define(CLI::App& app, Options& o) {
     if (!n || *n < (64u << 10) || *n > (4ull << 30)) reject("--ring takes a size from 64K to 4G");
     cfg.ring_bytes = *n;
   });
+  fn("pull-pack-size",
+     "a pulled set (xduc get -r) travels in packs of its small files of at\n"
+     "most this size, and each file over 16M on its own (default 128M)",
+     [&cfg](const std::string& v) {
+       auto n = xdfs::cli::parse_size(v);
+       if (!n || *n < (64u << 10) || *n > (128u << 20)) reject("--pull-pack-size takes a size from 64K to 128M");
+       cfg.pull_pack_size = *n;
+     });
   seconds("handshake-timeout", cfg.handshake_timeout, "deadline for a connection's opening and handshake (default 5)");
   seconds("join-timeout", cfg.join_timeout, "deadline for all n channels to arrive (default 10)");
   seconds("idle-timeout", cfg.idle_timeout, "end sessions without progress this long (default 60)");

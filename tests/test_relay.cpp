@@ -432,3 +432,74 @@ TEST_CASE("relay packs: a host writes out only the pack whose digest the master 
 }
 
 }  // TEST_SUITE("badinput")
+
+TEST_SUITE("badinput") {
+
+TEST_CASE("pull sets: a set larger than a pack is dealt into parts; a part is given only from the plan its host began with") {
+  xt::TempDir root;
+  std::filesystem::create_directories(root / "set/sub");
+  {  // a file over a pack's 16 MiB (sparse) and a small one: two parts
+    xdfs::files::Fd f(::open((root / "set/big.bin").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+    REQUIRE(f);
+    REQUIRE(::ftruncate(f.get(), (17 << 20) + 3) == 0);
+  }
+  xt::write_file(root / "set/sub/small", "seven b");
+  xdfs::SessionOptions so;
+  so.channels = 1;
+  so.block_size = 1 << 18;
+  so.protect = xdfs::xsec::Protect::clear;
+  auto cfg = relay_config(root);
+  xt::InProcessServer srv(cfg);
+  auto ask = [&](bool parts, std::uint32_t part, std::vector<std::uint8_t> plan, w::NegotiationReply* got,
+                 std::string* what) {
+    return xt::error_of(
+        [&] {
+          xdfs::Session s({"127.0.0.1", srv.port()}, so);
+          w::Negotiation n;
+          n.mode = xdfs::Mode::pull;
+          n.remote_path = "set";
+          n.block_size = so.block_size;
+          n.pull_port = 9;  // (nobody there: the place is never registered; the answers are what counts)
+          n.pull_name = ".xdfs-set-" + std::to_string(part);
+          n.pull_set = true;
+          n.pull_parts = parts;
+          n.pull_part = part;
+          n.pull_plan = std::move(plan);
+          *got = s.begin(n);
+          s.close();
+        },
+        nullptr, what);
+  };
+  w::NegotiationReply first, second;
+  std::string what;
+  // A host that takes a set only as one pack (an older xduc): refused, saying why.
+  CHECK(ask(false, 0, {}, &first, &what) == xdfs::errc::not_supported);
+  CHECK(what.find("2 parts") != std::string::npos);
+  CHECK(what.find("upgrade") != std::string::npos);
+  // The first part: the pack of the small files (packs come first); the reply names the plan.
+  REQUIRE(ask(true, 0, {}, &first, &what) == xdfs::errc::ok);
+  CHECK(first.set_parts == 2);
+  CHECK(first.set_plan.size() == 32);
+  CHECK(first.set_path.empty());
+  const std::uint64_t pack = xdfs::relay_detail::pack_magic.size() + 22 + std::string("sub/small").size() + 7;
+  CHECK(first.file_size == pack);
+  CHECK(first.set_bytes == pack + (17u << 20) + 3);
+  // The second, with that plan: the large file, alone, under its path in the set.
+  REQUIRE(ask(true, 1, first.set_plan, &second, &what) == xdfs::errc::ok);
+  CHECK(second.set_path == "big.bin");
+  CHECK(second.file_size == (17u << 20) + 3);
+  CHECK(second.set_plan == first.set_plan);
+  // Another plan's part, or a part the set does not have: refused, the host told to pull again.
+  auto other = first.set_plan;
+  other[0] ^= 1;
+  CHECK(ask(true, 1, other, &second, &what) == xdfs::errc::size_mismatch);
+  CHECK(what.find("changed") != std::string::npos);
+  CHECK(ask(true, 2, first.set_plan, &second, &what) == xdfs::errc::size_mismatch);
+  CHECK(what.find("2 parts") != std::string::npos);
+  // The set changes (a file added): the old plan's later parts are refused.
+  xt::write_file(root / "set/sub/new", "x");
+  CHECK(ask(true, 1, first.set_plan, &second, &what) == xdfs::errc::size_mismatch);
+  CHECK(what.find("changed") != std::string::npos);
+}
+
+}  // TEST_SUITE("badinput")

@@ -33,6 +33,7 @@
 
 #include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/relay_registry.hpp"
 #include "xdfs/text.hpp"
@@ -94,24 +95,43 @@ std::optional<std::pair<files::Fd, std::uint64_t>> running(const std::string& ke
   return std::pair{files::Fd(fd), it->second->size};
 }
 
-// A set: the regular files under the directory `dir` (symlinks and other kinds are left out),
-// written as one pack (pack.hpp) into an unnamed file in `state` (outside the root; it goes with
-// its last descriptor). Within a pack's limits: at most max_pack_files files of at most
-// max_pack_file bytes, max_pack_size in all.
-files::Status make_set(int dir, const std::string& state, files::Fd& out, std::uint64_t& size) {
-  int fd = ::open(state.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return files::Status::from_errno(errno, "a set's pack in the state directory " + state);
-  out = files::Fd(fd);
-  std::uint64_t files = 0, bytes = 0, seen = 0;
-  bool first = true;
+// A set: the regular files under a directory (symlinks and other kinds are left out), as the
+// walk found them, dealt into parts that each travel as a file through a chain of their own:
+// packs (pack.hpp) of the small files, of at most `pack_size` bytes and max_pack_files files,
+// and each file over max_pack_file on its own. The plan's id names it (its files' paths,
+// identities, sizes and mtimes, and the parts): a host's later parts must come from the plan
+// its first part did.
+struct SetFile {
+  std::string path;  // relative to the set's directory
+  dev_t dev = 0;
+  ino_t ino = 0;
+  std::uint64_t size = 0;
+  std::uint32_t mode = 0;
+  std::int64_t mtime_ns = 0;
+};
+struct SetPart {
+  bool pack = true;
+  std::vector<std::size_t> files;  // into SetPlan::files
+  std::uint64_t bytes = 0;         // what travels: the pack's size, or the file's
+};
+struct SetPlan {
+  std::vector<SetFile> files;
+  std::vector<SetPart> parts;
+  std::uint64_t bytes = 0;
+  manifest::Digest id{};
+};
+
+// A pack's header per file (pack.hpp): u16, the path, u32, i64, u64.
+std::uint64_t pack_entry_size(const SetFile& f) { return 22 + f.path.size() + f.size; }
+
+files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
+  std::uint64_t seen = 0;
   // Entries looked at in all (directories and what is left out too): the walk is bounded.
   const std::uint64_t max_seen = 4 * relay_detail::max_pack_files;
   const auto too_large = [](const std::string& why) {
     return files::Status{errc::not_supported,
-                         fmt::format("a set is at most {} files of at most {} MiB, {} MiB in all, and {} entries ({}): "
-                                     "pull its files one by one",
-                                     relay_detail::max_pack_files, relay_detail::max_pack_file >> 20,
-                                     relay_detail::max_pack_size >> 20, 4 * relay_detail::max_pack_files, why)};
+                         fmt::format("a set is at most {} files and {} entries ({}): pull it a directory at a time",
+                                     relay_detail::max_pack_files, 4 * relay_detail::max_pack_files, why)};
   };
   std::function<files::Status(int, const std::string&, unsigned)> walk = [&](int d, const std::string& at,
                                                                                unsigned depth) -> files::Status {
@@ -147,24 +167,82 @@ files::Status make_set(int dir, const std::string& state, files::Fd& out, std::u
         continue;
       }
       if (!S_ISREG(st.st_mode)) continue;
-      const auto sz = static_cast<std::uint64_t>(st.st_size);
-      if (++files > relay_detail::max_pack_files || sz > relay_detail::max_pack_file ||
-          bytes + sz + path.size() + 32 > relay_detail::max_pack_size)
+      if (plan.files.size() >= relay_detail::max_pack_files)
         return too_large("'" + text::escape(path) + "' is past that");
-      bytes += sz + path.size() + 32;
-      const int in = ::openat(d, n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-      if (in < 0) return files::Status::from_errno(errno, "'" + path + "'");
-      files::Fd data(in);
-      struct stat now {};
-      if (::fstat(in, &now) != 0 || !S_ISREG(now.st_mode) || now.st_ino != st.st_ino || now.st_dev != st.st_dev)
-        return files::Status{errc::io_error, "'" + text::escape(path) + "' changed while the set was packed"};
-      relay_detail::PackEntry pe{path, static_cast<std::uint32_t>(st.st_mode & 0777), files::mtime_ns(st), sz};
-      if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get()); !s) return s;
-      first = false;
+      if (path.size() > relay_detail::max_pack_path)
+        return {errc::not_supported, "'" + text::escape(path.substr(0, 64)) + "...': a set's paths are at most 4096 bytes"};
+      const auto sz = static_cast<std::uint64_t>(st.st_size);
+      plan.files.push_back({path, st.st_dev, st.st_ino, sz, static_cast<std::uint32_t>(st.st_mode & 0777),
+                            files::mtime_ns(st)});
     }
     return files::Status::ok();
   };
   if (auto s = walk(dir, "", 0); !s) return s;
+  // The parts: the packs of the small files first (so part 0 is always a pack, made afresh,
+  // which no host's partial copy of another plan's part 0 can pass for), then each large file
+  // alone, in the walk's order.
+  std::size_t open_pack = SIZE_MAX;
+  std::vector<SetPart> large;
+  for (std::size_t i = 0; i < plan.files.size(); ++i) {
+    const auto& f = plan.files[i];
+    if (f.size > relay_detail::max_pack_file) {
+      large.push_back({false, {i}, f.size});
+    } else {
+      const std::uint64_t add = pack_entry_size(f);
+      if (open_pack == SIZE_MAX || plan.parts[open_pack].bytes + add > pack_size ||
+          plan.parts[open_pack].files.size() >= relay_detail::max_pack_files) {
+        plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});
+        open_pack = plan.parts.size() - 1;
+      }
+      plan.parts[open_pack].files.push_back(i);
+      plan.parts[open_pack].bytes += add;
+    }
+  }
+  if (plan.parts.empty()) plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});  // the magic alone
+  plan.parts.insert(plan.parts.end(), large.begin(), large.end());
+  manifest::BlockHasher h;
+  for (const auto& part : plan.parts) {
+    // (Each number is at most 2^62 here and the files at most 20000: the sum cannot overflow.)
+    plan.bytes += part.bytes;
+    const std::string head = fmt::format("{} {}\n", part.pack ? "pack" : "file", part.files.size());
+    h.update(reinterpret_cast<const std::uint8_t*>(head.data()), head.size());
+    for (auto i : part.files) {
+      const auto& f = plan.files[i];
+      const std::string line = fmt::format("{} {} {} {} {} {}", f.dev, f.ino, f.size, f.mode, f.mtime_ns, f.path.size());
+      h.update(reinterpret_cast<const std::uint8_t*>(line.data()), line.size() + 1);  // with its NUL
+      h.update(reinterpret_cast<const std::uint8_t*>(f.path.data()), f.path.size());
+    }
+  }
+  plan.id = h.finish();
+  return files::Status::ok();
+}
+
+// One of the set's files, opened beneath its directory: still the file the plan found.
+files::Status open_planned(int dir, const SetFile& f, files::Fd& out) {
+  if (auto s = files::open_beneath(dir, f.path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY, 0, out); !s) return s;
+  struct stat now {};
+  if (::fstat(out.get(), &now) != 0 || !S_ISREG(now.st_mode) || now.st_ino != f.ino || now.st_dev != f.dev ||
+      static_cast<std::uint64_t>(now.st_size) != f.size)
+    return {errc::size_mismatch, "'" + text::escape(f.path) + "' changed while the set was pulled: pull it again"};
+  return files::Status::ok();
+}
+
+// A pack part of the plan, written into an unnamed file in `state` (outside the root; it goes
+// with its last descriptor).
+files::Status make_pack(int dir, const SetPlan& plan, const SetPart& part, const std::string& state, files::Fd& out,
+                        std::uint64_t& size) {
+  int fd = ::open(state.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return files::Status::from_errno(errno, "a set's pack in the state directory " + state);
+  out = files::Fd(fd);
+  bool first = true;
+  for (auto i : part.files) {
+    const auto& f = plan.files[i];
+    files::Fd data;
+    if (auto s = open_planned(dir, f, data); !s) return s;
+    relay_detail::PackEntry pe{f.path, f.mode, f.mtime_ns, f.size};
+    if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get()); !s) return s;
+    first = false;
+  }
   if (first) {  // an empty set is a pack of its magic alone
     if (::pwrite(out.get(), relay_detail::pack_magic.data(), relay_detail::pack_magic.size(), 0) < 0)
       return files::Status::from_errno(errno, "a set's pack");
@@ -172,6 +250,7 @@ files::Status make_set(int dir, const std::string& state, files::Fd& out, std::u
   struct stat st {};
   if (::fstat(out.get(), &st) != 0) return files::Status::from_errno(errno, "a set's pack");
   size = static_cast<std::uint64_t>(st.st_size);
+  if (size != part.bytes) return {errc::size_mismatch, "the set changed while it was packed: pull it again"};
   return files::Status::ok();
 }
 
@@ -282,17 +361,45 @@ public:
     // One chain per file (a set: per directory, as it stood when its chain began), block size
     // and protection, and per root its hosts see (a confined key's subdirectory): hosts of
     // different roots never feed each other nor learn of each other.
-    const std::string key =
+    std::string key =
         fmt::format("{}:{}:{}:{}:{}:{}:{}:{}:{}:{}:{}", xsec::fingerprint(env_.relays->server_key().public_key),
                     nego_.pull_set ? "set" : "file", rs.st_dev, rs.st_ino, sb.st_dev, sb.st_ino, size_,
                     files::mtime_ns(sb), nego_.block_size, static_cast<int>(env_.opening.protect),
                     static_cast<int>(env_.opening.cipher));
+    std::string set_path;  // a part that is one file: its path in the set
+    std::int64_t mtime_ns = files::mtime_ns(sb);
+    SetPlan plan;
     if (nego_.pull_set) {
-      // A set's pack: the running chain's, or one made now (reading every file once), by the
-      // first to ask while the others asking meanwhile wait for it.
+      // The set's plan (a walk, no file read), then the part asked for: a large file as it is,
+      // or a pack: the running chain's, or one made now (reading its files once), by the first
+      // to ask while the others asking meanwhile wait for it. A host that cannot take parts
+      // gets the set as one pack, if it fits one.
+      const std::uint64_t pack_size = nego_.pull_parts ? env_.config.pull_pack_size : relay_detail::max_pack_size;
+      if (auto st = plan_set(fd.get(), pack_size, plan); !st) return on(E::local_error, st.code, st.message);
+      if (!nego_.pull_parts && (plan.parts.size() > 1 || !plan.parts[0].pack))
+        return on(E::local_error, errc::not_supported,
+                  fmt::format("this set travels in {} parts (a pack holds at most {} MiB, files of at most {} MiB), "
+                              "and this host takes a set as one pack: upgrade its xduc, or pull the files one by one",
+                              std::max<std::size_t>(2, plan.parts.size()), relay_detail::max_pack_size >> 20,
+                              relay_detail::max_pack_file >> 20));
+      if (nego_.pull_part >= plan.parts.size())
+        return on(E::local_error, errc::size_mismatch,
+                  fmt::format("the set has {} parts now, not part {}: it changed while this host pulled it; pull it again",
+                              plan.parts.size(), nego_.pull_part + 1));
+      if (nego_.pull_part > 0 && !std::equal(plan.id.begin(), plan.id.end(), nego_.pull_plan.begin(), nego_.pull_plan.end()))
+        return on(E::local_error, errc::size_mismatch,
+                  "the set changed since this host began to pull it: pull it again");
+      const auto& part = plan.parts[nego_.pull_part];
+      key += fmt::format(":{}:{}", manifest::hex(plan.id), nego_.pull_part);
       if (auto r = running(key)) {
         fd = std::move(r->first);
         size_ = r->second;
+      } else if (!part.pack) {
+        files::Fd file;
+        if (auto st = open_planned(fd.get(), plan.files[part.files[0]], file); !st)
+          return on(E::local_error, st.code, st.message);
+        fd = std::move(file);
+        size_ = part.bytes;
       } else {
         std::shared_ptr<Making> mk;
         bool mine = false;
@@ -308,7 +415,7 @@ public:
         if (mine) {
           files::Fd pack;
           std::uint64_t size = 0;
-          auto st = make_set(fd.get(), env_.config.state_dir, pack, size);
+          auto st = make_pack(fd.get(), plan, part, env_.config.state_dir, pack, size);
           std::lock_guard lock(mk->m);
           mk->status = st;
           mk->pack = std::move(pack);
@@ -329,15 +436,26 @@ public:
         fd = files::Fd(dup);
         size_ = mk->size;
       }
+      if (!part.pack) {
+        set_path = plan.files[part.files[0]].path;
+        mtime_ns = plan.files[part.files[0]].mtime_ns;
+      }
     }
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
     reply.file_size = size_;
-    reply.mtime_ns = files::mtime_ns(sb);
+    reply.mtime_ns = mtime_ns;
+    if (nego_.pull_set && nego_.pull_parts) {
+      reply.set_parts = static_cast<std::uint32_t>(plan.parts.size());
+      reply.set_plan.assign(plan.id.begin(), plan.id.end());
+      reply.set_path = set_path;
+      reply.set_bytes = plan.bytes;
+    }
     env_.channels[0]->send_control(wire::ChannelEvent::nego_reply, wire::encode(reply));
-    env_.log(fmt::format("session {} pull of {}'{}' ({} bytes) for {} at {}", env_.id.short_hex(),
-                         nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path), size_,
-                         env_.client.fingerprint, text::escape(env_.peer)));
+    env_.log(fmt::format("session {} pull of {}'{}'{} ({} bytes) for {} at {}", env_.id.short_hex(),
+                         nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path),
+                         nego_.pull_parts ? fmt::format(", part {} of {}", nego_.pull_part + 1, plan.parts.size()) : "",
+                         size_, env_.client.fingerprint, text::escape(env_.peer)));
     if (size_ == 0) return on(E::release);  // nothing to route: the host makes it empty
     member_ = std::make_shared<Member>();
     member_->target = RelayTarget{at, nego_.pull_name};

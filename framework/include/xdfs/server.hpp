@@ -93,6 +93,9 @@ struct ServerConfig {
   /// Downloads send file data to the sockets by sendfile(2) where they can (clear mode, a
   /// regular file); false (xdfsd --no-zero-copy) reads every block into user space first.
   bool zero_copy = true;
+  /// A pulled set travels in parts (xduc get -r): packs of its small files of at most this many
+  /// bytes, and each file over 16 MiB on its own (xdfsd --pull-pack-size; 64K to 128M).
+  std::uint64_t pull_pack_size = std::uint64_t(128) << 20;
   /// Debug lines in the log too (xdfsd --debug): how each transfer goes.
   bool debug = false;
   /// Where log lines go (one line each, no newline, escaped: nothing from a peer can break a
