@@ -924,8 +924,8 @@ void define(CLI::App& app, Command& c, Help& help) {
       "get",
       "usage: xduc get [-r] [--listen HOST:PORT] [--server-log FILE] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
       "asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
-      "regular files under that directory, as one pack, into the directory DST; at most 20000\n"
-      "files of at most 16M, 128M in all) and joins that file's chain: this host's own\n"
+      "regular files under that directory, at most 20000, into the directory DST, in parts: packs\n"
+      "of the small files and each file over 16M alone) and joins that file's chain: this host's own\n"
       "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
       "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
       "needs it). Hosts asking at once or one after another all get the file about once from the\n"

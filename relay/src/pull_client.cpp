@@ -13,9 +13,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
 #include <fmt/core.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -180,7 +186,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   cfg.relay_trust_master = true;
   cfg.listen = po.listen;
   cfg.idle_timeout = options.idle_timeout;
-  cfg.max_sessions = 16;
+  // A place and the upload feeding it for each part of a set this host takes at once.
+  cfg.max_sessions = po.set ? 32 : 16;
+  cfg.max_sessions_per_key = cfg.max_sessions;
   cfg.log = po.log ? po.log : [](const std::string&) {};
   // This host forwards as it uploads: by sendfile, or not, as the user said (xduc --no-zero-copy).
   cfg.zero_copy = options.zero_copy;
@@ -205,142 +213,335 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     }
     ~Stop() { now(); }
   } stop{*server, serving};
-  // Only the partial copy (and its record) is taken from an earlier pull: a whole file left in
-  // staging is not one this run's server kept, and is not trusted.
-  ::unlink((staging + "/" + name).c_str());
+  // Only partial copies (and their records) are taken from an earlier pull: a whole file left
+  // in staging is not one this run's server kept, and is not trusted. (A set's parts are named
+  // after `name`; their partial copies' names begin with another '.'.)
+  if (po.set) {
+    if (DIR* d = ::opendir(staging.c_str())) {
+      while (auto* e = ::readdir(d)) {
+        const std::string n = e->d_name;
+        if (n.rfind(name + "-", 0) == 0 || n == name) (void)::unlinkat(::dirfd(d), n.c_str(), 0);
+      }
+      ::closedir(d);
+    }
+  } else {
+    ::unlink((staging + "/" + name).c_str());
+  }
 
   const auto t0 = Clock::now();
   PullResult result;
   result.local = po.set ? dir : dir + (dir.back() == '/' ? "" : "/") + name;
   SessionOptions so = options;
   so.channels = 1;
+
+  // One file through one chain: the file, or a part of a set (a pack of its small files, or one
+  // large file; each part an operation of its own, on a session of its own).
+  struct Part {
+    std::uint32_t index = 0;
+    std::string name;              // in staging
+    std::uint64_t size = 0;        // as the master answered
+    std::int64_t mtime = -1;
+    std::string path;              // a set's part that is one file: its path in the set
+    bool placed = false;
+    double placed_after = 0;
+    std::uint64_t files = 0;
+    unsigned tries = 0;
+    std::atomic<std::uint64_t> have{0};
+  };
+  // A set's parts, as part 0's answer named them.
+  struct Plan {
+    std::mutex m;
+    std::condition_variable changed;
+    bool known = false;
+    std::uint32_t parts = 1;
+    std::vector<std::uint8_t> id;  // empty: a master that sends a set as one pack
+    std::uint64_t bytes = 0;
+    unsigned unplaced = 0;         // parts asked for and not yet in DST
+    unsigned running = 0;          // parts whose sessions to the master are open
+    std::exception_ptr failed;
+  } plan;
+  std::mutex keys_m;  // the server's authorized_keys, written by each part's session
+  std::atomic<bool> halt{false};  // a part failed, or the user cancelled: every part stops
+  const std::atomic<bool>* const stop_flag = po.set ? &halt : options.cancel;
+  auto stopping = [&] { return (options.cancel && options.cancel->load()) || halt.load(); };
+
   // Whole in the staging directory means verified against the master's digest (its server keeps
-  // nothing else there under the name): it goes to its name in DST at once, while this host
+  // nothing else there under the name): it goes to its place in DST at once, while this host
   // still serves the hosts after it from its descriptor.
-  bool placed = false;
-  double placed_after = 0;
-  std::uint64_t want_size = 0;
-  std::int64_t want_mtime = -1;
-  const std::string staged = staging + "/" + name;
-  auto place = [&]() -> bool {
-    if (placed) return true;
-    if (::lstat(staged.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != want_size)
+  auto place = [&](Part& p) -> bool {
+    if (p.placed) return true;
+    const std::string staged = staging + "/" + p.name;
+    struct stat ps {};
+    if (::lstat(staged.c_str(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
       return false;
     if (po.set) {
-      // The set's pack, whole with the master's digest: its files go into DST, each checked as
-      // any pack's are (paths within DST, sizes against what the pack holds), nothing written
-      // unless the whole pack reads well.
-      files::Fd pack(::open(staged.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
       files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-      if (!pack || !root) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
-      if (::fstat(pack.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != want_size)
-        return false;
-      pathm::TreeWriter writer(root.get(), fmt::format("pull{}", ::getpid()), options.fsync, options.block_size);
-      const auto u = relay_detail::unpack(pack.get(), want_size, writer, "", 0, options.cancel);
-      if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
-      result.files = u.files;
+      if (!root) throw TransferError(errc_from_errno(errno), "'" + dir + "': " + std::strerror(errno), false);
+      pathm::TreeWriter writer(root.get(), fmt::format("pull{}-{}", ::getpid(), p.index), options.fsync,
+                               options.block_size);
+      if (p.path.empty()) {
+        // A pack, whole with the master's digest: its files go into DST, each checked as any
+        // pack's are (paths within DST, sizes against what the pack holds), nothing written
+        // unless the whole pack reads well.
+        files::Fd pack(::open(staged.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+        if (!pack) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
+        if (::fstat(pack.get(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
+          return false;
+        const auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, options.cancel);
+        if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
+        p.files = u.files;
+      } else {
+        // One large file of the set: renamed into its place (its path checked as a pack's are).
+        files::Fd from(::open(staging.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+        if (!from) throw TransferError(errc_from_errno(errno), "'" + staging + "': " + std::strerror(errno), false);
+        pathm::Entry e;
+        e.path = p.path;
+        e.size = p.size;
+        e.mode = ps.st_mode & 0777;
+        e.mtime_ns = p.mtime;
+        if (auto s = writer.put_move(e, from.get(), p.name); !s)
+          throw TransferError(s.code, "the set: " + text::escape(s.message), false);
+        p.files = 1;
+      }
     } else {
       if (::rename(staged.c_str(), result.local.c_str()) != 0)
         throw TransferError(errc_from_errno(errno), "'" + result.local + "': " + std::strerror(errno), false);
       // The source's mtime, as a copy keeps it.
       const timespec times[2] = {{0, UTIME_OMIT},
-                                 {static_cast<time_t>(want_mtime / 1000000000), static_cast<long>(want_mtime % 1000000000)}};
-      if (want_mtime >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
+                                 {static_cast<time_t>(p.mtime / 1000000000), static_cast<long>(p.mtime % 1000000000)}};
+      if (p.mtime >= 0) (void)::utimensat(AT_FDCWD, result.local.c_str(), times, AT_SYMLINK_NOFOLLOW);
     }
-    placed = true;
-    placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
+    p.placed = true;
+    p.placed_after = std::chrono::duration<double>(Clock::now() - t0).count();
+    p.have = p.size;
+    if (po.set) {
+      std::lock_guard lock(plan.m);
+      --plan.unplaced;
+      plan.changed.notify_all();
+    }
     return true;
   };
-  auto finished = [&] {
+
+  // Failures no other session to the master would change; in a set, also a set that changed
+  // since its first part (its parts would not fit together).
+  auto final_failure = [&](errc c) { return lasting(c) || (po.set && c == errc::size_mismatch); };
+
+  // The part's sessions to the master, until the master lets this host go (or it is given up).
+  auto run = [&](Part& p) {
+    errc last_code = errc::peer_aborted;
+    std::string last_why = "no session to the master";
+    const unsigned tries = std::max(1u, po.tries);
+    for (unsigned attempt = 0; attempt < tries; ++attempt) {
+      if (stopping()) throw TransferError(errc::cancelled, "cancelled", false);
+      if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+      ++p.tries;
+      Session s(master, so);
+      wire::Negotiation n;
+      n.mode = Mode::pull;
+      n.remote_path = remote;
+      n.block_size = options.block_size;
+      n.pull_port = server->port();
+      n.pull_name = p.name;
+      n.pull_set = po.set;
+      if (po.set) {
+        n.pull_parts = true;
+        n.pull_part = p.index;
+        if (p.index > 0) {
+          std::lock_guard lock(plan.m);
+          n.pull_plan = plan.id;
+        }
+      }
+      wire::NegotiationReply reply;
+      try {
+        reply = s.begin(n);
+      } catch (const TransferError& e) {
+        if (final_failure(e.code())) throw;  // (a changed server key too: another try would not change it)
+        last_code = e.code();
+        last_why = e.what();
+        continue;
+      }
+      // The master may now register this host's place here (its key as the session proved it).
+      {
+        std::lock_guard lock(keys_m);
+        const std::string tmp = cfg.authorized_keys + ".tmp";
+        std::ofstream out(tmp, std::ios::trunc);
+        out << xsec::format_public(s.server_key()) << " rw\n";
+        out.close();
+        if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
+          throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
+      }
+      if (po.set) {
+        std::lock_guard lock(plan.m);
+        const std::uint32_t parts = reply.set_parts ? reply.set_parts : 1;  // 0: an older master's one pack
+        if (!plan.known) {
+          plan.known = true;
+          plan.parts = parts;
+          plan.id = reply.set_plan;
+          plan.bytes = reply.set_parts ? reply.set_bytes : reply.file_size;
+          plan.changed.notify_all();
+        } else if (plan.parts != parts || plan.id != reply.set_plan) {
+          throw TransferError(errc::size_mismatch, "the set changed on the master while this host pulled it: pull it again",
+                              false);
+        }
+        if (reply.set_path.empty() && reply.file_size > relay_detail::max_pack_size)
+          throw TransferError(errc::protocol_error, fmt::format("the master's pack is {} bytes, more than a pack holds",
+                                                                reply.file_size), true);
+        p.path = reply.set_path;
+      }
+      p.size = reply.file_size;
+      p.mtime = reply.mtime_ns;
+      const std::string partial = staging + "/" + files::partial_name(p.name);
+      auto shown_at = Clock::now();
+      auto shown = [&] {
+        if (place(p) || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
+        shown_at = Clock::now();
+        struct stat ps {};
+        const std::uint64_t have = ::stat(partial.c_str(), &ps) == 0 ? static_cast<std::uint64_t>(ps.st_size) : 0;
+        p.have = std::min(have, p.size);
+        if (!po.set && po.progress) po.progress(p.have, p.size);
+      };
+      // This side's table (relay_fsm, pull-host): answered, then the master's EOFR or EXCEPTION.
+      relay_fsm::RelayMachine machine(relay_fsm::RelaySide::pull_host);
+      (void)machine.fire(relay_fsm::RelayEvent::accepted);
+      const auto end = await_end(s, shown, stop_flag);
+      const auto action = machine.fire(end.how == Ending::eofr        ? relay_fsm::RelayEvent::ended
+                                       : end.how == Ending::exception ? relay_fsm::RelayEvent::peer_exception
+                                                                      : relay_fsm::RelayEvent::channel_lost);
+      if (action == relay_fsm::RelayAction::send_eofr_back) {
+        if (reply.file_size == 0) {
+          // Nothing travels for an empty file: it is made here.
+          const std::string staged = staging + "/" + p.name;
+          ::unlink(staged.c_str());
+          const int fd = ::open(staged.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+          if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + staged + "': " + std::strerror(errno), false);
+          ::close(fd);
+        }
+        wire::FrameHeader h;
+        h.event = wire::ChannelEvent::eofr;
+        s.channels()[0]->send(h, std::vector<std::uint8_t>{});
+        s.end_operation(true);
+        s.close();
+        if (!place(p)) throw TransferError(errc::integrity_error, "the master let this host go, but its copy is not whole", false);
+        return;
+      }
+      // Whole and in place already: what failed was only its serving the hosts after it.
+      if (p.placed) return;
+      last_code = end.how == Ending::exception ? end.ex.code : errc::peer_aborted;
+      last_why = end.ex.message.empty() ? "the master's session ended" : end.ex.message;
+      // (The master could not reach this host's server, at its address and port, after its own
+      // tries: asking it again would not change that.)
+      if (end.how == Ending::exception && (final_failure(end.ex.code) || end.ex.code == errc::connection_failed))
+        throw TransferError(end.ex.code, text::escape(last_why), true);
+      if (stopping()) throw TransferError(errc::cancelled, "cancelled", false);
+    }
+    throw TransferError(last_code, fmt::format("after {} tries through the master: {}", p.tries, text::escape(last_why)),
+                        false);
+  };
+
+  auto finished = [&](double placed_after, std::uint64_t size) {
     stop.now();  // (nothing more lands in staging)
     std::error_code ignored;  // what else the master left there
     std::filesystem::remove_all(staging, ignored);
-    if (po.progress) po.progress(want_size, want_size);
+    if (po.progress) po.progress(size, size);
+    result.size = size;
     result.seconds = placed_after;
     return result;
   };
-  errc last_code = errc::peer_aborted;
-  std::string last_why = "no session to the master";
-  const unsigned tries = std::max(1u, po.tries);
-  for (unsigned attempt = 0; attempt < tries; ++attempt) {
-    if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
-    if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-    ++result.tries;
-    Session s(master, so);
-    wire::Negotiation n;
-    n.mode = Mode::pull;
-    n.remote_path = remote;
-    n.block_size = options.block_size;
-    n.pull_port = server->port();
-    n.pull_name = name;
-    n.pull_set = po.set;
-    wire::NegotiationReply reply;
-    try {
-      reply = s.begin(n);
-    } catch (const TransferError& e) {
-      if (lasting(e.code())) throw;  // (a changed server key too: another try would not change it)
-      last_code = e.code();
-      last_why = e.what();
-      continue;
-    }
-    // The master may now register this host's place here (its key as the session proved it).
-    {
-      const std::string tmp = cfg.authorized_keys + ".tmp";
-      std::ofstream out(tmp, std::ios::trunc);
-      out << xsec::format_public(s.server_key()) << " rw\n";
-      out.close();
-      if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
-        throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
-    }
-    if (po.set && reply.file_size > relay_detail::max_pack_size)
-      throw TransferError(errc::protocol_error, fmt::format("the master's set is {} bytes, more than a pack holds",
-                                                            reply.file_size), true);
-    result.size = want_size = reply.file_size;
-    want_mtime = reply.mtime_ns;
-    const std::string partial = staging + "/" + files::partial_name(name);
-    auto shown_at = Clock::now();
-    auto shown = [&] {
-      if (place() || !po.progress || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
-      shown_at = Clock::now();
-      struct stat p {};
-      const std::uint64_t have = ::stat(partial.c_str(), &p) == 0 ? static_cast<std::uint64_t>(p.st_size) : 0;
-      po.progress(std::min(have, reply.file_size), reply.file_size);
-    };
-    // This side's table (relay_fsm, pull-host): answered, then the master's EOFR or EXCEPTION.
-    relay_fsm::RelayMachine machine(relay_fsm::RelaySide::pull_host);
-    (void)machine.fire(relay_fsm::RelayEvent::accepted);
-    const auto end = await_end(s, shown, options.cancel);
-    const auto action = machine.fire(end.how == Ending::eofr        ? relay_fsm::RelayEvent::ended
-                                     : end.how == Ending::exception ? relay_fsm::RelayEvent::peer_exception
-                                                                    : relay_fsm::RelayEvent::channel_lost);
-    if (action == relay_fsm::RelayAction::send_eofr_back) {
-      if (reply.file_size == 0) {
-        // Nothing travels for an empty file: it is made here.
-        ::unlink(staged.c_str());
-        const int fd = ::open(staged.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
-        if (fd < 0) throw TransferError(errc_from_errno(errno), "'" + staged + "': " + std::strerror(errno), false);
-        ::close(fd);
-      }
-      wire::FrameHeader h;
-      h.event = wire::ChannelEvent::eofr;
-      s.channels()[0]->send(h, std::vector<std::uint8_t>{});
-      s.end_operation(true);
-      s.close();
-      if (!place()) throw TransferError(errc::integrity_error, "the master let this host go, but its copy is not whole", false);
-      return finished();
-    }
-    // Whole and in place already: what failed was only its serving the hosts after it.
-    if (placed) return finished();
-    last_code = end.how == Ending::exception ? end.ex.code : errc::peer_aborted;
-    last_why = end.ex.message.empty() ? "the master's session ended" : end.ex.message;
-    // (The master could not reach this host's server, at its address and port, after its own
-    // tries: asking it again would not change that.)
-    if (end.how == Ending::exception && (lasting(end.ex.code) || end.ex.code == errc::connection_failed))
-      throw TransferError(end.ex.code, text::escape(last_why), true);
-    if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
+
+  if (!po.set) {
+    Part p;
+    p.name = name;
+    run(p);
+    result.tries = p.tries;
+    return finished(p.placed_after, p.size);
   }
-  throw TransferError(last_code, fmt::format("after {} tries through the master: {}", result.tries, text::escape(last_why)),
-                      false);
+
+  // A set: part 0 first, whose answer says how many parts there are; then the others, a few
+  // not yet in place at a time (a part in place only serves the hosts after it, and does not
+  // count), each on a thread of its own, until every part's chain has let this host go. Each
+  // costs the master a session while it lasts: a few, well within a key's 16.
+  constexpr unsigned window = 2;        // parts on their way here at once
+  constexpr unsigned most_running = 8;  // sessions to the master at once (parts serving included)
+  std::deque<Part> parts;  // (a deque: a Part stays where it is while others are added)
+  std::vector<std::thread> threads;
+  struct Joined {  // every part's thread is joined before this returns or throws
+    std::vector<std::thread>& threads;
+    std::atomic<bool>& halt;
+    ~Joined() {
+      for (auto& t : threads)
+        if (t.joinable()) {
+          halt = true;
+          t.join();
+        }
+    }
+  } joined{threads, halt};
+  auto launch = [&](std::uint32_t k) {
+    auto& p = parts.emplace_back();
+    p.index = k;
+    // Part 0 is a pack the master makes afresh; the others are named with their plan, so that
+    // a partial copy kept from another plan's part is never taken for this one's.
+    std::string tag;
+    for (std::size_t i = 0; i < std::min<std::size_t>(8, plan.id.size()); ++i) tag += fmt::format("{:02x}", plan.id[i]);
+    p.name = k == 0 ? name + "-0" : fmt::format("{}-{}-{}", name, k, tag);
+    {
+      std::lock_guard lock(plan.m);
+      ++plan.unplaced;
+      ++plan.running;
+    }
+    threads.emplace_back([&, &p = p] {
+      std::exception_ptr failure;
+      try {
+        run(p);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      std::lock_guard lock(plan.m);
+      if (!p.placed) --plan.unplaced;
+      --plan.running;
+      if (failure && !plan.failed) plan.failed = failure;
+      if (failure) halt = true;
+      if (!plan.known) plan.known = true;  // (part 0 failed before any answer: nothing else starts)
+      plan.changed.notify_all();
+    });
+  };
+  auto progress_at = Clock::now();
+  auto wait_a_little = [&](std::unique_lock<std::mutex>& lock) {
+    plan.changed.wait_for(lock, std::chrono::milliseconds(50));
+    if (options.cancel && options.cancel->load()) halt = true;
+    if (po.progress && Clock::now() - progress_at >= std::chrono::milliseconds(200) && plan.bytes) {
+      progress_at = Clock::now();
+      std::uint64_t have = 0;
+      for (const auto& q : parts) have += q.have.load();
+      lock.unlock();
+      po.progress(std::min(have, plan.bytes), plan.bytes);
+      lock.lock();
+    }
+  };
+  launch(0);
+  {
+    std::unique_lock lock(plan.m);
+    std::uint32_t next = 1;
+    while (!halt && (!plan.known || next < plan.parts)) {
+      if (plan.known && plan.unplaced < window && plan.running < most_running) {
+        lock.unlock();
+        launch(next++);
+        lock.lock();
+        continue;
+      }
+      wait_a_little(lock);
+    }
+    while (plan.running > 0) wait_a_little(lock);
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& p : parts) {
+    result.tries = std::max(result.tries, p.tries);
+    result.files += p.files;
+  }
+  if (plan.failed) std::rethrow_exception(plan.failed);
+  if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
+  double last = 0;
+  for (const auto& p : parts) last = std::max(last, p.placed_after);
+  return finished(last, plan.bytes);
 }
 
 }  // namespace xdfs

@@ -5,7 +5,7 @@ source, one `xduc get` per host. Run as the test suite does:
 
     scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
 
-Cases: many, kill, late, corrupt, forge, master, set, bad. Each starts its own master and checks what arrived byte by
+Cases: many, kill, late, corrupt, forge, master, set, parts, parts-changed, set-forge, bad. Each starts its own master and checks what arrived byte by
 byte, and the bytes that left the source's link; nothing here judges a timing.
 """
 
@@ -69,7 +69,7 @@ def source_sent() -> int:
 class Master:
     """The master: xdfsd on the source, serving a root of its own to every host's key (read-only)."""
 
-    def __init__(self, case: str) -> None:
+    def __init__(self, case: str, args: list[str] | None = None) -> None:
         self.root = os.path.join(work, case, "master")
         self.state = os.path.join(work, "master-state")  # one key for every case (pinned once)
         os.makedirs(self.root, exist_ok=True)
@@ -78,7 +78,7 @@ class Master:
             f.write("".join(f"{KEYS[i]} ro\n" for i in range(1, K + 1)))
         self.log = open(os.path.join(work, case, "master.log"), "ab")
         self.cmd = ["ip", "netns", "exec", os.environ["XTB_SRC"], XDFSD, "--root", self.root, "--state-dir", self.state,
-                    "--listen", f"{SRC_ADDR}:7721", "--idle-timeout", "10"]
+                    "--listen", f"{SRC_ADDR}:7721", "--idle-timeout", "10", *(args or [])]
         self.start()
 
     def start(self) -> None:
@@ -254,7 +254,7 @@ def corrupt(how: str = "1", case: str = "corrupt", set_: bool = False) -> None:
             with open(os.path.join(top, "d" if n % 2 else "", f"f{n}.bin"), "wb") as f:
                 f.write(os.urandom(size // 16 - n))
         want = tree_of(top)
-        path, args, name = "set/", ["-r"], ".xdfs-set"
+        path, args, name = "set/", ["-r"], ".xdfs-set-0"  # (its part 0: the pack of all its files)
     else:
         src = m.file("data.bin", size)
         path, args, name = "data.bin", [], "data.bin"
@@ -362,6 +362,96 @@ def set_case() -> None:
         m.stop()
 
 
+def parts() -> None:
+    """A set larger than a pack: the master deals it into parts (packs of 1 MiB here, and each
+    file over 16 MiB alone), each through a chain of its own; 5 hosts pull it, one is killed once
+    its first files are in place, the others get every file with its mode and mtime."""
+    m = Master("parts", ["--pull-pack-size", "1M"])
+    top = os.path.join(m.root, "big")
+    for d in ("a", "a/b", "c"):
+        os.makedirs(os.path.join(top, d), exist_ok=True)
+    large = {"a/huge.bin": 17 * MiB + 5, "c/b/large.iso": 24 * MiB, "top.bin": 16 * MiB + 1}
+    for rel, size in large.items():
+        os.makedirs(os.path.dirname(os.path.join(top, rel)), exist_ok=True)
+        with open(os.path.join(top, rel), "wb") as f:
+            f.write(os.urandom(size))
+    os.chmod(os.path.join(top, "a/huge.bin"), 0o640)
+    os.utime(os.path.join(top, "c/b/large.iso"), ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    for n in range(40):
+        p = os.path.join(top, ("a", "a/b", "c", "")[n % 4], f"s{n}.bin")
+        with open(p, "wb") as f:
+            f.write(os.urandom((0, 1, 4096, 100_000, 300_001)[n % 5]))
+        os.chmod(p, (0o644, 0o600, 0o755)[n % 3])
+    os.utime(os.path.join(top, "a/b/s1.bin"), ns=(1_500_000_000_000_000_001, 1_500_000_000_000_000_001))
+    want = tree_of(top)
+    total = sum(os.path.getsize(os.path.join(top, f)) for f in want)
+    try:
+        before = source_sent()
+        pullers = [Puller(i, "parts", "big/", args=["-r"]) for i in range(1, 6)]
+        victim = pullers[3]
+        wait_for(lambda: os.path.exists(victim.file("top.bin")) or os.path.exists(victim.file("a/s0.bin"))
+                 or victim.proc.poll() is not None)
+        victim.kill()
+        had = len(tree_of(victim.dir))
+        check(0 < had < len(want), f"parts: host {victim.i} was killed with {had} of {len(want)} files in place")
+        for p in pullers:
+            if p is victim:
+                continue
+            rc = p.wait()
+            got = tree_of(p.dir)
+            check(rc == 0 and got == want, f"parts: host {p.i} has the set's {len(want)} files with their modes "
+                                           f"(exit {rc}: {p.err.strip()[-300:]}; {len(got)} files)")
+            mt = [os.stat(p.file(f)).st_mtime_ns if os.path.exists(p.file(f)) else None
+                  for f in ("c/b/large.iso", "a/b/s1.bin")]
+            check(mt == [1_600_000_000_123_456_789, 1_500_000_000_000_000_001],
+                  f"parts: host {p.i} keeps the mtimes of a large file and of a packed one ({mt})")
+            s = p.summary()
+            check(s.get("files") == len(want), f"parts: host {p.i}'s JSON line counts {len(want)} files ({s})")
+            left = [n for n in os.listdir(p.dir) if n.startswith(".xdfs-")]
+            check(not left, f"parts: host {p.i} has no staging or pack left ({left})")
+        sent = source_sent() - before
+        check(sent <= 1.2 * total + 2 * MiB, f"parts: the source's link carried {sent} bytes for a {total}-byte set")
+        log = open(m.log.name, errors="replace").read()
+        check("part 2 of " in log, "parts: the master's log names the set's parts")
+    finally:
+        m.stop()
+
+
+def parts_changed() -> None:
+    """A set that changes while a host pulls it: the host's later parts are refused (their plan is
+    gone), it stops with one line and nothing but whole files of the set as it was; pulled again,
+    it gets the set as it is now."""
+    m = Master("parts-changed")
+    top = os.path.join(m.root, "set")
+    os.makedirs(top, exist_ok=True)
+    for n in "abcd":
+        with open(os.path.join(top, f"{n}.bin"), "wb") as f:
+            f.write(os.urandom(20 * MiB))
+    new = os.path.join(m.root, "d.new")  # (outside the set until it replaces d.bin)
+    with open(new, "wb") as f:
+        f.write(os.urandom(20 * MiB))
+    try:
+        import glob
+        p = Puller(1, "parts-changed", "set/")
+        # (Part 0 is the pack of the small files, empty here; part 1 is a.bin.)
+        wait_for(lambda: glob.glob(os.path.join(p.dir, ".xdfs-pull-*", "..xdfs-set-1-*.xdfs-partial"))
+                 or p.proc.poll() is not None)
+        os.rename(new, os.path.join(top, "d.bin"))
+        rc = p.wait(120)
+        line = p.err.strip()
+        check(rc == 1 and "changed" in line and "\n" not in line,
+              f"parts-changed: the host stops with one line saying the set changed ({rc}: {line!r})")
+        got = {k: v for k, v in tree_of(p.dir).items() if not k.startswith(".xdfs-pull-")}  # (staging keeps partials)
+        check(set(got) < {"a.bin", "b.bin", "c.bin"} and all(got[f][0] == sha(os.path.join(top, f)) for f in got),
+              f"parts-changed: only whole files of the old set are in DST ({sorted(got)})")
+        again = Puller(1, "parts-changed", "set/")
+        rc = again.wait()
+        check(rc == 0 and tree_of(again.dir) == tree_of(top),
+              f"parts-changed: pulled again, the host has the set as it is now ({rc}: {again.err.strip()[-300:]})")
+    finally:
+        m.stop()
+
+
 def bad() -> None:
     m = Master("bad")
     m.file("data.bin", MiB)
@@ -384,21 +474,22 @@ def bad() -> None:
         one("dir", "directory")
         one("../outside.bin", "path")
         one("data.bin", "auth", key=0)
-        # A set larger than a pack takes: refused, naming the limit.
-        big = os.path.join(m.root, "big")
-        os.makedirs(big, exist_ok=True)
-        with open(os.path.join(big, "huge.bin"), "wb") as f:
-            f.truncate(17 * MiB)
-        p = Puller(1, "bad", "big/")
+        # A set of more files than a set takes: refused, naming the limit.
+        many = os.path.join(m.root, "many")
+        os.makedirs(many, exist_ok=True)
+        for n in range(20001):
+            open(os.path.join(many, f"{n}"), "wb").close()
+        p = Puller(1, "bad", "many/", args=["-r"])
         rc = p.wait(60)
-        check(rc == 1 and "16 MiB" in p.err and "\n" not in p.err.strip(),
-              f"bad: a set with a file over 16 MiB is refused, naming the limit ({rc}: {p.err.strip()!r})")
+        check(rc == 1 and "20000 files" in p.err and "\n" not in p.err.strip(),
+              f"bad: a set of more than 20000 files is refused, naming the limit ({rc}: {p.err.strip()!r})")
     finally:
         m.stop()
 
 
 CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
-         "master": master_restart, "set": set_case,
+         "master": master_restart, "set": set_case, "parts": parts,
+         "parts-changed": parts_changed,
          "set-forge": lambda: corrupt("forge", "set-forge", set_=True), "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
