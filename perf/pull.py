@@ -4,6 +4,7 @@ source and K hosts on a bridge, each link tbf-limited to the same rate both ways
 
     perf/pull.py [--xdfs-bin DIR] [--hosts 16] [--rate 200mbit] [--size 128M] [--reps 3] [--set FILES]
                  [--spread SECONDS] [--tools one,pull,plain,ctorrent,aria2] [--protect clear] [--smoke]
+                 [--pack-size SIZE]
 
 The source holds the file; every host asks for it by itself, all at once or (--spread S) one after
 another over S seconds. Per tool, the time from the first host's start until the last host has the
@@ -18,7 +19,7 @@ runs, the tools taking turns:
             in a user namespace of its own (it refuses root), with the torrent on its list
   aria2     the same with aria2c on every host
 With --set FILES the source is a directory of that many files, --size in all: xduc get -r pulls
-it as one pack (a set), plain is xduc -r, the BitTorrent clients get a torrent of the directory.
+it as a set (in packs of at most --pack-size, the master's --pull-pack-size), plain is xduc -r, the BitTorrent clients get a torrent of the directory.
 xDFS runs in --protect clear by default (BitTorrent neither encrypts nor authenticates); every
 xDFS block is still checked against its digest. Results go to perf/results/pull.json (pull-spread.json,
 pull-set.json) and, with matplotlib, perf/plots/pull.png (pull-spread.png, pull-set.png). Timings are printed,
@@ -79,7 +80,7 @@ class Bed:
             for n in range(a.set):
                 with open(os.path.join(self.src, f"f{n:04d}.bin"), "wb") as f:
                     f.write(os.urandom(size // a.set))
-            self.last = os.path.join(f"f{a.set - 1:04d}.bin")  # the last a set's pack writes
+            self.last = f"f{a.set - 1:04d}.bin"  # in the last part
         else:
             with open(self.src, "wb") as f:
                 left = size
@@ -90,7 +91,9 @@ class Bed:
         self.want = digest(self.src)
         log = open(os.path.join(work, "master.log"), "ab")
         self.servers = [subprocess.Popen(netns(None) + [self.xdfsd, "--root", self.root, "--state-dir", self.state,
-                                                        "--listen", f"{SRC}:7721"], stdout=log, stderr=log)]
+                                                        "--listen", f"{SRC}:7721",
+                                                        *(["--pull-pack-size", a.pack_size] if a.pack_size else [])],
+                                         stdout=log, stderr=log)]
         self.wait_listening(7721)
         # The master's key pinned once, before the hosts ask at once.
         subprocess.run(netns(1) + [self.xduc, "-q", "stat", f"xdfs://{SRC}:7721/{self.name}"], env=self.env, check=True,
@@ -192,15 +195,24 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
     hook = os.path.join(bed.work, "done-hook.sh")
     # When is host i done: its file whole under its name (xDFS renames a verified copy into place),
     # or its BitTorrent client's completion command ran.
-    # (A set: its last file, which xduc get writes last; xduc -r writes in any order, so plain's
-    # marker is a file of the script's own, made when xduc exits.)
+    # (A set: every file in place for xduc get; xduc -r writes in any order, so plain's marker is
+    # a file of the script's own, made when xduc exits.)
     set_ = bool(bed.a.set)
     if tool in ("ctorrent", "aria2") or (set_ and tool == "plain"):
         def marker(i: int) -> str:
             return os.path.join(bed.dest(i), ".done")
     else:
         def marker(i: int) -> str:
-            return os.path.join(bed.dest(i), bed.last if set_ else NAME)
+            return os.path.join(bed.dest(i), NAME)
+
+    def is_done(i: int) -> bool:
+        if set_ and tool in ("one", "pull"):
+            # (A set comes in parts, in order, so its last file is among the last written: once it
+            # is there, every file is counted.)
+            if not os.path.exists(os.path.join(bed.dest(i), bed.last)):
+                return False
+            return sum(1 for n in os.listdir(bed.dest(i)) if not n.startswith(".")) == bed.a.set
+        return os.path.exists(marker(i))
 
     def copy(i: int) -> str:
         """Where host i's copy is: the file, or the set's directory."""
@@ -260,7 +272,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
     deadline = t0 + bed.a.timeout
     while len(done_at) < k and time.monotonic() < deadline:
         for i in range(1, k + 1):
-            if i not in done_at and os.path.exists(marker(i)):
+            if i not in done_at and is_done(i):
                 done_at[i] = time.monotonic() - t0
         time.sleep(0.01)
     starter.join()
@@ -320,6 +332,8 @@ def inside(a: argparse.Namespace) -> None:
               f"| {tool} | {whole}/{k} | {t:.2f} | - | {own:.2f} | {b:.3f} |")
     out = {"hosts": bed.k, "rate": a.rate, "size": size, "set_files": a.set, "spread": a.spread, "protect": a.protect,
            "reps": a.reps, "tools": table}
+    if a.set:
+        out["pack_size"] = a.pack_size or "128M"
     name = "pull-set" if a.set else "pull-spread" if a.spread else "pull"
     if not a.smoke:
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
@@ -344,6 +358,7 @@ def main() -> None:
     p.add_argument("--rate", default="200mbit")
     p.add_argument("--size", default="128M")
     p.add_argument("--set", type=int, default=0, metavar="FILES")
+    p.add_argument("--pack-size", default="", help="the master's --pull-pack-size (default its own, 128M)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--spread", type=float, default=0.0)
     p.add_argument("--protect", default="clear")
@@ -367,6 +382,8 @@ def main() -> None:
             "--timeout", str(a.timeout)]
     if a.dir:
         args += ["--dir", a.dir]
+    if a.pack_size:
+        args += ["--pack-size", a.pack_size]
     if a.smoke:
         args.append("--smoke")
     r = subprocess.run([BED, "--quiet", "--hosts", str(a.hosts), "--rate", a.rate, "--", *args])

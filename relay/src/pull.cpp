@@ -169,6 +169,9 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
       if (!S_ISREG(st.st_mode)) continue;
       if (plan.files.size() >= relay_detail::max_pack_files)
         return too_large("'" + text::escape(path) + "' is past that");
+      if (static_cast<std::uint64_t>(st.st_size) > wire::max_file_size / 2 - plan.bytes)
+        return {errc::not_supported, "a set is at most 2^61 bytes: '" + text::escape(path) + "' is past that"};
+      plan.bytes += static_cast<std::uint64_t>(st.st_size);  // (its files' bytes, for now: bounded)
       if (path.size() > relay_detail::max_pack_path)
         return {errc::not_supported, "'" + text::escape(path.substr(0, 64)) + "...': a set's paths are at most 4096 bytes"};
       const auto sz = static_cast<std::uint64_t>(st.st_size);
@@ -201,8 +204,10 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
   if (plan.parts.empty()) plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});  // the magic alone
   plan.parts.insert(plan.parts.end(), large.begin(), large.end());
   manifest::BlockHasher h;
+  plan.bytes = 0;
   for (const auto& part : plan.parts) {
-    // (Each number is at most 2^62 here and the files at most 20000: the sum cannot overflow.)
+    // (The files' bytes are at most 2^61 in all; a pack adds at most 4130 bytes a file, and
+    // there are at most 20000: the sum stays below 2^62.)
     plan.bytes += part.bytes;
     const std::string head = fmt::format("{} {}\n", part.pack ? "pack" : "file", part.files.size());
     h.update(reinterpret_cast<const std::uint8_t*>(head.data()), head.size());
@@ -214,6 +219,38 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
     }
   }
   plan.id = h.finish();
+  return files::Status::ok();
+}
+
+// Plans made lately, by what names the set (see PullOperation::start): without them each part's
+// request would walk the whole set again. One is used for 2 s after it was made; a change
+// within that shows when the part's files are opened (open_planned), or at the next walk.
+struct CachedPlan {
+  std::shared_ptr<const SetPlan> plan;
+  std::chrono::steady_clock::time_point made;
+};
+std::mutex plans_m;
+std::map<std::string, CachedPlan>& plans() {
+  static auto* p = new std::map<std::string, CachedPlan>;
+  return *p;
+}
+
+files::Status plan_of(const std::string& key, int dir, std::uint64_t pack_size, std::shared_ptr<const SetPlan>& out) {
+  const auto now = std::chrono::steady_clock::now();
+  constexpr auto lifetime = std::chrono::seconds(2);
+  {
+    std::lock_guard lock(plans_m);
+    std::erase_if(plans(), [&](const auto& kv) { return now - kv.second.made > lifetime; });
+    if (auto it = plans().find(key); it != plans().end()) {
+      out = it->second.plan;
+      return files::Status::ok();
+    }
+  }
+  auto plan = std::make_shared<SetPlan>();
+  if (auto s = plan_set(dir, pack_size, *plan); !s) return s;
+  out = plan;
+  std::lock_guard lock(plans_m);
+  if (plans().size() < 16) plans()[key] = CachedPlan{plan, now};  // (a few sets at once: bounded)
   return files::Status::ok();
 }
 
@@ -368,14 +405,16 @@ public:
                     static_cast<int>(env_.opening.cipher));
     std::string set_path;  // a part that is one file: its path in the set
     std::int64_t mtime_ns = files::mtime_ns(sb);
-    SetPlan plan;
+    std::shared_ptr<const SetPlan> planned;
     if (nego_.pull_set) {
       // The set's plan (a walk, no file read), then the part asked for: a large file as it is,
       // or a pack: the running chain's, or one made now (reading its files once), by the first
       // to ask while the others asking meanwhile wait for it. A host that cannot take parts
       // gets the set as one pack, if it fits one.
       const std::uint64_t pack_size = nego_.pull_parts ? env_.config.pull_pack_size : relay_detail::max_pack_size;
-      if (auto st = plan_set(fd.get(), pack_size, plan); !st) return on(E::local_error, st.code, st.message);
+      if (auto st = plan_of(fmt::format("{}:{}:{}", key, pack_size, nego_.pull_parts), fd.get(), pack_size, planned); !st)
+        return on(E::local_error, st.code, st.message);
+      const auto& plan = *planned;
       if (!nego_.pull_parts && (plan.parts.size() > 1 || !plan.parts[0].pack))
         return on(E::local_error, errc::not_supported,
                   fmt::format("this set travels in {} parts (a pack holds at most {} MiB, files of at most {} MiB), "
@@ -384,8 +423,8 @@ public:
                               relay_detail::max_pack_file >> 20));
       if (nego_.pull_part >= plan.parts.size())
         return on(E::local_error, errc::size_mismatch,
-                  fmt::format("the set has {} parts now, not part {}: it changed while this host pulled it; pull it again",
-                              plan.parts.size(), nego_.pull_part + 1));
+                  fmt::format("the set has {} parts now, none numbered {}: it changed while this host pulled it; pull it again",
+                              plan.parts.size(), nego_.pull_part));
       if (nego_.pull_part > 0 && !std::equal(plan.id.begin(), plan.id.end(), nego_.pull_plan.begin(), nego_.pull_plan.end()))
         return on(E::local_error, errc::size_mismatch,
                   "the set changed since this host began to pull it: pull it again");
@@ -446,15 +485,15 @@ public:
     reply.file_size = size_;
     reply.mtime_ns = mtime_ns;
     if (nego_.pull_set && nego_.pull_parts) {
-      reply.set_parts = static_cast<std::uint32_t>(plan.parts.size());
-      reply.set_plan.assign(plan.id.begin(), plan.id.end());
+      reply.set_parts = static_cast<std::uint32_t>(planned->parts.size());
+      reply.set_plan.assign(planned->id.begin(), planned->id.end());
       reply.set_path = set_path;
-      reply.set_bytes = plan.bytes;
+      reply.set_bytes = planned->bytes;
     }
     env_.channels[0]->send_control(wire::ChannelEvent::nego_reply, wire::encode(reply));
     env_.log(fmt::format("session {} pull of {}'{}'{} ({} bytes) for {} at {}", env_.id.short_hex(),
                          nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path),
-                         nego_.pull_parts ? fmt::format(", part {} of {}", nego_.pull_part + 1, plan.parts.size()) : "",
+                         planned && nego_.pull_parts ? fmt::format(", part {} of {}", nego_.pull_part + 1, planned->parts.size()) : "",
                          size_, env_.client.fingerprint, text::escape(env_.peer)));
     if (size_ == 0) return on(E::release);  // nothing to route: the host makes it empty
     member_ = std::make_shared<Member>();

@@ -17,6 +17,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -97,7 +98,18 @@ Ending await_end(Session& s, const std::function<void()>& every, const std::atom
     }
     s.io().restart();
     s.io().run_for(std::chrono::milliseconds(20));
-    if (every) every();
+    if (!every) continue;
+    try {
+      every();
+    } catch (...) {
+      // (Likewise: the read ends here before what failed goes on up.)
+      ch.close();
+      while (!over) {
+        s.io().restart();
+        s.io().run_for(std::chrono::milliseconds(20));
+      }
+      throw;
+    }
   }
   if (cancelled) {
     e.how = Ending::exception;
@@ -247,6 +259,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     std::uint64_t files = 0;
     unsigned tries = 0;
     std::atomic<std::uint64_t> have{0};
+    std::atomic<bool> ended{false};  // its thread is done with it
   };
   // A set's parts, as part 0's answer named them.
   struct Plan {
@@ -287,7 +300,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         if (!pack) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
         if (::fstat(pack.get(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
           return false;
-        const auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, options.cancel);
+        const auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag);
         if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
         p.files = u.files;
       } else {
@@ -456,19 +469,21 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     return finished(p.placed_after, p.size);
   }
 
-  // A set: part 0 first, whose answer says how many parts there are; then the others, a few
-  // not yet in place at a time (a part in place only serves the hosts after it, and does not
-  // count), each on a thread of its own, until every part's chain has let this host go. Each
-  // costs the master a session while it lasts: a few, well within a key's 16.
-  constexpr unsigned window = 2;        // parts on their way here at once
-  constexpr unsigned most_running = 8;  // sessions to the master at once (parts serving included)
+  // A set: part 0 first, whose answer says how many parts there are; then the others, one after
+  // another (each on a session and a thread of its own), each asked for once the one before it
+  // is in place: so a set's parts, and its files, arrive in the plan's order, and the chains of
+  // consecutive parts form in about the same order of hosts. A part in place goes on serving
+  // the hosts after it until its chain lets this host go; a few may, each costing the master a
+  // session while it does.
+  constexpr unsigned window = 1;        // parts on their way here at once
+  constexpr unsigned most_running = 3;  // sessions to the master at once (parts serving included)
   std::deque<Part> parts;  // (a deque: a Part stays where it is while others are added)
-  std::vector<std::thread> threads;
+  std::deque<std::pair<std::thread, const Part*>> threads;
   struct Joined {  // every part's thread is joined before this returns or throws
-    std::vector<std::thread>& threads;
+    std::deque<std::pair<std::thread, const Part*>>& threads;
     std::atomic<bool>& halt;
     ~Joined() {
-      for (auto& t : threads)
+      for (auto& [t, p] : threads)
         if (t.joinable()) {
           halt = true;
           t.join();
@@ -488,7 +503,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       ++plan.unplaced;
       ++plan.running;
     }
-    threads.emplace_back([&, &p = p] {
+    auto& slot = threads.emplace_back(std::thread(), &p);
+    slot.first = std::thread([&, &p = p] {
       std::exception_ptr failure;
       try {
         run(p);
@@ -501,8 +517,15 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       if (failure && !plan.failed) plan.failed = failure;
       if (failure) halt = true;
       if (!plan.known) plan.known = true;  // (part 0 failed before any answer: nothing else starts)
+      p.ended = true;
       plan.changed.notify_all();
     });
+  };
+  // Threads of parts that are over are joined as they end: at most most_running are kept.
+  auto reap = [&] {
+    for (auto& [t, p] : threads)
+      if (t.joinable() && p->ended.load()) t.join();
+    while (!threads.empty() && !threads.front().first.joinable()) threads.pop_front();
   };
   auto progress_at = Clock::now();
   auto wait_a_little = [&](std::unique_lock<std::mutex>& lock) {
@@ -524,6 +547,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     while (!halt && (!plan.known || next < plan.parts)) {
       if (plan.known && plan.unplaced < window && plan.running < most_running) {
         lock.unlock();
+        reap();
         launch(next++);
         lock.lock();
         continue;
@@ -532,13 +556,18 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     }
     while (plan.running > 0) wait_a_little(lock);
   }
-  for (auto& t : threads) t.join();
+  for (auto& [t, p] : threads)
+    if (t.joinable()) t.join();
   for (const auto& p : parts) {
     result.tries = std::max(result.tries, p.tries);
     result.files += p.files;
   }
   if (plan.failed) std::rethrow_exception(plan.failed);
-  if (options.cancel && options.cancel->load()) throw TransferError(errc::cancelled, "cancelled", false);
+  // (Every part in place: a cancel then only ended their serving, as for one file.)
+  const bool whole = parts.size() == plan.parts && std::all_of(parts.begin(), parts.end(), [](const Part& p) {
+                       return p.placed;
+                     });
+  if (!whole) throw TransferError(errc::cancelled, "cancelled", false);
   double last = 0;
   for (const auto& p : parts) last = std::max(last, p.placed_after);
   return finished(last, plan.bytes);

@@ -197,8 +197,9 @@ struct Negotiation {
   bool operator==(const Negotiation&) const = default;
 };
 
-/// Most parts a pulled set travels in (as many as a pack's files: every part holds one at least).
-inline constexpr std::uint32_t max_set_parts = 20000;
+/// Most parts a pulled set travels in: its first (always a pack, empty if need be) and one for
+/// each of at most 20000 files.
+inline constexpr std::uint32_t max_set_parts = 20001;
 
 /// Largest negotiation payload (a 4096-byte path and the scalars).
 inline constexpr std::uint32_t max_negotiation_payload = 8192;

@@ -112,8 +112,8 @@ struct PullOptions {
   std::function<void(const std::string&)> log;
   /// `remote` is a directory: its regular files (a set, at most 20000) travel in parts, packs
   /// of the small files and each file over 16 MiB alone, each part through a chain of its own
-  /// (a session to the master each, two on their way at once), and go into `local`, a
-  /// directory, each part once it is whole. A set that changes on the master meanwhile fails
+  /// (a session to the master each, one after another), and go into `local`, a directory,
+  /// each part once it is whole. A set that changes on the master meanwhile fails
   /// the pull (size_mismatch): pulled again, it is the set as it is now.
   bool set = false;
 };
