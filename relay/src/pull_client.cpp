@@ -473,10 +473,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   // another (each on a session and a thread of its own), each asked for once the one before it
   // is in place: so a set's parts, and its files, arrive in the plan's order, and the chains of
   // consecutive parts form in about the same order of hosts. A part in place goes on serving
-  // the hosts after it until its chain lets this host go; a few may, each costing the master a
-  // session while it does.
+  // the hosts after it until its chain lets this host go, costing the master a session while it
+  // does: one such part at most, beside the one on its way.
   constexpr unsigned window = 1;        // parts on their way here at once
-  constexpr unsigned most_running = 3;  // sessions to the master at once (parts serving included)
+  constexpr unsigned most_running = 2;  // sessions to the master at once (parts serving included)
   std::deque<Part> parts;  // (a deque: a Part stays where it is while others are added)
   std::deque<std::pair<std::thread, const Part*>> threads;
   struct Joined {  // every part's thread is joined before this returns or throws
