@@ -483,12 +483,11 @@ std::optional<NegotiationReply> decode_reply(std::span<const std::uint8_t> b, st
     auto path = r.getSetPath();
     const std::string_view p(path.cStr(), path.size());
     if (n.set_parts == 0 ? (plan.size() != 0 || p.size() != 0 || r.getSetBytes() != 0)
-                         : (n.set_parts > max_set_parts || plan.size() != 32 || p.size() > 4096)) {
-      set_why(why, "a set's parts (at most " + std::to_string(max_set_parts) +
-                       ") come with its 32-byte plan and a path of at most 4096 bytes");
+                         : (n.set_parts > max_set_parts || plan.size() != 32)) {
+      set_why(why, "a set's parts (at most " + std::to_string(max_set_parts) + ") come with its 32-byte plan");
       return std::nullopt;
     }
-    if (!check_text(p, "set path", why)) return std::nullopt;
+    if (!check_text(p, "set path", why)) return std::nullopt;  // (at most max_path_bytes)
     n.set_plan.assign(plan.begin(), plan.end());
     n.set_path.assign(p);
     n.set_bytes = r.getSetBytes();

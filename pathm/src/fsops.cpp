@@ -512,6 +512,13 @@ Status write_all(int fd, std::span<const std::uint8_t> d, std::uint64_t offset, 
   return Status::ok();
 }
 
+// A file's rename into `path` failed with err (a directory there: is_directory).
+Status rename_failed(int err, const std::string& path) {
+  auto s = Status::from_errno(err, "rename into " + quoted(path));
+  if (err == EISDIR) s.code = errc::is_directory;
+  return s;
+}
+
 }  // namespace
 
 TreeWriter::TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open, mode_t umask,
@@ -730,12 +737,7 @@ Status TreeWriter::put_move(const Entry& e, int from_dir, const std::string& fro
   if (auto s = parent_of(e.path, dir, name, true); !s) return s;
   if (auto s = finish_file(from.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_); !s) return s;
   if (::renameat(from_dir, from_name.c_str(), dir.get(), name.c_str()) == 0) return Status::ok();
-  const int err = errno;
-  if (err != EXDEV) {
-    auto s = Status::from_errno(err, "rename into " + quoted(e.path));
-    if (err == EISDIR) s.code = errc::is_directory;
-    return s;
-  }
+  if (errno != EXDEV) return rename_failed(errno, e.path);
   return put_file(e, from.get(), 0, from_name);
 }
 
@@ -752,10 +754,7 @@ Status TreeWriter::put_file(const Entry& e, int src_fd, std::uint64_t src_offset
   Status st = src_fd < 0 ? write_all(fd.get(), e.data, 0, e.path) : copy_exact(src_fd, src_offset, fd.get(), 0, e.size, src_name, e.path);
   if (st) st = finish_file(fd.get(), e.path, e.mode, umask_, e.mtime_ns, fsync_);
   fd.reset();
-  if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {
-    st = Status::from_errno(errno, "rename into " + quoted(e.path));
-    if (errno == EISDIR) st.code = errc::is_directory;
-  }
+  if (st && ::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) st = rename_failed(errno, e.path);
   if (!st) ::unlinkat(dir.get(), temp.c_str(), 0);
   return st;
 }

@@ -50,8 +50,8 @@ bool read_at(int fd, void* data, std::size_t n, std::uint64_t offset) {
   return true;
 }
 
-constexpr std::size_t fixed = 2;                  // path length
-constexpr std::size_t after_path = 4 + 8 + 8;     // mode, mtime, size
+constexpr std::size_t fixed = pack_head_before_path;  // path length
+constexpr std::size_t after_path = pack_head_after_path;  // mode, mtime, size
 
 }  // namespace
 

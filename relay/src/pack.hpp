@@ -26,6 +26,13 @@ inline constexpr std::size_t max_pack_path = 4096;
 /// 32 MiB of files, 20000 files).
 inline constexpr std::uint64_t max_pack_size = std::uint64_t(128) << 20;
 inline constexpr std::uint64_t max_pack_files = 20000;
+/// An entry's header around its path: the path's length before it; mode, mtime and size after.
+inline constexpr std::size_t pack_head_before_path = 2;
+inline constexpr std::size_t pack_head_after_path = 4 + 8 + 8;
+/// What an entry takes in a pack: its header, its path and its bytes.
+constexpr std::uint64_t pack_entry_size(std::size_t path_len, std::uint64_t size) {
+  return pack_head_before_path + path_len + pack_head_after_path + size;
+}
 
 struct PackEntry {
   std::string path;  ///< relative to the pack's directory

@@ -121,11 +121,8 @@ struct SetPlan {
   manifest::Digest id{};
 };
 
-// A pack's header per file (pack.hpp): u16, the path, u32, i64, u64.
-std::uint64_t pack_entry_size(const SetFile& f) { return 22 + f.path.size() + f.size; }
-
 files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
-  std::uint64_t seen = 0;
+  std::uint64_t seen = 0, file_bytes = 0;
   // Entries looked at in all (directories and what is left out too): the walk is bounded.
   const std::uint64_t max_seen = 4 * relay_detail::max_pack_files;
   const auto too_large = [](const std::string& why) {
@@ -169,12 +166,12 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
       if (!S_ISREG(st.st_mode)) continue;
       if (plan.files.size() >= relay_detail::max_pack_files)
         return too_large("'" + text::escape(path) + "' is past that");
-      if (static_cast<std::uint64_t>(st.st_size) > wire::max_file_size / 2 - plan.bytes)
+      const auto sz = static_cast<std::uint64_t>(st.st_size);
+      if (sz > wire::max_file_size / 2 - file_bytes)
         return {errc::not_supported, "a set is at most 2^61 bytes: '" + text::escape(path) + "' is past that"};
-      plan.bytes += static_cast<std::uint64_t>(st.st_size);  // (its files' bytes, for now: bounded)
+      file_bytes += sz;
       if (path.size() > relay_detail::max_pack_path)
         return {errc::not_supported, "'" + text::escape(path.substr(0, 64)) + "...': a set's paths are at most 4096 bytes"};
-      const auto sz = static_cast<std::uint64_t>(st.st_size);
       plan.files.push_back({path, st.st_dev, st.st_ino, sz, static_cast<std::uint32_t>(st.st_mode & 0777),
                             files::mtime_ns(st)});
     }
@@ -191,7 +188,7 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
     if (f.size > relay_detail::max_pack_file) {
       large.push_back({false, {i}, f.size});
     } else {
-      const std::uint64_t add = pack_entry_size(f);
+      const std::uint64_t add = relay_detail::pack_entry_size(f.path.size(), f.size);
       if (open_pack == SIZE_MAX || plan.parts[open_pack].bytes + add > pack_size ||
           plan.parts[open_pack].files.size() >= relay_detail::max_pack_files) {
         plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});
@@ -204,7 +201,6 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
   if (plan.parts.empty()) plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});  // the magic alone
   plan.parts.insert(plan.parts.end(), large.begin(), large.end());
   manifest::BlockHasher h;
-  plan.bytes = 0;
   for (const auto& part : plan.parts) {
     // (The files' bytes are at most 2^61 in all; a pack adds at most 4130 bytes a file, and
     // there are at most 20000: the sum stays below 2^62.)

@@ -30,6 +30,7 @@
 
 #include "xdfs/detail/relay_fsm.hpp"
 #include "xdfs/files.hpp"
+#include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
 #include "xdfs/session.hpp"
 #include "xdfs/text.hpp"
@@ -274,6 +275,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     std::exception_ptr failed;
   } plan;
   std::mutex keys_m;  // the server's authorized_keys, written by each part's session
+  std::string keys_written;  // (under keys_m) its line as last written: the same is not written again
   std::atomic<bool> halt{false};  // a part failed, or the user cancelled: every part stops
   const std::atomic<bool>* const stop_flag = po.set ? &halt : options.cancel;
   auto stopping = [&] { return (options.cancel && options.cancel->load()) || halt.load(); };
@@ -374,14 +376,15 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         continue;
       }
       // The master may now register this host's place here (its key as the session proved it).
-      {
-        std::lock_guard lock(keys_m);
+      const std::string line = xsec::format_public(s.server_key());
+      if (std::lock_guard lock(keys_m); keys_written != line) {
         const std::string tmp = cfg.authorized_keys + ".tmp";
         std::ofstream out(tmp, std::ios::trunc);
-        out << xsec::format_public(s.server_key()) << " rw\n";
+        out << line << " rw\n";
         out.close();
         if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
           throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
+        keys_written = line;
       }
       if (po.set) {
         std::lock_guard lock(plan.m);
@@ -495,9 +498,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     p.index = k;
     // Part 0 is a pack the master makes afresh; the others are named with their plan, so that
     // a partial copy kept from another plan's part is never taken for this one's.
-    std::string tag;
-    for (std::size_t i = 0; i < std::min<std::size_t>(8, plan.id.size()); ++i) tag += fmt::format("{:02x}", plan.id[i]);
-    p.name = k == 0 ? name + "-0" : fmt::format("{}-{}-{}", name, k, tag);
+    // (A plan with parts past 0 is 32 bytes: the decoder sees to it.)
+    manifest::Digest id{};
+    std::copy_n(plan.id.begin(), std::min(id.size(), plan.id.size()), id.begin());
+    p.name = k == 0 ? name + "-0" : fmt::format("{}-{}-{}", name, k, manifest::hex(id).substr(0, 16));
     {
       std::lock_guard lock(plan.m);
       ++plan.unplaced;
