@@ -427,6 +427,28 @@ TEST_CASE("authentication end to end: unknown client, unknown or changed server,
     CHECK(what.find("changed") != std::string::npos);
     CHECK_FALSE(xt::exists(root / "f3"));
   }
+  SUBCASE("the server's key is handed over once accepted, before the operation reaches the server; a failure "
+          "there fails the handshake and nothing is made") {
+    xdfs::TransferOptions o;
+    o.known_hosts_file = local / "kh";
+    xs::Key32 seen{};
+    bool before_op = false;
+    o.server_key_accepted = [&](const xs::Key32& k) {
+      seen = k;
+      before_op = !xt::exists(root / "g");
+    };
+    xdfs::upload(local / "f", ep, "g", o);
+    CHECK(xt::files_equal(local / "f", root / "g"));
+    const auto pinned = xs::KnownHosts(local / "kh").lookup("127.0.0.1:" + std::to_string(srv.port()));
+    REQUIRE(pinned);
+    CHECK(seen == *pinned);
+    CHECK(before_op);
+    o.server_key_accepted = [](const xs::Key32&) { throw xdfs::Error(errc::disk_full, "no room for the keys"); };
+    CHECK(xt::error_of([&] { xdfs::upload(local / "f", ep, "h", o); }, &remote, &what) == errc::disk_full);
+    CHECK_FALSE(remote);
+    CHECK(what.find("no room for the keys") != std::string::npos);
+    CHECK_FALSE(xt::exists(root / "h"));
+  }
   SUBCASE("a read-only key downloads, cannot upload, and sees only its subdirectory") {
     xdfs::TransferOptions o;
     o.identity_file = local / "reader-id";

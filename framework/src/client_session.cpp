@@ -342,7 +342,7 @@ struct Session::Impl {
     const auto c = static_cast<xsec::Cipher>(opening.cipher);
     if (!o.join) {
       xsec::client_establish(ch, std::move(sent), identity, mode, c, wire::encode(nego),
-                             [this](const xsec::Key32& k) { return check_server(k); },
+                             [this](const xsec::Key32& k) { return accept_server(k); },
                              [this, &ch](xsec::HandshakeResult r) {
                                if (failed) return;
                                if (r.code != errc::ok) return fail(r.code, r.message, r.remote);
@@ -369,6 +369,22 @@ struct Session::Impl {
   void on_secured(xdsi::Channel& ch) {
     ++secured;
     read_answer(ch);
+  }
+
+  // The server's key checked, then handed to the caller's hook (SessionOptions::server_key_accepted).
+  xsec::HandshakeResult accept_server(const xsec::Key32& key) {
+    auto r = check_server(key);
+    if (r.code != errc::ok || !opt.server_key_accepted) return r;
+    try {
+      opt.server_key_accepted(key);
+    } catch (const Error& e) {
+      r.code = e.code();
+      r.message = e.what();
+    } catch (const std::exception& e) {
+      r.code = errc::internal;
+      r.message = e.what();
+    }
+    return r;
   }
 
   // Known hosts: trust on first use (with a notice) unless strict; a changed key is refused.

@@ -277,6 +277,26 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   std::mutex keys_m;  // the server's authorized_keys, written by each part's session
   std::string keys_written;  // (under keys_m) its line as last written: the same is not written again
   std::atomic<bool> halt{false};  // a part failed, or the user cancelled: every part stops
+  // The master may register this host's place here as soon as it reads the negotiation: its
+  // key (as the session's handshake proved it) is authorized here before that is sent.
+  so.server_key_accepted = [&](const xsec::Key32& master_key) {
+    const std::string line = xsec::format_public(master_key);
+    std::lock_guard lock(keys_m);
+    if (keys_written == line) return;
+    const std::string tmp = cfg.authorized_keys + ".tmp";
+    errno = 0;
+    std::ofstream out(tmp, std::ios::trunc);
+    out << line << " rw\n";
+    out.close();
+    if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0) {
+      const int e = errno;
+      throw TransferError(e ? errc_from_errno(e) : errc::internal,
+                          "cannot write the pull server's authorized keys in " + state.path +
+                              (e ? std::string(": ") + std::strerror(e) : std::string()),
+                          false);
+    }
+    keys_written = line;
+  };
   const std::atomic<bool>* const stop_flag = po.set ? &halt : options.cancel;
   auto stopping = [&] { return (options.cancel && options.cancel->load()) || halt.load(); };
 
@@ -374,17 +394,6 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         last_code = e.code();
         last_why = e.what();
         continue;
-      }
-      // The master may now register this host's place here (its key as the session proved it).
-      const std::string line = xsec::format_public(s.server_key());
-      if (std::lock_guard lock(keys_m); keys_written != line) {
-        const std::string tmp = cfg.authorized_keys + ".tmp";
-        std::ofstream out(tmp, std::ios::trunc);
-        out << line << " rw\n";
-        out.close();
-        if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0)
-          throw TransferError(errc::internal, "cannot write the pull server's authorized keys in " + state.path, false);
-        keys_written = line;
       }
       if (po.set) {
         std::lock_guard lock(plan.m);

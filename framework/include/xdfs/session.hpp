@@ -65,6 +65,10 @@ struct SessionOptions {
   std::optional<xsec::Key32> server_key;
   /// Refuse a server whose key is not pinned yet (default: pin it on first use, with a notice).
   bool strict_host_key = false;
+  /// Runs on the session's loop once the server's key is accepted (pinned, or the expected
+  /// one), before anything of the operation reaches the server: a pulling host authorizes its
+  /// master here, before the master can call back. An exception from it fails the handshake.
+  std::function<void(const xsec::Key32&)> server_key_accepted;
   /// One-line notices for the user (a new key made, a server key pinned).
   std::function<void(const std::string&)> notice;
   /// Debug lines: how a transfer goes (zero copy, or why not). Null: none.
