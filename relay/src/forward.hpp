@@ -40,13 +40,18 @@ struct Member {
 /// Hosts joining a chain while it runs (pull mode). Each joins at the end of the chain, fed by
 /// the host before it from whatever that one has; a host whole and needed by nobody after it is
 /// released (its Member final), the chain's last one only after lingering for later joiners as
-/// long as its own copy took (at least 1 s, at most `linger_max`). The chain ends once nobody is
-/// in it or joining; then it sets `closed` and takes no more.
+/// long as its own copy took (at least 1 s, at most `linger_max`), and longer while `awaited`
+/// says a host is still to come. The chain ends once nobody is in it or joining; then it sets
+/// `closed` and takes no more.
 struct Joins {
   std::mutex m;
   std::vector<std::shared_ptr<Member>> arriving;  ///< taken by the chain
   bool closed = false;
   std::chrono::milliseconds linger_max{30000};
+  /// Whether a host is still to come (a set's host that has not asked for this part yet, while
+  /// it pulls the set's others): the chain's last host then lingers on, up to `linger_max`
+  /// after it was whole, however short its own copy was. Called without `m`. Empty: nobody.
+  std::function<bool()> awaited;
   unsigned max_tries = 20;        ///< registrations of one host (its first and its rejoins)
   std::function<void(const std::string&)> log;  ///< the chain's notes as they happen (escaped)
   /// Set by the chain while it runs (and cleared under `m` before it goes): wakes it. Call it

@@ -47,9 +47,63 @@ namespace {
 using relay_detail::Joins;
 using relay_detail::Member;
 
+// A set's hosts, each by the last part it asked for: the chain of a part keeps its last host
+// while a host of the set that has not asked for that part yet still pulls the set, so that a
+// host fallen behind the others (a slow link, a retry) is fed by them, not by the source again.
+struct Roster {
+  using Clock = std::chrono::steady_clock;
+  struct Host {
+    std::uint32_t part = 0;
+    std::weak_ptr<Member> member;  // its session for that part (none: a part of no bytes)
+    Clock::time_point left{};      // first seen without a session (between parts, or out)
+  };
+  // A host without a session for this long is out of the set (its next part would have come).
+  static constexpr std::chrono::seconds between_parts{3};
+  static constexpr std::size_t max_hosts = 4096;  // (the oldest to leave goes first)
+  std::mutex m;
+  std::map<std::string, Host> hosts;  // by its server (address and port)
+
+  // Host `at` asked for `part` (its session: `member`).
+  void asked(const std::string& at, std::uint32_t part, const std::shared_ptr<Member>& member) {
+    std::lock_guard l(m);
+    auto it = hosts.find(at);
+    if (it == hosts.end()) {
+      if (hosts.size() >= max_hosts) prune(Clock::now(), true);
+      if (hosts.size() >= max_hosts) return;  // (as many pulling now: this one is not waited for)
+      it = hosts.emplace(at, Host{part, member, {}}).first;
+    }
+    if (part >= it->second.part) it->second = Host{part, member, {}};
+  }
+
+  // Is a host still to come to `part`?
+  bool awaited(std::uint32_t part) {
+    std::lock_guard l(m);
+    const auto now = Clock::now();
+    bool any = false;
+    for (auto& [at, h] : hosts) {
+      if (h.part >= part) continue;
+      if (auto mm = h.member.lock(); mm && !mm->gone.load()) return true;
+      if (h.left == Clock::time_point{}) h.left = now;
+      any = any || now - h.left < between_parts;
+    }
+    return any;
+  }
+
+  // Hosts out of the set are forgotten (all that left, if `full`, for room).
+  void prune(Clock::time_point now, bool full) {
+    for (auto it = hosts.begin(); it != hosts.end();) {
+      auto mm = it->second.member.lock();
+      const bool out = (!mm || mm->gone.load()) &&
+                       (full || (it->second.left != Clock::time_point{} && now - it->second.left >= std::chrono::seconds(60)));
+      it = out ? hosts.erase(it) : std::next(it);
+    }
+  }
+};
+
 // One file's chain while anyone is in it or joining.
 struct Distribution {
   Joins joins;
+  std::shared_ptr<Roster> roster;  // a set's part: its set's hosts
   files::Fd file;  // the source, opened beneath the root of the first host that asked (or a set's pack)
   std::uint64_t size = 0;
   std::vector<std::shared_ptr<Member>> all;  // every host that joined (under joins.m)
@@ -60,6 +114,17 @@ std::mutex registry_m;
 std::map<std::string, std::shared_ptr<Distribution>>& registry() {
   static auto* r = new std::map<std::string, std::shared_ptr<Distribution>>;  // outlives every chain's thread
   return *r;
+}
+
+// The roster of the set and plan `key`: the one a chain of its parts keeps, or a new one.
+std::shared_ptr<Roster> roster_of(const std::string& key) {
+  static auto* rosters = new std::map<std::string, std::weak_ptr<Roster>>;  // (under registry_m)
+  std::lock_guard lock(registry_m);
+  std::erase_if(*rosters, [](const auto& kv) { return kv.second.expired(); });
+  auto& slot = (*rosters)[key];
+  auto r = slot.lock();
+  if (!r) slot = r = std::make_shared<Roster>();
+  return r;
 }
 
 // Sets whose pack is being made, by chain key: those asking meanwhile wait for the one pack.
@@ -302,9 +367,11 @@ void finalize(Distribution& d, errc code, const std::string& why) {
 }
 
 // Joins `m` to the chain of this file, starting one (on a thread of the server's) if none runs.
+// A set's part: `roster` is its set's, `part` its number.
 void join(const std::string& key, int fd, std::uint64_t size, const TransferOptions& options,
           const std::shared_ptr<Member>& m, runtime::RelayRegistry& relays,
-          const std::function<void(const std::string&)>& log) {
+          const std::function<void(const std::string&)>& log, const std::shared_ptr<Roster>& roster,
+          std::uint32_t part) {
   std::lock_guard lock(registry_m);
   auto& reg = registry();
   if (auto it = reg.find(key); it != reg.end()) {
@@ -333,6 +400,10 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
+  if (roster) {
+    d->roster = roster;
+    d->joins.awaited = [r = roster.get(), part] { return r->awaited(part); };
+  }
   auto o = options;
   o.cancel = &relays.stopping;
   // (The thread ends by taking registry_m: registered below first, whatever it does.)
@@ -402,6 +473,7 @@ public:
     std::string set_path;  // a part that is one file: its path in the set
     std::int64_t mtime_ns = files::mtime_ns(sb);
     std::shared_ptr<const SetPlan> planned;
+    std::string roster_key;  // a set's part: its set and plan
     if (nego_.pull_set) {
       // The set's plan (a walk, no file read), then the part asked for: a large file as it is,
       // or a pack: the running chain's, or one made now (reading its files once), by the first
@@ -425,7 +497,8 @@ public:
         return on(E::local_error, errc::size_mismatch,
                   "the set changed since this host began to pull it: pull it again");
       const auto& part = plan.parts[nego_.pull_part];
-      key += fmt::format(":{}:{}", manifest::hex(plan.id), nego_.pull_part);
+      roster_key = fmt::format("{}:{}", key, manifest::hex(plan.id));
+      key = fmt::format("{}:{}", roster_key, nego_.pull_part);
       if (auto r = running(key)) {
         fd = std::move(r->first);
         size_ = r->second;
@@ -491,10 +564,17 @@ public:
                          nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path),
                          planned && nego_.pull_parts ? fmt::format(", part {} of {}", nego_.pull_part + 1, planned->parts.size()) : "",
                          size_, env_.client.fingerprint, text::escape(env_.peer)));
-    if (size_ == 0) return on(E::release);  // nothing to route: the host makes it empty
+    std::shared_ptr<Roster> roster;
+    const std::string host_at = fmt::format("{}:{}", at.host, at.port);
+    if (planned && nego_.pull_parts) roster = roster_of(roster_key);
+    if (size_ == 0) {  // nothing to route: the host makes it empty
+      if (roster) roster->asked(host_at, nego_.pull_part, nullptr);
+      return on(E::release);
+    }
     member_ = std::make_shared<Member>();
     member_->target = RelayTarget{at, nego_.pull_name};
     member_->key = env_.client.key;
+    if (roster) roster->asked(host_at, nego_.pull_part, member_);
     TransferOptions o;
     o.channels = 2;
     o.block_size = nego_.block_size;
@@ -510,7 +590,7 @@ public:
       };
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
-      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log);
+      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster, nego_.pull_part);
     } catch (const TransferError& e) {
       on(E::local_error, e.code(), e.what());
     } catch (const std::exception& e) {

@@ -5,8 +5,9 @@ source, one `xduc get` per host. Run as the test suite does:
 
     scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
 
-Cases: many, kill, late, corrupt, forge, master, set, parts, parts-changed, set-forge, bad. Each starts its own master and checks what arrived byte by
-byte, and the bytes that left the source's link; nothing here judges a timing.
+Cases: many, kill, late, corrupt, forge, master, set, parts, parts-slow, parts-changed, set-forge, bad.
+Each starts its own master and checks what arrived byte by byte, and the bytes that left the
+source's link; nothing here judges a timing.
 """
 
 from __future__ import annotations
@@ -417,6 +418,38 @@ def parts() -> None:
         m.stop()
 
 
+def parts_slow() -> None:
+    """A host whose link is a quarter of the others' falls further behind them with every part:
+    the chain of each part keeps its last host until the slow one has asked for that part too
+    (the master knows it pulls the set), so it is fed by the others, never by the source again."""
+    m = Master("parts-slow")
+    top = os.path.join(m.root, "four")
+    os.makedirs(top, exist_ok=True)
+    for n in range(4):
+        with open(os.path.join(top, f"f{n}.bin"), "wb") as f:
+            f.write(os.urandom(16 * MiB + 1 + n))
+    want = tree_of(top)
+    total = sum(os.path.getsize(os.path.join(top, f)) for f in want)
+    rate = os.environ["XTB_RATE"]
+    slow = 4
+    try:
+        subprocess.run([BED, "link", f"h{slow}", f"{int(rate[:-4]) // 4}mbit" if rate.endswith("mbit") else rate],
+                       check=True)
+        before = source_sent()
+        pullers = [Puller(i, "parts-slow", "four/", args=["-r"]) for i in range(1, slow + 1)]
+        for p in pullers:
+            rc = p.wait()
+            got = tree_of(p.dir)
+            check(rc == 0 and got == want, f"parts-slow: host {p.i} has the set's {len(want)} files "
+                                           f"(exit {rc}: {p.err.strip()[-300:]}; {len(got)} files)")
+        sent = source_sent() - before
+        check(sent <= 1.2 * total + 2 * MiB,
+              f"parts-slow: the source's link carried {sent} bytes for a {total}-byte set (one host 4x slower)")
+    finally:
+        subprocess.run([BED, "link", f"h{slow}", rate], check=True)
+        m.stop()
+
+
 def parts_changed() -> None:
     """A set that changes while a host pulls it: the host's later parts are refused (their plan is
     gone), it stops with one line and nothing but whole files of the set as it was; pulled again,
@@ -505,7 +538,7 @@ def bad() -> None:
 
 CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
          "master": master_restart, "set": set_case, "parts": parts,
-         "parts-changed": parts_changed,
+         "parts-slow": parts_slow, "parts-changed": parts_changed,
          "set-forge": lambda: corrupt("forge", "set-forge", set_=True), "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
