@@ -379,10 +379,13 @@ struct Session::Impl {
       opt.server_key_accepted(key);
     } catch (const Error& e) {
       r.code = e.code();
-      r.message = e.what();
+      r.message = e.context();
     } catch (const std::exception& e) {
       r.code = errc::internal;
       r.message = e.what();
+    } catch (...) {
+      r.code = errc::internal;
+      r.message = "the accepted server key's hook failed";
     }
     return r;
   }

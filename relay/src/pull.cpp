@@ -59,13 +59,18 @@ struct Roster {
   };
   // A host without a session for this long is out of the set (its next part would have come).
   static constexpr std::chrono::seconds between_parts{3};
-  static constexpr std::size_t max_hosts = 4096;  // (the oldest to leave goes first)
+  // Only a host at most this many parts behind is waited for: one that keeps pace with the
+  // others is never further behind (a host holds a part serving and the next), and one parked
+  // for good costs the chains of the next parts at most linger_max each, not every chain.
+  static constexpr std::uint32_t most_behind = 2;
+  static constexpr std::size_t max_hosts = 4096;  // (past it, hosts that left go first)
   std::mutex m;
   std::map<std::string, Host> hosts;  // by its server (address and port)
 
   // Host `at` asked for `part` (its session: `member`).
   void asked(const std::string& at, std::uint32_t part, const std::shared_ptr<Member>& member) {
     std::lock_guard l(m);
+    prune(Clock::now(), false);
     auto it = hosts.find(at);
     if (it == hosts.end()) {
       if (hosts.size() >= max_hosts) prune(Clock::now(), true);
@@ -81,7 +86,7 @@ struct Roster {
     const auto now = Clock::now();
     bool any = false;
     for (auto& [at, h] : hosts) {
-      if (h.part >= part) continue;
+      if (h.part >= part || h.part + most_behind < part) continue;
       if (auto mm = h.member.lock(); mm && !mm->gone.load()) return true;
       if (h.left == Clock::time_point{}) h.left = now;
       any = any || now - h.left < between_parts;
@@ -89,12 +94,14 @@ struct Roster {
     return any;
   }
 
-  // Hosts out of the set are forgotten (all that left, if `full`, for room).
+  // Hosts out of the set a minute are forgotten (all that left, if `full`, for room).
   void prune(Clock::time_point now, bool full) {
     for (auto it = hosts.begin(); it != hosts.end();) {
-      auto mm = it->second.member.lock();
-      const bool out = (!mm || mm->gone.load()) &&
-                       (full || (it->second.left != Clock::time_point{} && now - it->second.left >= std::chrono::seconds(60)));
+      auto& h = it->second;
+      auto mm = h.member.lock();
+      const bool without = !mm || mm->gone.load();
+      if (without && h.left == Clock::time_point{}) h.left = now;
+      const bool out = without && (full || now - h.left >= std::chrono::seconds(60));
       it = out ? hosts.erase(it) : std::next(it);
     }
   }
@@ -102,8 +109,7 @@ struct Roster {
 
 // One file's chain while anyone is in it or joining.
 struct Distribution {
-  Joins joins;
-  std::shared_ptr<Roster> roster;  // a set's part: its set's hosts
+  Joins joins;  // (a set's part: its `awaited` holds the set's Roster)
   files::Fd file;  // the source, opened beneath the root of the first host that asked (or a set's pack)
   std::uint64_t size = 0;
   std::vector<std::shared_ptr<Member>> all;  // every host that joined (under joins.m)
@@ -400,10 +406,7 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
-  if (roster) {
-    d->roster = roster;
-    d->joins.awaited = [r = roster.get(), part] { return r->awaited(part); };
-  }
+  if (roster) d->joins.awaited = [roster, part] { return roster->awaited(part); };
   auto o = options;
   o.cancel = &relays.stopping;
   // (The thread ends by taking registry_m: registered below first, whatever it does.)

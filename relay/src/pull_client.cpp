@@ -276,6 +276,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   } plan;
   std::mutex keys_m;  // the server's authorized_keys, written by each part's session
   std::string keys_written;  // (under keys_m) its line as last written: the same is not written again
+  bool keys_failed = false;  // (under keys_m) it could not be written: no other try would help
   std::atomic<bool> halt{false};  // a part failed, or the user cancelled: every part stops
   // The master may register this host's place here as soon as it reads the negotiation: its
   // key (as the session's handshake proved it) is authorized here before that is sent.
@@ -290,6 +291,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     out.close();
     if (!out || ::rename(tmp.c_str(), cfg.authorized_keys.c_str()) != 0) {
       const int e = errno;
+      ::unlink(tmp.c_str());
+      keys_failed = true;
       throw TransferError(e ? errc_from_errno(e) : errc::internal,
                           "cannot write the pull server's authorized keys in " + state.path +
                               (e ? std::string(": ") + std::strerror(e) : std::string()),
@@ -390,7 +393,12 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       try {
         reply = s.begin(n);
       } catch (const TransferError& e) {
-        if (final_failure(e.code())) throw;  // (a changed server key too: another try would not change it)
+        // (A changed server key too, or this host's own keys not written: another try would not help.)
+        const bool keys_unwritten = [&] {
+          std::lock_guard lock(keys_m);
+          return keys_failed;
+        }();
+        if (final_failure(e.code()) || keys_unwritten) throw;
         last_code = e.code();
         last_why = e.what();
         continue;

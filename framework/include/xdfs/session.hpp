@@ -68,6 +68,7 @@ struct SessionOptions {
   /// Runs on the session's loop once the server's key is accepted (pinned, or the expected
   /// one), before anything of the operation reaches the server: a pulling host authorizes its
   /// master here, before the master can call back. An exception from it fails the handshake.
+  /// Every session made from these options calls it, each with its own server's key.
   std::function<void(const xsec::Key32&)> server_key_accepted;
   /// One-line notices for the user (a new key made, a server key pinned).
   std::function<void(const std::string&)> notice;
