@@ -71,6 +71,18 @@ struct Reader {
   }
 };
 
+// Removes a tree whatever modes an input gave its directories (as a user, not only as root).
+void wipe(const std::string& path) {
+  std::error_code ec;
+  if (!fsys::is_directory(fsys::symlink_status(path, ec))) {
+    fsys::remove(path, ec);
+    return;
+  }
+  ::chmod(path.c_str(), 0700);
+  for (const auto& e : fsys::directory_iterator(path, ec)) wipe(e.path().string());
+  fsys::remove(path, ec);
+}
+
 // The root: a small tree made afresh for every input (the session may change anything in it),
 // removed when the run ends.
 const std::string& base() {
@@ -82,17 +94,13 @@ const std::string& base() {
       if (!d) std::abort();
       path = d;
     }
-    ~Dir() {
-      std::error_code ec;
-      fsys::remove_all(path, ec);
-    }
+    ~Dir() { wipe(path); }
   } dir;
   return dir.path;
 }
 
 void make_root(const std::string& root) {
-  std::error_code ec;
-  fsys::remove_all(root, ec);
+  wipe(root);
   fsys::create_directories(root + "/d/e");
   auto put = [](const std::string& p, std::size_t n) {
     int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
