@@ -64,13 +64,19 @@ class Bed:
         self.xduc = os.path.join(a.xdfs_bin, "xduc")
         self.xdfsd = os.path.join(a.xdfs_bin, "xdfsd")
         self.env = dict(os.environ, XDFS_CONFIG_DIR=os.path.join(work, "cfg"))
-        pub = subprocess.run([self.xduc, "keygen"], env=self.env, check=True, capture_output=True, text=True).stdout.strip()
+        # Every host the same key (a home directory shared by the nodes), or (--own-keys) each
+        # its own, as separate machines have: the master's limits count sessions per key.
+        self.envs = {i: self.env for i in range(1, self.k + 1)}
+        if a.own_keys:
+            self.envs = {i: dict(os.environ, XDFS_CONFIG_DIR=os.path.join(work, f"cfg-{i}")) for i in range(1, self.k + 1)}
+        pubs = [subprocess.run([self.xduc, "keygen"], env=e, check=True, capture_output=True, text=True).stdout.strip()
+                for e in [self.env, *(self.envs.values() if a.own_keys else [])]]
         self.root = os.path.join(work, "root")
         self.state = os.path.join(work, "state")
         os.makedirs(self.root)
         os.makedirs(self.state)
         with open(os.path.join(self.state, "authorized_keys"), "w") as f:
-            f.write(f"{pub} ro\n")
+            f.write("".join(f"{pub} ro\n" for pub in pubs))
         # One file, or a set: a directory of --set files.
         self.name = "set" if a.set else NAME
         self.src = os.path.join(self.root, self.name)
@@ -96,8 +102,9 @@ class Bed:
                                          stdout=log, stderr=log)]
         self.wait_listening(7721)
         # The master's key pinned once, before the hosts ask at once.
-        subprocess.run(netns(1) + [self.xduc, "-q", "stat", f"xdfs://{SRC}:7721/{self.name}"], env=self.env, check=True,
-                       capture_output=True)
+        for e in [self.env, *(self.envs.values() if a.own_keys else [])]:
+            subprocess.run(netns(1) + [self.xduc, "-q", "stat", f"xdfs://{SRC}:7721/{self.name}"], env=e, check=True,
+                           capture_output=True)
         self.torrent = ""
 
     def wait_listening(self, port: int) -> None:
@@ -265,7 +272,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
                 time.sleep(wait)
             cmd, cwd = command(i)
             started[i] = time.monotonic() - t0
-            procs.append(subprocess.Popen(cmd, env=bed.env, cwd=cwd, **quiet))
+            procs.append(subprocess.Popen(cmd, env=bed.envs[i], cwd=cwd, **quiet))
 
     starter = threading.Thread(target=launch)
     starter.start()
@@ -331,7 +338,7 @@ def inside(a: argparse.Namespace) -> None:
         print(f"| {tool} | {whole}/{k} | {t:.2f} | {t / one:.2f} | {own:.2f} | {b:.3f} |" if one else
               f"| {tool} | {whole}/{k} | {t:.2f} | - | {own:.2f} | {b:.3f} |")
     out = {"hosts": bed.k, "rate": a.rate, "size": size, "set_files": a.set, "spread": a.spread, "protect": a.protect,
-           "reps": a.reps, "tools": table}
+           "reps": a.reps, "keys": "one a host" if a.own_keys else "one for all", "tools": table}
     if a.set:
         out["pack_size"] = a.pack_size or "128M"
     name = "pull-set" if a.set else "pull-spread" if a.spread else "pull"
@@ -360,6 +367,7 @@ def main() -> None:
     p.add_argument("--set", type=int, default=0, metavar="FILES")
     p.add_argument("--pack-size", default="", help="the master's --pull-pack-size (default its own, 128M)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--own-keys", action="store_true", help="each host its own key (default: one key for all)")
     p.add_argument("--spread", type=float, default=0.0)
     p.add_argument("--protect", default="clear")
     p.add_argument("--tools", default="one,pull,plain,ctorrent,aria2")
@@ -384,6 +392,8 @@ def main() -> None:
         args += ["--dir", a.dir]
     if a.pack_size:
         args += ["--pack-size", a.pack_size]
+    if a.own_keys:
+        args.append("--own-keys")
     if a.smoke:
         args.append("--smoke")
     r = subprocess.run([BED, "--quiet", "--hosts", str(a.hosts), "--rate", a.rate, "--", *args])
