@@ -52,6 +52,10 @@ struct Joins {
   /// it pulls the set's others): the chain's last host then lingers on, up to `linger_max`
   /// after it was whole, however short its own copy was. Called without `m`. Empty: nobody.
   std::function<bool()> awaited;
+  /// Its last host lingers only while `awaited` (or a host joining) says so: a set's part past
+  /// the first, which only hosts already pulling the set ask for (a host new to the set asks
+  /// for part 0 first, and becomes awaited for the next parts then).
+  bool only_awaited = false;
   unsigned max_tries = 20;        ///< registrations of one host (its first and its rejoins)
   std::function<void(const std::string&)> log;  ///< the chain's notes as they happen (escaped)
   /// Set by the chain while it runs (and cleared under `m` before it goes): wakes it. Call it

@@ -744,8 +744,9 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         auto& p = *order[0];
         if (!p.reported || p.last.state != State::whole || p.last.forwarding) break;
         const bool next_whole = order.size() > 1 && order[1]->reported && order[1]->last.state == State::whole;
-        const auto linger = std::clamp<Clock::duration>(p.whole_at - p.joined_at, std::chrono::seconds(1),
-                                                        joins->linger_max);
+        const auto linger = joins->only_awaited ? Clock::duration::zero()
+                                                : std::clamp<Clock::duration>(p.whole_at - p.joined_at,
+                                                                              std::chrono::seconds(1), joins->linger_max);
         // (A host taking its place now, or still to come, keeps the last one, up to linger_max:
         // it will be fed from here.)
         const bool alone = order.size() == 1;

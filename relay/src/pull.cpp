@@ -406,7 +406,10 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
-  if (roster) d->joins.awaited = [roster, part] { return roster->awaited(part); };
+  if (roster) {
+    d->joins.awaited = [roster, part] { return roster->awaited(part); };
+    d->joins.only_awaited = part > 0;
+  }
   auto o = options;
   o.cancel = &relays.stopping;
   // (The thread ends by taking registry_m: registered below first, whatever it does.)
@@ -577,7 +580,6 @@ public:
     member_ = std::make_shared<Member>();
     member_->target = RelayTarget{at, nego_.pull_name};
     member_->key = env_.client.key;
-    if (roster) roster->asked(host_at, nego_.pull_part, member_);
     TransferOptions o;
     o.channels = 2;
     o.block_size = nego_.block_size;
@@ -594,6 +596,9 @@ public:
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
       join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster, nego_.pull_part);
+      // (Only now: until it is among the chain's arrivals, its last part keeps this chain's
+      // last host waiting for it.)
+      if (roster) roster->asked(host_at, nego_.pull_part, member_);
     } catch (const TransferError& e) {
       on(E::local_error, e.code(), e.what());
     } catch (const std::exception& e) {
