@@ -78,14 +78,15 @@ public:
     }
     struct stat st {};
     const bool known = ::fstat(pending_.fd(), &st) == 0;
-    // A relay's copy takes the source's permission bits, as a tree copy gives what it made: once
-    // whole under its name (a partial copy keeps the mode it can be resumed with).
-    files::Fd whole;
-    if (relay_ && relay_->plan.mode != 0 && known) whole = files::Fd(::fcntl(pending_.fd(), F_DUPFD_CLOEXEC, 3));
+    // A relay's copy takes the source's permission bits, as a tree copy gives what it made:
+    // before it is whole under its name, which is what a pulling host watches for (and takes the
+    // mode from); if it is not made whole, the partial copy gets back the mode it can be resumed
+    // with.
+    const bool moded = relay_ && relay_->plan.mode != 0 && known;
+    if (moded && ::fchmod(pending_.fd(), static_cast<mode_t>(relay_->plan.mode & 0777) & ~files::process_umask()) != 0)
+      return files::Status::from_errno(errno, "chmod '" + nego_.remote_path + "'");
     auto s = pending_.commit(receiver_ ? receiver_->size() : nego_.file_size, env_.config.fsync);
-    if (s && whole &&
-        ::fchmod(whole.get(), static_cast<mode_t>(relay_->plan.mode & 0777) & ~files::process_umask()) != 0)
-      s = files::Status::from_errno(errno, "chmod '" + nego_.remote_path + "'");
+    if (!s && moded) (void)::fchmod(pending_.fd(), st.st_mode & 07777);  // (still its descriptor)
     // The session made it: its client may set its mode later (a tree copy does, after its
     // large files went).
     if (s && known && env_.made) env_.made->add(st, files::Made::key(nego_.remote_path));
