@@ -56,6 +56,7 @@ struct Roster {
     std::uint32_t part = 0;
     std::weak_ptr<Member> member;  // its session for that part (none: a part of no bytes)
     Clock::time_point left{};      // first seen without a session (between parts, or out)
+    bool failed = false;           // its session for `part` failed: it left the set (or asks again)
   };
   // A host without a session for this long is out of the set (its next part would have come).
   static constexpr std::chrono::seconds between_parts{3};
@@ -80,13 +81,20 @@ struct Roster {
     if (part >= it->second.part) it->second = Host{part, member, {}};
   }
 
+  // Host `at`'s session `member` failed (it left, or its server is lost): it is not waited for
+  // as one between parts; if it asks again, it is back.
+  void failed(const std::string& at, const std::shared_ptr<Member>& member) {
+    std::lock_guard l(m);
+    if (auto it = hosts.find(at); it != hosts.end() && it->second.member.lock() == member) it->second.failed = true;
+  }
+
   // Is a host still to come to `part`?
   bool awaited(std::uint32_t part) {
     std::lock_guard l(m);
     const auto now = Clock::now();
     bool any = false;
     for (auto& [at, h] : hosts) {
-      if (h.part >= part || h.part + most_behind < part) continue;
+      if (h.part >= part || h.part + most_behind < part || h.failed) continue;
       if (auto mm = h.member.lock(); mm && !mm->gone.load()) return true;
       if (h.left == Clock::time_point{}) h.left = now;
       any = any || now - h.left < between_parts;
@@ -99,7 +107,7 @@ struct Roster {
     for (auto it = hosts.begin(); it != hosts.end();) {
       auto& h = it->second;
       auto mm = h.member.lock();
-      const bool without = !mm || mm->gone.load();
+      const bool without = !mm || mm->gone.load() || h.failed;
       if (without && h.left == Clock::time_point{}) h.left = now;
       const bool out = without && (full || now - h.left >= std::chrono::seconds(60));
       it = out ? hosts.erase(it) : std::next(it);
@@ -570,11 +578,10 @@ public:
                          nego_.pull_set ? "the set " : "", text::escape(nego_.remote_path),
                          planned && nego_.pull_parts ? fmt::format(", part {} of {}", nego_.pull_part + 1, planned->parts.size()) : "",
                          size_, env_.client.fingerprint, text::escape(env_.peer)));
-    std::shared_ptr<Roster> roster;
-    const std::string host_at = fmt::format("{}:{}", at.host, at.port);
-    if (planned && nego_.pull_parts) roster = roster_of(roster_key);
+    host_at_ = fmt::format("{}:{}", at.host, at.port);
+    if (planned && nego_.pull_parts) roster_ = roster_of(roster_key);
     if (size_ == 0) {  // nothing to route: the host makes it empty
-      if (roster) roster->asked(host_at, nego_.pull_part, nullptr);
+      if (roster_) roster_->asked(host_at_, nego_.pull_part, nullptr);
       return on(E::release);
     }
     member_ = std::make_shared<Member>();
@@ -595,10 +602,10 @@ public:
       };
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
-      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster, nego_.pull_part);
+      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster_, nego_.pull_part);
       // (Only now: until it is among the chain's arrivals, its last part keeps this chain's
       // last host waiting for it.)
-      if (roster) roster->asked(host_at, nego_.pull_part, member_);
+      if (roster_) roster_->asked(host_at_, nego_.pull_part, member_);
     } catch (const TransferError& e) {
       on(E::local_error, e.code(), e.what());
     } catch (const std::exception& e) {
@@ -634,6 +641,7 @@ private:
       case A::tell_and_drop:
       case A::abort: {
         tick_.cancel();
+        if (member_ && roster_) roster_->failed(host_at_, member_);  // (not awaited as between parts)
         if (member_) member_->gone.store(true);
         xdsi::tell_and_close(env_.channels, wire::ExceptionHeader{code, why, 0, 0}, linger_, std::chrono::seconds(2));
         return done_(runtime::OperationResult{code, why, e == E::peer_exception, false, false});
@@ -700,6 +708,8 @@ private:
   boost::asio::steady_timer tick_;
   boost::asio::steady_timer linger_;
   std::shared_ptr<Member> member_;
+  std::shared_ptr<Roster> roster_;  // a set's part: its set's
+  std::string host_at_;             // the host's server, as the roster names it
   std::uint64_t size_ = 0;
   bool reading_ = false;  // the host's EOFR is awaited (one read at a time)
   relay_fsm::RelayMachine machine_{relay_fsm::RelaySide::pull_master};
