@@ -924,13 +924,14 @@ void define(CLI::App& app, Command& c, Help& help) {
       "get",
       "usage: xduc get [-r] [--listen HOST:PORT] [--server-log FILE] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
       "asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
-      "regular files under that directory, at most 20000, into the directory DST, in parts: packs\n"
-      "of the small files and each file over 16M alone) and joins that file's chain: this host's own\n"
-      "server (with this client's key) is fed by the host before it, verifies every block, writes\n"
-      "it and feeds the hosts that ask later, and stays until the master lets it go (no later host\n"
-      "needs it). Hosts asking at once or one after another all get the file about once from the\n"
-      "master. A lost session to the master is tried again (20 times); what was verified stays.");
-  get->add_flag("-r,--recursive", c.recursive, "PATH is a directory: its files, as a set")->group(flags);
+      "files, directories and symlinks under that directory, at most 20000, into the directory DST,\n"
+      "in parts: packs of the small files and each file over 16M alone) and joins that file's\n"
+      "chain: this host's own server (with this client's key) is fed by the host before it,\n"
+      "verifies every block, writes it and feeds the hosts that ask later, and stays until the\n"
+      "master lets it go (no later host needs it). Hosts asking at once or one after another all\n"
+      "get the file about once from the master. A lost session to the master is tried again (20\n"
+      "times); what was verified stays.");
+  get->add_flag("-r,--recursive", c.recursive, "PATH is a directory: what it holds, as a set")->group(flags);
   value(get, "--listen", "HOST:PORT",
         "where this host's server listens for its upstream (default\n"
         "0.0.0.0:0, a free port; the master connects to this host's address)",

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <random>
+#include <thread>
 
 #include "forward.hpp"
 #include "pack.hpp"
@@ -246,13 +249,53 @@ struct PackBytes {
 };
 
 // Writes the pack out into ROOT/in, as a host does with a pack placed at in/.xdfs-pack-...
-xdfs::relay_detail::Unpacked unpack_bytes(const std::string& root, const std::string& pack, std::uint64_t max_file = 0) {
+xdfs::relay_detail::Unpacked unpack_bytes(const std::string& root, const std::string& pack, std::uint64_t max_file = 0,
+                                          unsigned max_version = 2) {
   xt::TempDir scratch;
   xt::write_file(scratch / "pack", pack);
   xdfs::files::Fd fd(::open((scratch / "pack").c_str(), O_RDONLY | O_CLOEXEC));
   xdfs::files::Fd r(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022, max_file);
-  return xdfs::relay_detail::unpack(fd.get(), pack.size(), writer, "in", max_file);
+  return xdfs::relay_detail::unpack(fd.get(), pack.size(), writer, "in", max_file, nullptr, max_version);
+}
+
+// Damages a good pack a thousand ways: each fails or writes inside ROOT/in, never crashes.
+void run_damaged(const std::string& good) {
+  std::mt19937_64 rng(42);
+  for (int round = 0; round < 1000; ++round) {
+    std::string bad = good;
+    for (int k = 0; k < 4; ++k) bad[rng() % bad.size()] = static_cast<char>(rng());
+    if (rng() % 4 == 0) bad.resize(rng() % bad.size());
+    xt::TempDir top;
+    std::filesystem::create_directories(top / "root/in");
+    (void)unpack_bytes(top / "root", bad);
+    std::size_t outside = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(top.path()))
+      outside += e.path().string().rfind((top / "root/in").c_str(), 0) != 0 && e.path() != top / "root";
+    CHECK(outside == 0);
+  }
+}
+
+// Asks the master at `port` for the set "set" as a pulling host does, the negotiation shaped by
+// `shape` (its place is never registered: nobody listens at its port; the answers are what counts).
+xdfs::errc ask_set(std::uint16_t port, const xdfs::SessionOptions& so, const std::function<void(w::Negotiation&)>& shape,
+                   w::NegotiationReply* got, std::string* what) {
+  return xt::error_of(
+      [&] {
+        xdfs::Session s({"127.0.0.1", port}, so);
+        w::Negotiation n;
+        n.mode = xdfs::Mode::pull;
+        n.remote_path = "set";
+        n.block_size = so.block_size;
+        n.pull_port = 9;
+        n.pull_name = ".xdfs-set-0";
+        n.pull_set = true;
+        n.pull_parts = true;
+        shape(n);
+        *got = s.begin(n);
+        s.close();
+      },
+      nullptr, what);
 }
 
 }  // namespace
@@ -290,6 +333,53 @@ TEST_CASE("relay packs: what a master packs is written out whole, with modes and
   }
 }
 
+TEST_CASE("relay packs of version 2: a set's directories and symlinks come out as packed, the directories' modes "
+          "left to the caller") {
+  xt::TempDir src, root, scratch;
+  xt::write_random_file(src / "f", 5000, 4);
+  xdfs::files::Fd pack(::open((scratch / "pack").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  using T = xdfs::pathm::Type;
+  using E = xdfs::relay_detail::PackEntry;
+  REQUIRE(xdfs::relay_detail::pack_append(pack.get(), true, E{"d", 0555, 1'400'000'000'000'000'000, 0, T::directory, {}},
+                                          -1, 2));
+  REQUIRE(xdfs::relay_detail::pack_append(pack.get(), false, E{"d/e", 0700, 0, 0, T::directory, {}}, -1, 2));
+  REQUIRE(xdfs::relay_detail::pack_append(pack.get(), false, E{"d/l", 0777, 0, 4, T::symlink, "../f"}, -1, 2));
+  {
+    xdfs::files::Fd in(::open((src / "f").c_str(), O_RDONLY | O_CLOEXEC));
+    REQUIRE(xdfs::relay_detail::pack_append(pack.get(), false, E{"d/e/f", 0640, 0, 5000, T::file, {}}, in.get(), 2));
+  }
+  // (Version 1 holds files only; a target must be the entry's bytes.)
+  CHECK_FALSE(xdfs::relay_detail::pack_append(pack.get(), false, E{"x", 0755, 0, 0, T::directory, {}}, -1, 1));
+  CHECK_FALSE(xdfs::relay_detail::pack_append(pack.get(), false, E{"x", 0777, 0, 3, T::symlink, "../f"}, -1, 2));
+  pack.reset();
+  std::filesystem::create_directory(root / "in");
+  const auto bytes = xt::read_file(scratch / "pack");
+  CHECK(bytes.rfind(std::string(xdfs::relay_detail::pack_magic_2), 0) == 0);
+  const auto u = unpack_bytes(root.path(), bytes);
+  CHECK_MESSAGE(u.code == xdfs::errc::ok, u.message);
+  CHECK(u.files == 1);
+  CHECK(u.links == 1);
+  REQUIRE(u.dirs.size() == 2);
+  CHECK(u.dirs[0].path == "in/d");
+  CHECK(u.dirs[0].mode == 0555);
+  CHECK(u.dirs[0].mtime_ns == 1'400'000'000'000'000'000);
+  CHECK(u.dirs[1].path == "in/d/e");
+  CHECK(std::filesystem::is_directory(root / "in/d/e"));
+  CHECK(std::filesystem::read_symlink(root / "in/d/l") == "../f");
+  CHECK(xt::files_equal(src / "f", root / "in/d/e/f"));
+  struct stat st {};
+  REQUIRE(::stat((root / "in/d").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0700) == 0700);  // (writable while it fills: its own mode comes last)
+  SUBCASE("where only files are taken (a relay's pack, a set's part past the first): refused whole") {
+    xt::TempDir other;
+    std::filesystem::create_directory(other / "in");
+    const auto v1 = unpack_bytes(other.path(), bytes, 0, 1);
+    CHECK(v1.code == xdfs::errc::protocol_error);
+    CHECK(v1.message.find("version 2") != std::string::npos);
+    CHECK(std::filesystem::is_empty(other / "in"));
+  }
+}
+
 TEST_CASE("relay packs: a hostile pack fails naming its cause, and writes nothing outside its directory") {
   const std::string magic(xdfs::relay_detail::pack_magic);
   struct Case {
@@ -323,6 +413,45 @@ TEST_CASE("relay packs: a hostile pack fails naming its cause, and writes nothin
   with("more than 20000 files", "more than 20000 files", [](PackBytes& p) {
     for (int i = 0; i <= 20000; ++i) p.entry("f" + std::to_string(i), 0644, 0, 0, "");
   });
+  with("a kind in a pack of version 1", "permission bits", [](PackBytes& p) { p.entry("d", S_IFDIR | 0755, 0, 0, ""); });
+  // Version 2: the kind in the mode's file-type bits.
+  const std::string magic2(xdfs::relay_detail::pack_magic_2);
+  auto with2 = [&](const std::string& name, const std::string& says, auto&& build) {
+    PackBytes p;
+    p.bytes = magic2;
+    p.entry("d", S_IFDIR | 0755, 0, 0, "");  // (a good entry first: nothing is written unless all are)
+    build(p);
+    cases.push_back({name, p.bytes, says});
+  };
+  with2("a directory with bytes", "a directory with bytes", [](PackBytes& p) { p.entry("e", S_IFDIR | 0755, 0, 3, "abc"); });
+  with2("a symlink without a target", "target of 0 bytes", [](PackBytes& p) { p.entry("l", S_IFLNK | 0777, 0, 0, ""); });
+  with2("a symlink's target past 4096 bytes", "target of 5000 bytes",
+        [](PackBytes& p) { p.entry("l", S_IFLNK | 0777, 0, 5000, std::string(5000, 'a')); });
+  with2("a NUL in a symlink's target", "NUL", [](PackBytes& p) { p.entry("l", S_IFLNK | 0777, 0, 3, std::string("a\0b", 3)); });
+  with2("a FIFO", "neither a file, a directory nor a symlink", [](PackBytes& p) { p.entry("p", S_IFIFO | 0644, 0, 0, ""); });
+  with2("no kind", "neither a file, a directory nor a symlink", [](PackBytes& p) { p.entry("f", 0644, 0, 1, "x"); });
+  with2("setuid", "permission bits", [](PackBytes& p) { p.entry("f", S_IFREG | 04755, 0, 1, "x"); });
+  with2("a symlink's path up and out", "'..'", [](PackBytes& p) { p.entry("../l", S_IFLNK | 0777, 0, 4, "/etc"); });
+  with2("a path twice", "'d' twice", [](PackBytes& p) { p.entry("d", S_IFREG | 0644, 0, 1, "x"); });
+  with2("a file beneath the pack's symlink", "beneath the pack's file or symlink 'l'", [](PackBytes& p) {
+    p.entry("l", S_IFLNK | 0777, 0, 1, "d");
+    p.entry("l/f", S_IFREG | 0644, 0, 1, "x");
+  });
+  with2("a symlink above what the pack holds", "beneath the pack's file or symlink 'd/e'", [](PackBytes& p) {
+    p.entry("d/e/f", S_IFREG | 0644, 0, 1, "x");
+    p.entry("d/e-", S_IFREG | 0644, 0, 1, "x");
+    p.entry("d/e", S_IFLNK | 0777, 0, 4, "/etc");
+  });
+  with2("a directory beneath the pack's file", "beneath the pack's file or symlink 'f'", [](PackBytes& p) {
+    p.entry("f", S_IFREG | 0644, 0, 1, "x");
+    p.entry("f/g", S_IFDIR | 0755, 0, 0, "");
+  });
+  with2("a '.' component", "an empty or '.' component", [](PackBytes& p) { p.entry("d/./f", S_IFREG | 0644, 0, 1, "x"); });
+  with2("an empty component", "an empty or '.' component", [](PackBytes& p) { p.entry("d//f", S_IFREG | 0644, 0, 1, "x"); });
+  with2("a trailing slash", "an empty or '.' component", [](PackBytes& p) { p.entry("e/", S_IFDIR | 0755, 0, 0, ""); });
+  with2("more than 20000 entries", "more than 20000 entries", [](PackBytes& p) {
+    for (int i = 0; i < 20000; ++i) p.entry("d" + std::to_string(i), S_IFDIR | 0755, 0, 0, "");
+  });
   for (const auto& c : cases) {
     CAPTURE(c.name);
     xt::TempDir top;
@@ -353,19 +482,16 @@ TEST_CASE("relay packs: a hostile pack fails naming its cause, and writes nothin
     PackBytes good;
     good.bytes = magic;
     for (int i = 0; i < 8; ++i) good.entry("d" + std::to_string(i % 3) + "/f" + std::to_string(i), 0644, 0, 40, std::string(40, 'a' + i));
-    std::mt19937_64 rng(42);
-    for (int round = 0; round < 1000; ++round) {
-      std::string bad = good.bytes;
-      for (int k = 0; k < 4; ++k) bad[rng() % bad.size()] = static_cast<char>(rng());
-      if (rng() % 4 == 0) bad.resize(rng() % bad.size());
-      xt::TempDir top;
-      std::filesystem::create_directories(top / "root/in");
-      (void)unpack_bytes(top / "root", bad);
-      std::size_t outside = 0;
-      for (const auto& e : std::filesystem::recursive_directory_iterator(top.path()))
-        outside += e.path().string().rfind((top / "root/in").c_str(), 0) != 0 && e.path() != top / "root";
-      CHECK(outside == 0);
-    }
+    run_damaged(good.bytes);
+  }
+  SUBCASE("a thousand damaged packs of version 2 (symlinks out of the root among them): the same") {
+    PackBytes good;
+    good.bytes = magic2;
+    good.entry("d0", S_IFDIR | 0755, 0, 0, "");
+    good.entry("d0/up", S_IFLNK | 0777, 0, 8, "../../..");
+    good.entry("d1", S_IFLNK | 0777, 0, 4, "/tmp");
+    for (int i = 0; i < 6; ++i) good.entry("d" + std::to_string(i % 2) + "/f" + std::to_string(i), S_IFREG | 0644, 0, 40, std::string(40, 'a' + i));
+    run_damaged(good.bytes);
   }
 }
 
@@ -452,23 +578,15 @@ TEST_CASE("pull sets: a set larger than a pack is dealt into parts; a part is gi
   xt::InProcessServer srv(cfg);
   auto ask = [&](bool parts, std::uint32_t part, std::vector<std::uint8_t> plan, w::NegotiationReply* got,
                  std::string* what) {
-    return xt::error_of(
-        [&] {
-          xdfs::Session s({"127.0.0.1", srv.port()}, so);
-          w::Negotiation n;
-          n.mode = xdfs::Mode::pull;
-          n.remote_path = "set";
-          n.block_size = so.block_size;
-          n.pull_port = 9;  // (nobody there: the place is never registered; the answers are what counts)
+    return ask_set(
+        srv.port(), so,
+        [&](w::Negotiation& n) {
           n.pull_name = ".xdfs-set-" + std::to_string(part);
-          n.pull_set = true;
           n.pull_parts = parts;
           n.pull_part = part;
           n.pull_plan = std::move(plan);
-          *got = s.begin(n);
-          s.close();
         },
-        nullptr, what);
+        got, what);
   };
   w::NegotiationReply first, second;
   std::string what;
@@ -500,6 +618,41 @@ TEST_CASE("pull sets: a set larger than a pack is dealt into parts; a part is gi
   xt::write_file(root / "set/new", "x");
   CHECK(ask(true, 1, first.set_plan, &second, &what) == xdfs::errc::size_mismatch);
   CHECK(what.find("changed") != std::string::npos);
+}
+
+TEST_CASE("pull sets with their directories and symlinks: in part 0, within a pack; the plan is another") {
+  xt::TempDir root;
+  std::filesystem::create_directories(root / "set/sub/empty");
+  xt::write_file(root / "set/sub/small", "seven b");
+  std::filesystem::create_symlink("sub/small", root / "set/link");
+  xdfs::SessionOptions so;
+  so.channels = 1;
+  so.block_size = 1 << 18;
+  so.protect = xdfs::xsec::Protect::clear;
+  auto cfg = relay_config(root);
+  cfg.pull_pack_size = 64 << 10;
+  xt::InProcessServer srv(cfg);
+  auto ask = [&](bool links, w::NegotiationReply* got, std::string* what) {
+    return ask_set(srv.port(), so, [&](w::Negotiation& n) { n.pull_links = links; }, got, what);
+  };
+  w::NegotiationReply files, all;
+  std::string what;
+  REQUIRE(ask(false, &files, &what) == xdfs::errc::ok);
+  REQUIRE(ask(true, &all, &what) == xdfs::errc::ok);
+  const auto entry = [](std::string_view path, std::uint64_t size) { return 22 + path.size() + size; };
+  CHECK(files.file_size == xdfs::relay_detail::pack_magic.size() + entry("sub/small", 7));
+  CHECK(all.file_size == xdfs::relay_detail::pack_magic.size() + entry("link", 9) + entry("sub", 0) +
+                             entry("sub/empty", 0) + entry("sub/small", 7));
+  CHECK(all.set_parts == 1);
+  CHECK(all.set_plan != files.set_plan);  // (hosts of either kind never share a chain)
+  // More of them than a pack holds: refused, saying so.
+  for (int i = 0; i < 20; ++i)
+    std::filesystem::create_symlink(std::string(4000, 'a' + i % 26), root / ("set/l" + std::to_string(i)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2100));  // (a plan is kept 2 s)
+  CHECK(ask(true, &all, &what) == xdfs::errc::not_supported);
+  CHECK(what.find("directories and symlinks take") != std::string::npos);
+  CHECK(what.find("--pull-pack-size") != std::string::npos);
+  CHECK(ask(false, &files, &what) == xdfs::errc::ok);  // (to a host that takes only files, it is as before)
 }
 
 }  // TEST_SUITE("badinput")

@@ -771,9 +771,21 @@ TEST_CASE("pull: a set's part and its plan travel whole, both ways; a bad one is
   n.pull_parts = true;
   n.pull_part = 3;
   n.pull_plan.assign(32, 0xa5);
+  n.pull_links = true;
   auto d = w::decode_negotiation(w::encode(n));
   REQUIRE(d);
   CHECK(*d == n);
+  {
+    auto m = n;  // directories and symlinks only with parts
+    m.pull_parts = false;
+    m.pull_part = 0;
+    m.pull_plan.clear();
+    std::string why;
+    CHECK_FALSE(w::decode_negotiation(w::encode(m), &why).has_value());
+    CHECK(why.find("directories and symlinks only in parts") != std::string::npos);
+    m.pull_links = false;
+    CHECK(w::decode_negotiation(w::encode(m)).has_value());
+  }
   struct Bad {
     bool set, parts;
     std::uint32_t part;

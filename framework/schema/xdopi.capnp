@@ -115,6 +115,8 @@ struct Negotiation {
                                  # reply tells how many there are)
   pullPlan @20 :Data;            # with pullPart > 0: the set's plan (32 bytes) as part 0's reply
                                  # gave it; the master refuses a part of a set that changed since
+  pullLinks @21 :Bool;           # pull of a set with pullParts: this host takes the set's
+                                 # directories and symlinks too (in part 0, a pack of version 2)
 }
 
 

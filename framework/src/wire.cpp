@@ -243,6 +243,7 @@ std::vector<std::uint8_t> encode(const Negotiation& n) {
     r.setPullParts(n.pull_parts);
     r.setPullPart(n.pull_part);
     r.setPullPlan(kj::arrayPtr(n.pull_plan.data(), n.pull_plan.size()));
+    r.setPullLinks(n.pull_links);
   }
   return to_bytes(msg);
 }
@@ -444,8 +445,13 @@ std::optional<Negotiation> decode_negotiation(std::span<const std::uint8_t> b, s
         return std::nullopt;
       }
       n.pull_plan.assign(plan.begin(), plan.end());
+      n.pull_links = r.getPullLinks();
+      if (n.pull_links && !n.pull_parts) {
+        set_why(why, "a pull takes a set's directories and symlinks only in parts");
+        return std::nullopt;
+      }
     } else if (r.getPullPort() != 0 || r.getPullName().size() != 0 || r.getPullSet() || r.getPullParts() ||
-               r.getPullPart() != 0 || r.hasPullPlan()) {
+               r.getPullPart() != 0 || r.hasPullPlan() || r.getPullLinks()) {
       set_why(why, "a pull's port and name go only with a pull");
       return std::nullopt;
     }

@@ -6,12 +6,18 @@
 //   "xdfs-pack 1\n"
 //   then per file: u16 path length, path (relative to the pack's directory), u32 mode (0777 at
 //   most), i64 mtime (ns), u64 size, and the file's bytes; all little-endian.
+//
+//   "xdfs-pack 2\n" (part 0 of a set pulled with its directories and symlinks): the same, each
+//   entry's mode also giving its kind in its file-type bits: 0100000 a file, 0040000 a
+//   directory (no bytes), 0120000 a symlink (its target as its bytes: 1 to 4096, no NUL). No
+//   path twice, nothing beneath a file or a symlink of the pack.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "xdfs/files.hpp"
 #include "xdfs/pathm/fsops.hpp"
@@ -19,6 +25,8 @@
 namespace xdfs::relay_detail {
 
 inline constexpr std::string_view pack_magic = "xdfs-pack 1\n";
+inline constexpr std::string_view pack_magic_2 = "xdfs-pack 2\n";
+static_assert(pack_magic.size() == pack_magic_2.size());
 /// The largest file a pack carries (a host reads each whole before writing it).
 inline constexpr std::uint64_t max_pack_file = std::uint64_t(16) << 20;
 inline constexpr std::size_t max_pack_path = 4096;
@@ -36,27 +44,34 @@ constexpr std::uint64_t pack_entry_size(std::size_t path_len, std::uint64_t size
 
 struct PackEntry {
   std::string path;  ///< relative to the pack's directory
-  std::uint32_t mode = 0644;
+  std::uint32_t mode = 0644;  ///< permission bits
   std::int64_t mtime_ns = 0;
-  std::uint64_t size = 0;
+  std::uint64_t size = 0;  ///< a symlink's: its target's length; a directory's: 0
+  pathm::Type type = pathm::Type::file;  ///< a directory or a symlink only in a pack of version 2
+  std::string target{};  ///< a symlink's
 };
 
 /// Appends to the pack at fd (a regular file, not opened for appending: its magic first, on the
-/// first entry): the entry and `size` bytes read from data_fd. The file must still have its size (one that changed fails, naming it).
-files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd);
+/// first entry, of `version` 1 or 2): the entry and, for a file, `size` bytes read from data_fd.
+/// The file must still have its size (one that changed fails, naming it).
+files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd, unsigned version = 1);
 
 struct Unpacked {
   errc code = errc::ok;
   std::string message;   ///< the first failure, naming the entry
-  std::uint64_t files = 0, bytes = 0;
+  std::uint64_t files = 0, bytes = 0, links = 0;
+  /// Version 2: the directories made (or found), in the pack's order: their modes and mtimes
+  /// are the caller's to set (TreeWriter::set_attrs) once what they hold is in place.
+  std::vector<pathm::Entry> dirs{};
 };
 
-/// Writes the pack's files (pack_fd, pack_size bytes) under `dir` (relative to the writer's
-/// root) with `writer`: every path is checked as a client's is, every size against what the
-/// pack still holds, max_pack_file and max_file_size (0: none), the files against
-/// max_pack_files. The whole pack is checked before its first file is written; a failure while
-/// writing stops there.
+/// Writes the pack's files (pack_fd, pack_size bytes; and, in a pack of version 2, its
+/// directories and symlinks) under `dir` (relative to the writer's root) with `writer`: every
+/// path is checked as a client's is, every size against what the pack still holds,
+/// max_pack_file and max_file_size (0: none), the entries against max_pack_files; a pack of a
+/// version past `max_version` is refused. The whole pack is checked before its first entry is
+/// written; a failure while writing stops there.
 Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer, const std::string& dir,
-                std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr);
+                std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr, unsigned max_version = 1);
 
 }  // namespace xdfs::relay_detail

@@ -25,6 +25,7 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -174,19 +175,21 @@ std::optional<std::pair<files::Fd, std::uint64_t>> running(const std::string& ke
   return std::pair{files::Fd(fd), it->second->size};
 }
 
-// A set: the regular files under a directory (symlinks and other kinds are left out), as the
-// walk found them, dealt into parts that each travel as a file through a chain of their own:
-// packs (pack.hpp) of the small files, of at most `pack_size` bytes and max_pack_files files,
-// and each file over max_pack_file on its own. The plan's id names it (its files' paths,
-// identities, sizes and mtimes, and the parts): a host's later parts must come from the plan
-// its first part did.
+// A set: the regular files under a directory (and, for a host that takes them, its
+// directories and symlinks; other kinds are left out), as the walk found them, dealt into parts
+// that each travel as a file through a chain of their own: packs (pack.hpp) of the small files,
+// of at most `pack_size` bytes and max_pack_files entries, and each file over max_pack_file on
+// its own; the directories and symlinks go in part 0 (a pack of version 2), before its files.
+// The plan's id names it (its entries' paths, identities, sizes, modes and mtimes, and the
+// parts): a host's later parts must come from the plan its first part did.
 struct SetFile {
   std::string path;  // relative to the set's directory
   dev_t dev = 0;
   ino_t ino = 0;
-  std::uint64_t size = 0;
+  std::uint64_t size = 0;  // a symlink's: its target's length
   std::uint32_t mode = 0;
   std::int64_t mtime_ns = 0;
+  pathm::Type type = pathm::Type::file;
 };
 struct SetPart {
   bool pack = true;
@@ -195,19 +198,23 @@ struct SetPart {
 };
 struct SetPlan {
   std::vector<SetFile> files;
+  bool links = false;           // with the directories and symlinks:
+  std::vector<SetFile> others;  // those, parents before what they hold (in part 0)
   std::vector<SetPart> parts;
   std::uint64_t bytes = 0;
   manifest::Digest id{};
 };
 
-files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
+files::Status plan_set(int dir, std::uint64_t pack_size, bool links, SetPlan& plan) {
+  plan.links = links;
   std::uint64_t seen = 0, file_bytes = 0;
   // Entries looked at in all (directories and what is left out too): the walk is bounded.
   const std::uint64_t max_seen = 4 * relay_detail::max_pack_files;
-  const auto too_large = [](const std::string& why) {
+  const auto too_large = [links](const std::string& why) {
     return files::Status{errc::not_supported,
-                         fmt::format("a set is at most {} files and {} entries ({}): pull it a directory at a time",
-                                     relay_detail::max_pack_files, 4 * relay_detail::max_pack_files, why)};
+                         fmt::format("a set is at most {} files{} and {} entries ({}): pull it a directory at a time",
+                                     relay_detail::max_pack_files, links ? " (directories and symlinks included)" : "",
+                                     4 * relay_detail::max_pack_files, why)};
   };
   std::function<files::Status(int, const std::string&, unsigned)> walk = [&](int d, const std::string& at,
                                                                                unsigned depth) -> files::Status {
@@ -235,6 +242,22 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
       const std::string path = at.empty() ? n : at + "/" + n;
       struct stat st {};
       if (::fstatat(d, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // gone meanwhile
+      if (links && (S_ISDIR(st.st_mode) || S_ISLNK(st.st_mode))) {
+        if (plan.files.size() + plan.others.size() >= relay_detail::max_pack_files)
+          return too_large("'" + text::escape(path) + "' is past that");
+        if (path.size() > relay_detail::max_pack_path)
+          return {errc::not_supported, "'" + text::escape(path.substr(0, 64)) + "...': a set's paths are at most 4096 bytes"};
+        SetFile o{path, st.st_dev, st.st_ino, 0, static_cast<std::uint32_t>(st.st_mode & 0777), files::mtime_ns(st),
+                  S_ISDIR(st.st_mode) ? pathm::Type::directory : pathm::Type::symlink};
+        if (S_ISLNK(st.st_mode)) {
+          std::array<char, relay_detail::max_pack_path + 1> target{};
+          const ssize_t len = ::readlinkat(d, n.c_str(), target.data(), target.size());
+          if (len <= 0 || static_cast<std::size_t>(len) > relay_detail::max_pack_path) continue;  // gone, or no target
+          o.size = static_cast<std::uint64_t>(len);
+          o.mode = 0777;
+        }
+        plan.others.push_back(std::move(o));
+      }
       if (S_ISDIR(st.st_mode)) {
         const int sub = ::openat(d, n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
         if (sub < 0) return files::Status::from_errno(errno, "'" + path + "'");
@@ -243,7 +266,7 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
         continue;
       }
       if (!S_ISREG(st.st_mode)) continue;
-      if (plan.files.size() >= relay_detail::max_pack_files)
+      if (plan.files.size() + plan.others.size() >= relay_detail::max_pack_files)
         return too_large("'" + text::escape(path) + "' is past that");
       const auto sz = static_cast<std::uint64_t>(st.st_size);
       if (sz > wire::max_file_size / 2 - file_bytes)
@@ -261,6 +284,17 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
   // which no host's partial copy of another plan's part 0 can pass for), then each large file
   // alone, in the walk's order.
   std::size_t open_pack = SIZE_MAX;
+  std::uint64_t others_bytes = 0;
+  for (const auto& o : plan.others) others_bytes += relay_detail::pack_entry_size(o.path.size(), o.size);
+  if (others_bytes > pack_size - relay_detail::pack_magic.size())
+    return {errc::not_supported,
+            fmt::format("the set's directories and symlinks take {} bytes in its first pack, which holds {} "
+                        "(xdfsd --pull-pack-size): pull it a directory at a time",
+                        others_bytes, pack_size - relay_detail::pack_magic.size())};
+  if (links) {  // part 0: the directories and symlinks, then files as they fit
+    plan.parts.push_back({true, {}, relay_detail::pack_magic.size() + others_bytes});
+    open_pack = 0;
+  }
   std::vector<SetPart> large;
   for (std::size_t i = 0; i < plan.files.size(); ++i) {
     const auto& f = plan.files[i];
@@ -268,8 +302,9 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
       large.push_back({false, {i}, f.size});
     } else {
       const std::uint64_t add = relay_detail::pack_entry_size(f.path.size(), f.size);
-      if (open_pack == SIZE_MAX || plan.parts[open_pack].bytes + add > pack_size ||
-          plan.parts[open_pack].files.size() >= relay_detail::max_pack_files) {
+      const std::size_t entries = open_pack == SIZE_MAX ? 0
+                                  : plan.parts[open_pack].files.size() + (open_pack == 0 ? plan.others.size() : 0);
+      if (open_pack == SIZE_MAX || plan.parts[open_pack].bytes + add > pack_size || entries >= relay_detail::max_pack_files) {
         plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});
         open_pack = plan.parts.size() - 1;
       }
@@ -280,18 +315,24 @@ files::Status plan_set(int dir, std::uint64_t pack_size, SetPlan& plan) {
   if (plan.parts.empty()) plan.parts.push_back({true, {}, relay_detail::pack_magic.size()});  // the magic alone
   plan.parts.insert(plan.parts.end(), large.begin(), large.end());
   manifest::BlockHasher h;
+  const auto hash = [&h](const SetFile& f) {
+    const std::string kind = f.type == pathm::Type::file ? "" : f.type == pathm::Type::directory ? "dir " : "link ";
+    const std::string line = fmt::format("{}{} {} {} {} {} {}", kind, f.dev, f.ino, f.size, f.mode, f.mtime_ns, f.path.size());
+    h.update(reinterpret_cast<const std::uint8_t*>(line.data()), line.size() + 1);  // with its NUL
+    h.update(reinterpret_cast<const std::uint8_t*>(f.path.data()), f.path.size());
+  };
+  if (links) {
+    const std::string head = fmt::format("links {}\n", plan.others.size());
+    h.update(reinterpret_cast<const std::uint8_t*>(head.data()), head.size());
+    for (const auto& o : plan.others) hash(o);
+  }
   for (const auto& part : plan.parts) {
-    // (The files' bytes are at most 2^61 in all; a pack adds at most 4130 bytes a file, and
-    // there are at most 20000: the sum stays below 2^62.)
+    // (The files' bytes are at most 2^61 in all; a pack adds at most 4118 bytes an entry, and a
+    // symlink's target 4096 more, and there are at most 20000: the sum stays below 2^62.)
     plan.bytes += part.bytes;
     const std::string head = fmt::format("{} {}\n", part.pack ? "pack" : "file", part.files.size());
     h.update(reinterpret_cast<const std::uint8_t*>(head.data()), head.size());
-    for (auto i : part.files) {
-      const auto& f = plan.files[i];
-      const std::string line = fmt::format("{} {} {} {} {} {}", f.dev, f.ino, f.size, f.mode, f.mtime_ns, f.path.size());
-      h.update(reinterpret_cast<const std::uint8_t*>(line.data()), line.size() + 1);  // with its NUL
-      h.update(reinterpret_cast<const std::uint8_t*>(f.path.data()), f.path.size());
-    }
+    for (auto i : part.files) hash(plan.files[i]);
   }
   plan.id = h.finish();
   return files::Status::ok();
@@ -310,7 +351,8 @@ std::map<std::string, CachedPlan>& plans() {
   return *p;
 }
 
-files::Status plan_of(const std::string& key, int dir, std::uint64_t pack_size, std::shared_ptr<const SetPlan>& out) {
+files::Status plan_of(const std::string& key, int dir, std::uint64_t pack_size, bool links,
+                      std::shared_ptr<const SetPlan>& out) {
   const auto now = std::chrono::steady_clock::now();
   constexpr auto lifetime = std::chrono::seconds(2);
   {
@@ -322,7 +364,7 @@ files::Status plan_of(const std::string& key, int dir, std::uint64_t pack_size, 
     }
   }
   auto plan = std::make_shared<SetPlan>();
-  if (auto s = plan_set(dir, pack_size, *plan); !s) return s;
+  if (auto s = plan_set(dir, pack_size, links, *plan); !s) return s;
   out = plan;
   std::lock_guard lock(plans_m);
   if (plans().size() < 16) plans()[key] = CachedPlan{plan, now};  // (a few sets at once: bounded)
@@ -339,25 +381,52 @@ files::Status open_planned(int dir, const SetFile& f, files::Fd& out) {
   return files::Status::ok();
 }
 
-// A pack part of the plan, written into an unnamed file in `state` (outside the root; it goes
-// with its last descriptor).
-files::Status make_pack(int dir, const SetPlan& plan, const SetPart& part, const std::string& state, files::Fd& out,
+// A pack part of the plan (`index`), written into an unnamed file in `state` (outside the root;
+// it goes with its last descriptor).
+files::Status make_pack(int dir, const SetPlan& plan, std::size_t index, const std::string& state, files::Fd& out,
                         std::uint64_t& size) {
+  const auto& part = plan.parts[index];
   int fd = ::open(state.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) return files::Status::from_errno(errno, "a set's pack in the state directory " + state);
   out = files::Fd(fd);
+  const unsigned version = plan.links && index == 0 ? 2 : 1;  // (the others: packs of files)
   bool first = true;
+  if (index == 0 && plan.links) {
+    for (const auto& o : plan.others) {
+      relay_detail::PackEntry pe{o.path, o.mode, o.mtime_ns, 0, o.type, {}};
+      if (o.type == pathm::Type::symlink) {
+        // Still the symlink the walk found (the same inode, mtime and target's length).
+        const auto changed = [&] {
+          return files::Status{errc::size_mismatch, "'" + text::escape(o.path) + "' changed while the set was pulled: pull it again"};
+        };
+        const auto [parent, name] = files::split_parent(o.path);
+        files::Fd in;
+        if (auto s = files::open_beneath(dir, parent, O_PATH | O_DIRECTORY, 0, in); !s) return s;
+        struct stat st {};
+        std::array<char, relay_detail::max_pack_path + 1> target{};
+        if (::fstatat(in.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISLNK(st.st_mode) ||
+            st.st_dev != o.dev || st.st_ino != o.ino || files::mtime_ns(st) != o.mtime_ns)
+          return changed();
+        const ssize_t len = ::readlinkat(in.get(), name.c_str(), target.data(), target.size());
+        if (len < 0 || static_cast<std::uint64_t>(len) != o.size) return changed();
+        pe.target.assign(target.data(), static_cast<std::size_t>(len));
+        pe.size = o.size;
+      }
+      if (auto s = relay_detail::pack_append(out.get(), first, pe, -1, version); !s) return s;
+      first = false;
+    }
+  }
   for (auto i : part.files) {
     const auto& f = plan.files[i];
     files::Fd data;
     if (auto s = open_planned(dir, f, data); !s) return s;
-    relay_detail::PackEntry pe{f.path, f.mode, f.mtime_ns, f.size};
-    if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get()); !s) return s;
+    relay_detail::PackEntry pe{f.path, f.mode, f.mtime_ns, f.size, pathm::Type::file, {}};
+    if (auto s = relay_detail::pack_append(out.get(), first, pe, data.get(), version); !s) return s;
     first = false;
   }
   if (first) {  // an empty set is a pack of its magic alone
-    if (::pwrite(out.get(), relay_detail::pack_magic.data(), relay_detail::pack_magic.size(), 0) < 0)
-      return files::Status::from_errno(errno, "a set's pack");
+    const auto magic = version < 2 ? relay_detail::pack_magic : relay_detail::pack_magic_2;
+    if (::pwrite(out.get(), magic.data(), magic.size(), 0) < 0) return files::Status::from_errno(errno, "a set's pack");
   }
   struct stat st {};
   if (::fstat(out.get(), &st) != 0) return files::Status::from_errno(errno, "a set's pack");
@@ -494,7 +563,9 @@ public:
       // to ask while the others asking meanwhile wait for it. A host that cannot take parts
       // gets the set as one pack, if it fits one.
       const std::uint64_t pack_size = nego_.pull_parts ? env_.config.pull_pack_size : relay_detail::max_pack_size;
-      if (auto st = plan_of(fmt::format("{}:{}:{}", key, pack_size, nego_.pull_parts), fd.get(), pack_size, planned); !st)
+      if (auto st = plan_of(fmt::format("{}:{}:{}:{}", key, pack_size, nego_.pull_parts, nego_.pull_links), fd.get(),
+                            pack_size, nego_.pull_links, planned);
+          !st)
         return on(E::local_error, st.code, st.message);
       const auto& plan = *planned;
       if (!nego_.pull_parts && (plan.parts.size() > 1 || !plan.parts[0].pack))
@@ -537,7 +608,7 @@ public:
         if (mine) {
           files::Fd pack;
           std::uint64_t size = 0;
-          auto st = make_pack(fd.get(), plan, part, env_.config.state_dir, pack, size);
+          auto st = make_pack(fd.get(), plan, nego_.pull_part, env_.config.state_dir, pack, size);
           std::lock_guard lock(mk->m);
           mk->status = st;
           mk->pack = std::move(pack);

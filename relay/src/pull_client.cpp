@@ -273,7 +273,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     unsigned unplaced = 0;         // parts asked for and not yet in DST
     unsigned running = 0;          // parts whose sessions to the master are open
     std::exception_ptr failed;
+    std::vector<pathm::Entry> dirs;  // the set's directories (part 0): modes and mtimes set last
   } plan;
+  // What this pull made in DST, for every part's writer: only those get the set's modes.
+  const auto made = std::make_shared<files::Made>();
   std::mutex keys_m;  // the server's authorized_keys, written by each part's session
   std::string keys_written;  // (under keys_m) its line as last written: the same is not written again
   bool keys_failed = false;  // (under keys_m) it could not be written: no other try would help
@@ -316,7 +319,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
       if (!root) throw TransferError(errc_from_errno(errno), "'" + dir + "': " + std::strerror(errno), false);
       pathm::TreeWriter writer(root.get(), fmt::format("pull{}-{}", ::getpid(), p.index), options.fsync,
-                               options.block_size);
+                               options.block_size, 1024, files::process_umask(), 0, made);
       if (p.path.empty()) {
         // A pack, whole with the master's digest: its files go into DST, each checked as any
         // pack's are (paths within DST, sizes against what the pack holds), nothing written
@@ -325,9 +328,14 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         if (!pack) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
         if (::fstat(pack.get(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
           return false;
-        const auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag);
+        // (Directories and symlinks only in part 0: a set's others are packs of files.)
+        auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag, p.index == 0 ? 2 : 1);
         if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
         p.files = u.files;
+        if (!u.dirs.empty()) {
+          std::lock_guard lock(plan.m);
+          plan.dirs.insert(plan.dirs.end(), std::make_move_iterator(u.dirs.begin()), std::make_move_iterator(u.dirs.end()));
+        }
       } else {
         // One large file of the set: renamed into its place (its path checked as a pack's are).
         files::Fd from(::open(staging.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
@@ -383,6 +391,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       n.pull_set = po.set;
       if (po.set) {
         n.pull_parts = true;
+        n.pull_links = true;
         n.pull_part = p.index;
         if (p.index > 0) {
           std::lock_guard lock(plan.m);
@@ -589,6 +598,15 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
                        return p.placed;
                      });
   if (!whole) throw TransferError(errc::cancelled, "cancelled", false);
+  // The set's directories, once all they hold is in place: each one's contents before it.
+  if (!plan.dirs.empty()) {
+    files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!root) throw TransferError(errc_from_errno(errno), "'" + dir + "': " + std::strerror(errno), false);
+    pathm::TreeWriter writer(root.get(), fmt::format("pull{}-dirs", ::getpid()), false, options.block_size, 1024,
+                             files::process_umask(), 0, made);
+    for (auto it = plan.dirs.rbegin(); it != plan.dirs.rend(); ++it)
+      if (auto s = writer.set_attrs(*it); !s) throw TransferError(s.code, "the set: " + text::escape(s.message), false);
+  }
   double last = 0;
   for (const auto& p : parts) last = std::max(last, p.placed_after);
   return finished(last, plan.bytes);

@@ -323,9 +323,25 @@ def tree_of(root: str) -> dict:
     return out
 
 
+def links_of(root: str) -> dict:
+    """Every directory and symlink under root: relative path -> ("dir", permission bits, mtime)
+    or ("link", target)."""
+    out = {}
+    for d, dirs, names in os.walk(root):
+        for n in dirs + names:
+            p = os.path.join(d, n)
+            if os.path.islink(p):
+                out[os.path.relpath(p, root)] = ("link", os.readlink(p))
+            elif os.path.isdir(p):
+                st = os.stat(p)
+                out[os.path.relpath(p, root)] = ("dir", st.st_mode & 0o777, st.st_mtime_ns)
+    return out
+
+
 def set_case() -> None:
-    """A set: 4 hosts pull a directory (nested, an empty file, odd modes, a symlink that stays
-    behind) as one pack; one host pulls only a subdirectory of it and gets only that."""
+    """A set: 4 hosts pull a directory (nested, an empty file, odd modes, symlinks, an empty
+    directory, directories' modes and mtimes) as one pack; one host pulls only a subdirectory of
+    it and gets only that."""
     m = Master("set")
     top = os.path.join(m.root, "set")
     for d in ("a", "a/b", "c"):
@@ -336,9 +352,17 @@ def set_case() -> None:
         with open(p, "wb") as f:
             f.write(os.urandom(size))
         os.chmod(p, (0o644, 0o600, 0o755, 0o640)[n % 4])
-    os.symlink("/etc/passwd", os.path.join(top, "c", "link"))
+    os.symlink("/etc/passwd", os.path.join(top, "c", "link"))  # (kept as it is, as a copy keeps it)
+    os.symlink("f2.bin", os.path.join(top, "a", "b", "lib.so"))
+    os.symlink("../c", os.path.join(top, "a", "up"))
+    os.makedirs(os.path.join(top, "e", "empty"))
+    os.chmod(os.path.join(top, "e", "empty"), 0o750)
+    os.chmod(os.path.join(top, "a", "b"), 0o700)
+    os.chmod(os.path.join(top, "e"), 0o555)  # (made writable while it fills, then given its mode)
+    for n, d in enumerate(("a/b", "e/empty", "e", "a", "c")):
+        os.utime(os.path.join(top, d), ns=(1_400_000_000_000_000_000 + n, 1_400_000_000_000_000_000 + n))
     want = tree_of(top)
-    want.pop("c/link", None)
+    want_links = links_of(top)
     try:
         before = source_sent()
         pullers = [Puller(i, "set", "set/", args=["-r"]) for i in range(1, 5)]
@@ -347,7 +371,9 @@ def set_case() -> None:
             got = tree_of(p.dir)
             check(rc == 0 and got == want, f"set: host {p.i} has the set's {len(want)} files with their modes "
                                            f"(exit {rc}: {p.err.strip()[-300:]}; {len(got)} files)")
-            check(not os.path.lexists(os.path.join(p.dir, "c", "link")), f"set: host {p.i} got no symlink")
+            got_links = links_of(p.dir)
+            check(got_links == want_links, f"set: host {p.i} has the set's symlinks, and its directories with their "
+                                           f"modes and mtimes ({sorted(set(got_links.items()) ^ set(want_links.items()))})")
         total = sum(os.path.getsize(os.path.join(top, f)) for f in want)
         sent = source_sent() - before
         check(sent <= 1.2 * total + MiB, f"set: the source's link carried {sent} bytes for a {total}-byte set")
@@ -359,6 +385,8 @@ def set_case() -> None:
         got = tree_of(part.dir)
         check(rc == 0 and got == sub, f"set: a host asking for a/b/ gets its {len(sub)} files and nothing else "
                                       f"({len(got)}; {part.err.strip()[-200:]})")
+        check(links_of(part.dir) == {"lib.so": ("link", "f2.bin")}, f"set: a host asking for a/b/ gets its symlink "
+                                                                    f"({links_of(part.dir)})")
     finally:
         m.stop()
 

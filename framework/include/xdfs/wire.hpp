@@ -194,6 +194,9 @@ struct Negotiation {
   /// With pull_part > 0: the set's plan as part 0's reply named it (32 bytes); a part of a set
   /// that changed since is refused.
   std::vector<std::uint8_t> pull_plan{};
+  /// Mode::pull of a set, with pull_parts: the host takes the set's directories and symlinks too
+  /// (part 0 is then a pack of version 2, relay/src/pack.hpp); without it, only its files.
+  bool pull_links = false;
   bool operator==(const Negotiation&) const = default;
 };
 
