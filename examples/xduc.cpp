@@ -924,7 +924,7 @@ void define(CLI::App& app, Command& c, Help& help) {
       "get",
       "usage: xduc get [-r] [--listen HOST:PORT] [--server-log FILE] [OPTIONS] xdfs://MASTER[:PORT]/PATH DST\n"
       "asks the xdfsd MASTER for its file PATH (with -r or a PATH ending in '/', a set: the\n"
-      "files, directories and symlinks under that directory, at most 20000, into the directory DST,\n"
+      "files (at most 20000), directories and symlinks under that directory, into the directory DST,\n"
       "in parts: packs of the small files and each file over 16M alone) and joins that file's\n"
       "chain: this host's own server (with this client's key) is fed by the host before it,\n"
       "verifies every block, writes it and feeds the hosts that ask later, and stays until the\n"

@@ -213,7 +213,7 @@ files::Status plan_set(int dir, std::uint64_t pack_size, bool links, SetPlan& pl
   const auto too_large = [links](const std::string& why) {
     return files::Status{errc::not_supported,
                          fmt::format("a set is at most {} files{} and {} entries ({}): pull it a directory at a time",
-                                     relay_detail::max_pack_files, links ? " (directories and symlinks included)" : "",
+                                     relay_detail::max_pack_files, links ? " (and as many directories and symlinks)" : "",
                                      4 * relay_detail::max_pack_files, why)};
   };
   std::function<files::Status(int, const std::string&, unsigned)> walk = [&](int d, const std::string& at,
@@ -243,7 +243,7 @@ files::Status plan_set(int dir, std::uint64_t pack_size, bool links, SetPlan& pl
       struct stat st {};
       if (::fstatat(d, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // gone meanwhile
       if (links && (S_ISDIR(st.st_mode) || S_ISLNK(st.st_mode))) {
-        if (plan.files.size() + plan.others.size() >= relay_detail::max_pack_files)
+        if (plan.others.size() >= relay_detail::max_pack_files)  // (all of them in part 0)
           return too_large("'" + text::escape(path) + "' is past that");
         if (path.size() > relay_detail::max_pack_path)
           return {errc::not_supported, "'" + text::escape(path.substr(0, 64)) + "...': a set's paths are at most 4096 bytes"};
@@ -266,7 +266,7 @@ files::Status plan_set(int dir, std::uint64_t pack_size, bool links, SetPlan& pl
         continue;
       }
       if (!S_ISREG(st.st_mode)) continue;
-      if (plan.files.size() + plan.others.size() >= relay_detail::max_pack_files)
+      if (plan.files.size() >= relay_detail::max_pack_files)
         return too_large("'" + text::escape(path) + "' is past that");
       const auto sz = static_cast<std::uint64_t>(st.st_size);
       if (sz > wire::max_file_size / 2 - file_bytes)
