@@ -747,15 +747,15 @@ RelayResult relay_detail::relay_file(const std::string& local, const std::vector
         const auto linger = joins->only_awaited ? Clock::duration::zero()
                                                 : std::clamp<Clock::duration>(p.whole_at - p.joined_at,
                                                                               std::chrono::seconds(1), joins->linger_max);
-        // (A host taking its place now, or still to come, keeps the last one, up to linger_max:
-        // it will be fed from here.)
-        const bool alone = order.size() == 1;
-        const bool joining = std::any_of(chain.places.begin(), chain.places.end(), [](const auto& q) {
-          return q->member && !q->told && q->dropped && q->rejoinable;
-        });
-        const bool awaited = alone && now - p.whole_at < joins->linger_max &&
-                             (joining || (joins->awaited && joins->awaited()));
-        if (!next_whole && !(alone && now - p.whole_at >= linger && !awaited)) break;
+        if (!next_whole) {
+          if (order.size() > 1 || now - p.whole_at < linger) break;
+          // A host taking its place now, or still to come, keeps the last one, up to
+          // linger_max: it will be fed from here.
+          const bool joining = std::any_of(chain.places.begin(), chain.places.end(), [](const auto& q) {
+            return q->member && !q->told && q->dropped && q->rejoinable;
+          });
+          if (now - p.whole_at < joins->linger_max && (joining || (joins->awaited && joins->awaited()))) break;
+        }
         p.released = true;
         p.released_at = now;
         tell(p, RelayEvent::release, {});

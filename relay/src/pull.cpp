@@ -96,21 +96,25 @@ struct Roster {
     bool any = false;
     for (auto& [at, h] : hosts) {
       if (h.part >= part || h.part + most_behind < part || h.failed) continue;
-      if (auto mm = h.member.lock(); mm && !mm->gone.load()) return true;
-      if (h.left == Clock::time_point{}) h.left = now;
+      if (present(h, now)) return true;
       any = any || now - h.left < between_parts;
     }
     return any;
+  }
+
+  // Whether `h` has a session now (and it has not failed); if not, since when (marked the
+  // first time it is seen so).
+  static bool present(Host& h, Clock::time_point now) {
+    if (auto mm = h.member.lock(); mm && !mm->gone.load() && !h.failed) return true;
+    if (h.left == Clock::time_point{}) h.left = now;
+    return false;
   }
 
   // Hosts out of the set a minute are forgotten (all that left, if `full`, for room).
   void prune(Clock::time_point now, bool full) {
     for (auto it = hosts.begin(); it != hosts.end();) {
       auto& h = it->second;
-      auto mm = h.member.lock();
-      const bool without = !mm || mm->gone.load() || h.failed;
-      if (without && h.left == Clock::time_point{}) h.left = now;
-      const bool out = without && (full || now - h.left >= std::chrono::seconds(60));
+      const bool out = !present(h, now) && (full || now - h.left >= std::chrono::seconds(60));
       it = out ? hosts.erase(it) : std::next(it);
     }
   }
