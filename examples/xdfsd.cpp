@@ -250,8 +250,9 @@ void define(CLI::App& app, Options& o) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   count("path-workers", cfg.path_workers, 1, 64, "threads per path-mode session doing file-system work (default 4)");
   app.add_flag("!--no-zero-copy", cfg.zero_copy,
-               "read every block a download or relay sends into memory first,\n"
-               "instead of sending it from the page cache by sendfile");
+               "every block goes through memory: a download or relay reads it first\n"
+               "instead of sending it from the page cache by sendfile, an upload\n"
+               "writes it from there instead of splicing it into the file");
   app.add_flag("--debug", cfg.debug, "debug lines in the log too (zero copy, or why not)");
   text("metrics", o.metrics,
        "serve counters in Prometheus' text format at http://HOST:PORT/metrics\n"

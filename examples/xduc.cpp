@@ -821,8 +821,9 @@ void define(CLI::App& app, Command& c, Help& help) {
                         "faster; in clear mode nothing then checks the data")
       ->group(transfers);
   app.add_flag_callback("--no-zero-copy", [&opt] { opt.zero_copy = false; },
-                        "an upload reads every block into memory first, instead of\n"
-                        "sending it from the page cache by sendfile (clear mode)")
+                        "every block goes through memory: an upload reads it first instead\n"
+                        "of sending it from the page cache by sendfile, a download writes\n"
+                        "it from there instead of splicing it into the file (clear mode)")
       ->group(transfers);
   app.add_flag_callback("--debug", [&opt] {
        opt.debug = [](const std::string& line) { fmt::print(stderr, "xduc: debug: {}\n", xdfs::text::escape(line)); };

@@ -346,6 +346,14 @@ void RawPeer::send_bytes(const void* data, std::size_t n) {
     p += at;
     n -= at;
   }
+  if (pause_after && *pause_after < n) {
+    const std::size_t at = *pause_after;
+    pause_after.reset();
+    send_all(p, at);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    p += at;
+    n -= at;
+  }
   send_all(p, n);
 }
 

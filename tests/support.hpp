@@ -152,6 +152,9 @@ public:
   /// If set, the next send sends one byte of urgent data (MSG_OOB, out of band: the peer's
   /// stream goes on without it) before byte *urgent_before of what it sends. Not with trickle.
   std::optional<std::size_t> urgent_before;
+  /// If set, the next send sends its first *pause_after bytes, waits 100 ms, then sends the
+  /// rest: the peer finds them in the socket in two parts. Not with trickle.
+  std::optional<std::size_t> pause_after;
   /// Blocks carry their digest after their data, as a real disk thread writes it (the
   /// negotiation's flag_manifest, set when the handshake sends or reads it).
   bool manifest = false;

@@ -503,6 +503,42 @@ TEST_CASE("DiskWriter writes out-of-order blocks to a seekable file") {
   }
 }
 
+TEST_CASE("DiskWriter writes only what is not in the file already: none of a block spliced whole, the rest of one spliced in part") {
+  constexpr std::uint32_t bs = 4096;
+  constexpr std::uint32_t blocks = 8;
+  TempFile f;
+  // What the network thread spliced: 'F' wherever a block says it is in the file.
+  const std::vector<std::uint8_t> spliced(std::size_t(blocks) * bs, 'F');
+  REQUIRE(::pwrite(f.fd, spliced.data(), spliced.size(), 0) == static_cast<ssize_t>(spliced.size()));
+  // Per block: its bytes in the file (blocks 1 and 5 whole, 2 and 6 in part, the others none).
+  const std::uint32_t in_file[blocks] = {0, bs, 100, 0, 0, bs, bs - 1, 0};
+  std::vector<std::uint8_t> expect(spliced);
+  {
+    BlockPipe pipe(bs, blocks);
+    DiskWriter writer(pipe, Sink{f.fd, true, false});
+    for (std::uint32_t i = 0; i < blocks; ++i) {
+      // The slot holds the block's bytes past its part in the file, and junk before them.
+      std::uint8_t* slot = pipe.slot_data(i);
+      for (std::uint32_t k = 0; k < bs; ++k) {
+        slot[k] = k < in_file[i] ? 'x' : static_cast<std::uint8_t>('a' + i);
+        if (k >= in_file[i]) expect[std::size_t(i) * bs + k] = slot[k];
+      }
+      Block b{i, DataLength(bs), FileOffset(std::uint64_t(i) * bs)};
+      b.in_file = in_file[i];
+      pipe.to_disk(b);
+    }
+    std::uint32_t back = 0;
+    for (int tries = 0; back < blocks && tries < 1000 && !pipe.failed(); ++tries) {
+      Block b;
+      while (pipe.from_disk(b)) ++back;
+      if (back < blocks) wait_wake(pipe);
+    }
+    CHECK(back == blocks);
+    CHECK_FALSE(pipe.failed());
+  }
+  CHECK(f.contents() == expect);
+}
+
 TEST_CASE("DiskWriter restores offset order for a non-seekable sink") {
   constexpr std::uint32_t bs = 4096;
   constexpr std::uint64_t blocks = 64;

@@ -2,7 +2,12 @@
 // n = 1, 4 and 16, both directions, byte for byte; and the errors a client must see.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -383,7 +388,7 @@ TEST_CASE("a source file that shrinks while it is sent: the upload fails, naming
   }
 }
 
-TEST_CASE("zero copy: clear-mode blocks without digests to make go from the page cache by sendfile, byte for byte, both ways") {
+TEST_CASE("zero copy: clear-mode blocks without digests go from the page cache by sendfile and into the file by splice, byte for byte, both ways") {
   xt::TempDir root, local;
   auto cfg = config_for(root);
   cfg.debug = true;
@@ -414,9 +419,13 @@ TEST_CASE("zero copy: clear-mode blocks without digests to make go from the page
           CHECK(dbg.has("zero copy off: each block is read to make its digest"));
           CHECK_FALSE(dbg.has("bytes by sendfile"));
         } else {
-          // Every byte went by sendfile: none through the pool.
+          // Every byte went by sendfile: none through the pool. And into the files at both
+          // ends by splice, none read into a slot.
           CHECK(dbg.has(fmt::format("zero copy: {} bytes by sendfile", size)));
           CHECK(srv.wait_for_log(fmt::format("debug: zero copy: {} bytes by sendfile", size)));
+          CHECK(dbg.has("zero copy in: payloads go from the sockets into the file by splice"));
+          CHECK(dbg.has(fmt::format("zero copy in: {} bytes by splice", size)));
+          CHECK(srv.wait_for_log(fmt::format("debug: zero copy in: {} bytes by splice", size)));
         }
       }
     }
@@ -532,19 +541,141 @@ TEST_CASE("zero copy in: a receiver that discards (memory mode, /dev/null) takes
                         Case{xdfs::xsec::Protect::clear, true, true, "/dev/null", "zero copy in off: blocks carry digests to check"},
                         Case{xdfs::xsec::Protect::private_, false, true, "/dev/null", "zero copy in off: blocks are sealed"},
                         Case{xdfs::xsec::Protect::integrity, false, true, "/dev/null", "zero copy in off: blocks are sealed"},
-                        Case{xdfs::xsec::Protect::clear, false, true, "file", "zero copy in off: the blocks are written"}}) {
+                        Case{xdfs::xsec::Protect::clear, false, false, "file", "zero copy in off: switched off by a setting"},
+                        Case{xdfs::xsec::Protect::clear, true, true, "file", "zero copy in off: blocks carry digests to check"},
+                        Case{xdfs::xsec::Protect::private_, false, true, "file", "zero copy in off: blocks are sealed"},
+                        Case{xdfs::xsec::Protect::clear, false, true, "fifo", "zero copy in off: the sink takes its bytes in order"}}) {
     CAPTURE(c.why);
     CAPTURE(c.to);
     opt.protect = c.protect;
     opt.verify = c.verify;
     opt.zero_copy = c.zero_copy;
     dbg.clear();
-    const auto to = std::string(c.to) == "file" ? (local / "back") : std::string(c.to);
+    const std::string to_name(c.to);
+    const auto to = to_name == "file" ? (local / "back") : to_name == "fifo" ? (local / "fifo") : std::string(c.to);
+    std::string from_fifo;
+    std::thread reader;
+    if (to_name == "fifo") {
+      REQUIRE(::mkfifo(to.c_str(), 0600) == 0);
+      reader = std::thread([&] {
+        const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);
+        char buf[65536];
+        for (ssize_t r; fd >= 0 && (r = ::read(fd, buf, sizeof buf)) > 0;) from_fifo.append(buf, static_cast<std::size_t>(r));
+        if (fd >= 0) ::close(fd);
+      });
+    }
     CHECK(xdfs::download({"127.0.0.1", srv.port()}, "f", to, opt).bytes == (3u << 20) + 5);
+    if (reader.joinable()) {
+      reader.join();
+      CHECK(from_fifo == xt::read_file(root / "f"));
+      ::unlink(to.c_str());
+    }
     CHECK(dbg.has(c.why));
     CHECK_FALSE(dbg.has("bytes by splice"));
+    if (to_name == "file") CHECK(xt::files_equal(root / "f", local / "back"));
   }
-  CHECK(xt::files_equal(root / "f", local / "back"));
+}
+
+namespace {
+// Installs, on the calling thread only (and so on the processes it starts from now on), a
+// system call filter under which splice(2) into a file (one with an output offset) fails with
+// EINVAL, as on a file system that takes no splice, unless it moves exactly `allowed` bytes.
+// False where this build does not know its architecture's filter number.
+bool refuse_file_splices(std::uint32_t allowed) {
+#if defined(__x86_64__)
+  constexpr std::uint32_t arch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+  constexpr std::uint32_t arch = AUDIT_ARCH_AARCH64;
+#else
+  return false;
+#endif
+  const auto at = [](std::size_t arg, bool high) {
+    return static_cast<std::uint32_t>(offsetof(seccomp_data, args) + arg * 8 + (high ? 4 : 0));
+  };
+  sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_splice, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, at(3, false)),  // off_out: none for a pipe or /dev/null
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 2),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, at(3, true)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 3, 0),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, at(4, false)),  // len
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, allowed, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EINVAL),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof f / sizeof f[0]), f};
+  return ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0;
+}
+
+// An xdfsd whose file splices refuse as refuse_file_splices(allowed) says (the filter stays on
+// a thread of its own, which ends once xdfsd has started).
+std::unique_ptr<xt::XdfsdProcess> xdfsd_refusing_splices(const std::string& root, std::uint32_t allowed,
+                                                          std::vector<std::string> args) {
+  std::unique_ptr<xt::XdfsdProcess> d;
+  bool filtered = false;
+  std::thread([&] {
+    filtered = refuse_file_splices(allowed);
+    if (filtered) d = std::make_unique<xt::XdfsdProcess>(root, std::move(args));
+  }).join();
+  return d;
+}
+}  // namespace
+
+TEST_CASE("zero copy in: where the file stops taking splices, the rest of the block and every block after it are read and written; nothing is lost") {
+  const std::uint32_t bs = 64 * 1024;
+  SUBCASE("from the first block: an upload of many blocks over 4 channels") {
+    xt::TempDir root, local;
+    auto d = xdfsd_refusing_splices(root.path(), 0xffffffffu, {"--debug"});
+    REQUIRE(d);
+    const std::uint64_t size = (3u << 20) + 5;
+    xt::write_random_file(local / "f", size, 41);
+    xdfs::TransferOptions opt;
+    opt.protect = xdfs::xsec::Protect::clear;
+    opt.verify = false;
+    opt.channels = 4;
+    opt.block_size = bs;
+    CHECK(xdfs::upload(local / "f", {"127.0.0.1", d->port()}, "f", opt).bytes == size);
+    CHECK(xt::files_equal(local / "f", root / "f"));
+    CHECK_MESSAGE(d->wait_for_log("debug: zero copy in: 0 bytes by splice; read instead from then on: the file does not take "
+                                  "splice: Invalid argument"),
+                  d->log());
+    xt::check_no_partials(root.path());
+  }
+  SUBCASE("in the middle of a block: its first bytes are in the file, the rest comes from its slot") {
+    // The filter lets exactly 1000 bytes go into the file at a time: the block's first 1000
+    // bytes come alone and go by splice, the next 3000 are refused in the pipe and read back.
+    xt::TempDir root;
+    auto d = xdfsd_refusing_splices(root.path(), 1000, {"--debug", "--idle-timeout", "600"});
+    REQUIRE(d);
+    const std::uint64_t size = 4000;
+    auto h = xt::make_hello(xdfs::Mode::upload, "f", 1, size);
+    xt::RawChannel c(d->port());
+    REQUIRE(c.establish(h));
+    auto reply = c.read_frame();
+    REQUIRE(reply.has_value());
+    REQUIRE(reply->first.event == xdfs::wire::ChannelEvent::nego_reply);
+    REQUIRE(d->wait_for_log("zero copy in: payloads go from the sockets into the file by splice"));
+    std::vector<std::uint8_t> data(size);
+    for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 7 + 3);
+    c.pause_after = xdfs::wire::frame_header_size + 1000;
+    c.send_block(xdfs::wire::ChannelEvent::xftsmu, 0, data);
+    c.send_frame(xt::eofr_header(size));
+    auto done = c.read_frame();
+    while (done && done->first.event == xdfs::wire::ChannelEvent::ack) done = c.read_frame();
+    REQUIRE_MESSAGE(done.has_value(), d->log());
+    CHECK(done->first.event == xdfs::wire::ChannelEvent::eofr);
+    CHECK(done->first.offset == size);
+    CHECK(xt::read_file(root / "f") == std::string(data.begin(), data.end()));
+    CHECK_MESSAGE(d->wait_for_log("debug: zero copy in: 1000 bytes by splice; read instead from then on: the file does "
+                                  "not take splice: Invalid argument"),
+                  d->log());
+    REQUIRE(d->alive());
+  }
 }
 
 TEST_CASE("zero copy in: urgent data in the middle of a block does not stall the splice; the stream around it arrives whole") {

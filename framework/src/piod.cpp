@@ -226,21 +226,29 @@ void DiskWriter::write_blocks() {
   };
 
   // Writes blocks[first..last) that are known to be contiguous, in runs of at most max_iov;
-  // a block to fetch again (retry) is not written and splits the run.
+  // a block to fetch again (retry) is not written and splits the run. A block spliced into the
+  // file whole has nothing left to write; one spliced in part (its file stopped taking
+  // splices) goes alone, from where its part in the file ends.
   auto write_run = [&](const Block* blocks, std::size_t count) -> bool {
     for (std::size_t i = 0; i < count;) {
-      if (blocks[i].retry) {
+      if (blocks[i].retry || (blocks[i].in_file > 0 && blocks[i].in_file >= blocks[i].length.value())) {
         ++i;
         continue;
       }
       if (pipe_.stopping()) return false;
+      const std::uint32_t skip = blocks[i].in_file;
       std::size_t n = 0;
-      for (; n < max_iov && i + n < count && !blocks[i + n].retry; ++n) {
+      for (; n < max_iov && i + n < count && !blocks[i + n].retry && blocks[i + n].in_file == 0; ++n) {
         iov[n].iov_base = pipe_.slot_data(blocks[i + n].slot);
         iov[n].iov_len = blocks[i + n].length.value();
       }
+      if (skip > 0) {
+        iov[0].iov_base = pipe_.slot_data(blocks[i].slot) + skip;
+        iov[0].iov_len = blocks[i].length.value() - skip;
+        n = 1;
+      }
       if (!sink_.discard) {
-        const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset.value()) : -1;
+        const auto off = sink_.seekable ? static_cast<std::int64_t>(blocks[i].offset.value() + skip) : -1;
         if (int err = write_all(sink_.io ? *sink_.io : DiskIo::system(), sink_.fd, iov, static_cast<int>(n), off,
                                 pipe_.stop_flag());
             err != 0) {

@@ -263,31 +263,69 @@ void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
   read_exactly(socket_, dst.data(), dst.size(), std::move(h));
 }
 
+SpliceFile::SpliceFile(int fd) noexcept : fd_(fd >= 0 ? ::fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1) {
+  if (fd_ < 0) {
+    refusal_ = std::string("no descriptor to splice into: ") + std::strerror(fd >= 0 ? errno : EBADF);
+  } else if (const int flags = ::fcntl(fd_, F_GETFL); flags < 0 || (flags & O_APPEND)) {
+    refusal_ = "the file is open to append";  // splice(2) refuses it; writes at offsets would not land there
+    revoke();
+  }
+}
+
+SpliceFile::~SpliceFile() { revoke(); }
+
+void SpliceFile::revoke() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
 void Channel::async_skip_payload(std::size_t n, Handler h) {
-  if (!clear_frames(static_cast<wire::ChannelEvent>(in_header_[0])))
-    return asio::post(socket_.get_executor(),
-                      [h = std::move(h)] { h(make_error_code(boost::system::errc::operation_not_supported)); });
+  async_splice_payload(n, nullptr, 0, {}, [h = std::move(h)](const ErrorCode& ec, std::size_t) { h(ec); });
+}
+
+void Channel::async_splice_payload(std::size_t n, std::shared_ptr<SpliceFile> file, std::uint64_t offset,
+                                   std::span<std::uint8_t> rest, SpliceHandler h) {
+  auto fail_now = [this, &h](ErrorCode ec) {
+    asio::post(socket_.get_executor(), [h = std::move(h), ec] { h(ec, 0); });
+  };
+  // A file's offsets are signed 64-bit: the payload must end below that.
+  if (!clear_frames(static_cast<wire::ChannelEvent>(in_header_[0])) ||
+      (file && (rest.size() != n || offset > std::uint64_t(INT64_MAX) - n)))
+    return fail_now(make_error_code(boost::system::errc::operation_not_supported));
   // splice(2) from a socket blocks unless the socket itself is non-blocking.
   ErrorCode ec;
   if (!socket_.native_non_blocking()) socket_.native_non_blocking(true, ec);
-  if (ec) return asio::post(socket_.get_executor(), [h = std::move(h), ec] { h(ec); });
+  if (ec) return fail_now(ec);
+  auto to = std::make_shared<SpliceTo>();
+  to->file = std::move(file);
+  to->offset = offset;
+  to->rest = rest;
+  to->n = n;
   while_readable(
-      socket_, [this, left = n](ErrorCode& e, bool woke) mutable { return skip_some(left, e, woke); },
+      socket_, [this, to, left = n](ErrorCode& e, bool woke) mutable { return splice_some(*to, left, e, woke); },
       // Nothing to check, but the guard counts the frame.
-      [this, h = std::move(h)](const ErrorCode& e) mutable { check_payload(e, {}, std::move(h)); });
+      [this, to, h = std::move(h)](const ErrorCode& e) mutable {
+        check_payload(e, {}, [to, h = std::move(h)](const ErrorCode& e2) { h(e2, to->in_file); });
+      });
 }
 
-bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
+bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool woke) {
+  if (to.file && to.file->fd() < 0) {
+    // Revoked: the transfer has ended, and nothing more goes into its file.
+    ec = asio::error::operation_aborted;
+    return true;
+  }
   auto& pipe = skip_pipe();
-  const int null = dev_null();
-  // Reading instead, for this payload (a channel that once could not splice its socket stays so).
-  bool copy = !skip_fallback_.empty();
+  const int null = to.file ? -1 : dev_null();
+  // Read instead for the rest of this payload (a channel that once could not splice its
+  // socket stays so; so does a file that once refused a splice).
   auto read_instead = [&](std::string why) {
-    copy = true;
+    to.copying = true;
     if (skip_fallback_.empty()) skip_fallback_ = std::move(why);
   };
-  if (!copy && !pipe.ready()) read_instead(pipe.error);
-  if (!copy && null < 0) read_instead(std::string("cannot open /dev/null: ") + std::strerror(errno));
+  if (!skip_fallback_.empty() || (to.file && !to.file->ready())) to.copying = true;
+  if (!to.copying && !pipe.ready()) read_instead(pipe.error);
+  if (!to.copying && !to.file && null < 0) read_instead(std::string("cannot open /dev/null: ") + std::strerror(errno));
   bool moved = false;  // since the wake-up
   while (left > 0) {
     if (!socket_.is_open()) {
@@ -295,8 +333,9 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
       return true;
     }
     const int fd = socket_.native_handle();
+    const std::size_t done = to.n - left;
     ssize_t got;
-    if (!copy) {
+    if (!to.copying) {
       got = ::splice(fd, nullptr, pipe.w, nullptr, left, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
       if (got < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EPERM ||
                       errno == EACCES || errno == ENOMEM)) {
@@ -310,32 +349,18 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
         const int again = errno;
         int at_mark = 0;
         if (::ioctl(fd, SIOCATMARK, &at_mark) == 0 && at_mark) {
-          copy = true;
+          to.copying = true;
           continue;
         }
         errno = again;
       }
       // Out of the pipe at once: it is empty again whenever this returns.
-      for (auto in = got; in > 0;) {
-        const ssize_t out = ::splice(pipe.r, nullptr, null, nullptr, static_cast<std::size_t>(in),
-                                     SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
-        if (out < 0 && errno == EINTR) continue;
-        if (out <= 0) {
-          // Bytes are stranded in the pipe: it goes (the next payload makes another), and so
-          // does this frame. A failure of this side's, not the peer's.
-          const int err = out < 0 ? errno : EIO;
-          pipe.drop();
-          source_code_ = errc::io_error;
-          source_text_ = std::string("a payload skipped by splice would not go into /dev/null: ") + std::strerror(err);
-          ec = source_failure;
-          return true;
-        }
-        in -= out;
-      }
       if (got > 0) {
-        zero_copy_in_bytes_ += static_cast<std::uint64_t>(got);
+        if (!drain_pipe(to, done, static_cast<std::size_t>(got), ec)) return true;
         moved = true;
       }
+    } else if (to.file) {
+      got = ::recv(fd, to.rest.data() + done, left, MSG_DONTWAIT);
     } else {
       thread_local std::vector<std::uint8_t> scratch(64 * 1024);
       got = ::recv(fd, scratch.data(), std::min(left, scratch.size()), MSG_DONTWAIT);
@@ -346,6 +371,68 @@ bool Channel::skip_some(std::size_t& left, ErrorCode& ec, bool woke) {
       case ReadResult::empty: return false;
       case ReadResult::ended: return true;
     }
+  }
+  return true;
+}
+
+bool Channel::drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCode& ec) {
+  auto& pipe = skip_pipe();
+  for (std::size_t out_done = 0; out_done < in;) {
+    const std::size_t at_payload = done + out_done, want = in - out_done;
+    ssize_t out;
+    const char* what;  // where stranded bytes were going
+    if (to.file && !to.copying) {
+      auto at = static_cast<loff_t>(to.offset + at_payload);  // below INT64_MAX: checked at the start
+      out = ::splice(pipe.r, nullptr, to.file->fd(), &at, want, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+      if (out < 0 && errno == EINTR) continue;
+      if (out < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EPERM ||
+                      errno == ENOMEM)) {
+        // The file system (or a filter) takes no splice: what the pipe holds, and the rest of
+        // the payload, are read into their place in the block instead, and so are the
+        // transfer's next payloads.
+        to.file->refuse(std::string("the file does not take splice: ") + std::strerror(errno));
+        to.copying = true;
+        continue;
+      }
+      if (out > 0) {
+        to.in_file += static_cast<std::size_t>(out);
+        zero_copy_in_bytes_ += static_cast<std::uint64_t>(out);
+        out_done += static_cast<std::size_t>(out);
+        continue;
+      }
+      // Out of space, an I/O error, past the largest file: the file's failure, not the peer's.
+      const int err = out < 0 ? errno : EIO;
+      pipe.drop();
+      source_code_ = errc_from_errno(err);
+      source_text_ = fmt::format("write at offset {}: {}", to.offset + at_payload, std::strerror(err));
+      ec = source_failure;
+      return false;
+    } else if (to.file) {
+      out = ::read(pipe.r, to.rest.data() + at_payload, want);
+      if (out < 0 && errno == EINTR) continue;
+      if (out > 0) {
+        out_done += static_cast<std::size_t>(out);
+        continue;
+      }
+      what = "would not come back out of its pipe";
+    } else {
+      out = ::splice(pipe.r, nullptr, dev_null(), nullptr, want, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+      if (out < 0 && errno == EINTR) continue;
+      if (out > 0) {
+        zero_copy_in_bytes_ += static_cast<std::uint64_t>(out);
+        out_done += static_cast<std::size_t>(out);
+        continue;
+      }
+      what = "skipped by splice would not go into /dev/null";
+    }
+    // Bytes are stranded in the pipe: it goes (the next payload makes another), and so does
+    // this frame. A failure of this side's, not the peer's.
+    const int err = out < 0 ? errno : EIO;
+    pipe.drop();
+    source_code_ = errc::io_error;
+    source_text_ = fmt::format("a payload {}: {}", what, std::strerror(err));
+    ec = source_failure;
+    return false;
   }
   return true;
 }

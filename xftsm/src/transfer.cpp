@@ -617,21 +617,31 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
   for (std::uint32_t s = pipe_.slots(); s-- > 0;) free_slots_.push_back(s);
   // Acknowledge every quarter window: the sender always has three quarters in flight.
   ack_every_ = std::max<std::uint64_t>(window() / 4, p.block_size);
-  const std::string refusal = skip_refusal();
-  skip_ = refusal.empty();
+  std::string refusal = zero_copy_in_refusal();
+  if (refusal.empty() && !sink_.discard) {
+    splice_file_ = std::make_shared<xdsi::SpliceFile>(sink_.fd);
+    if (!splice_file_->ready()) {
+      refusal = splice_file_->refusal();
+      splice_file_.reset();
+    }
+  }
+  skip_ = refusal.empty() && sink_.discard;
   zero_copy_in_from_ = channel_total(&xdsi::Channel::zero_copy_in_bytes);
-  host_.debug(skip_ ? "zero copy in: payloads go from the sockets into /dev/null by splice"
-                    : "zero copy in off: " + refusal);
+  host_.debug(skip_          ? "zero copy in: payloads go from the sockets into /dev/null by splice"
+              : splice_file_ ? "zero copy in: payloads go from the sockets into the file by splice"
+                             : "zero copy in off: " + refusal);
 }
 
-std::string Receiver::skip_refusal() const {
+std::string Receiver::zero_copy_in_refusal() const {
   if (!params_.zero_copy) return "switched off by a setting";
-  if (!sink_.discard) return "the blocks are written (splicing into a file is not built)";
   if (params_.open_ended) return "a stream's blocks are read";
   if (sink_.opener) return "blocks are sealed (integrity or private protection)";
   if (tag().value() != 0) return "blocks carry digests to check";
   for (const auto& ch : channels_)
     if (!ch->clear_frames(params_.data_event)) return "data frames are protected";
+  if (sink_.discard) return "";
+  if (!sink_.seekable) return "the sink takes its bytes in order (a pipe, a FIFO, a terminal)";
+  if (sink_.io) return "the disk's system calls are replaced (a test)";
   return "";
 }
 
@@ -640,6 +650,9 @@ Receiver::~Receiver() { stop_disk(); }
 
 void Receiver::stop_disk() noexcept {
   for (auto& t : pace_) t->cancel();  // a read waiting for its rate does not outlive the transfer
+  // Nor does a splice into the file: the host closes it next, and its descriptor may then name
+  // another session's file.
+  if (splice_file_) splice_file_->revoke();
   pipe_.stop();
   writer_.reset();  // joins: the writer checks for the stop before every write
 }
@@ -714,32 +727,61 @@ void Receiver::admit(xdsi::Channel& ch, const FrameHeader& h) {
 void Receiver::read_block(xdsi::Channel& ch, const FrameHeader& h) {
   const std::uint32_t slot = free_slots_.back();
   free_slots_.pop_back();
+  const std::span<std::uint8_t> into(pipe_.slot_data(slot), h.length);
+  if (splice_file_ && splice_file_->ready()) {
+    // Into the file by splice: a clear frame has no tag, so its header is all there will ever
+    // be to judge it by, and it is judged before a byte of it goes into the file. The slot
+    // takes what the file would not, and the block goes through the disk thread, which writes
+    // only that, as the table says.
+    const auto data = judge(ch, h);
+    if (!data) return;
+    return ch.async_splice_payload(
+        h.length, splice_file_, h.offset, into,
+        [this, &ch, slot, h, data = *data](const xdsi::ErrorCode& ec, std::size_t in_file) {
+          if (machine_.finished()) return;
+          if (ec) return channel_error(ch, ec);
+          touch();
+          on(TransferEvent::block_received, Arrival{&ch, slot, h, data, static_cast<std::uint32_t>(in_file)});
+        });
+  }
   // The block still goes through its slot and the disk thread (which writes nothing to a
   // discarding sink): the table's path is the same, only its bytes never reach user space.
   auto arrived = [this, &ch, slot, h](const xdsi::ErrorCode& ec) {
     if (machine_.finished()) return;
     if (ec) return channel_error(ch, ec);
     touch();
-    // Authenticated now: it must name one whole, aligned, new block.
-    const FileOffset at(h.offset);
-    std::string why = "not one of the file's blocks";
-    const auto expect = params_.open_ended
-                            ? stream_block(h, why)
-                            : block_at(at, params_.file_size, DataLength(params_.block_size));
-    if (machine_.finished()) return;
-    if (!expect || framed(*expect, tag()) != FrameLength(h.length)) return bad_block(ch, h, why);
-    if (!seen_.insert(at.value(), after(at, *expect)->value()))
-      return bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
-    on(TransferEvent::block_received, Arrival{&ch, slot, h, *expect});
+    // Authenticated now.
+    const auto data = judge(ch, h);
+    if (!data) return;
+    on(TransferEvent::block_received, Arrival{&ch, slot, h, *data});
   };
   if (skip_) return ch.async_skip_payload(h.length, std::move(arrived));
-  ch.async_read_payload(std::span<std::uint8_t>(pipe_.slot_data(slot), h.length), std::move(arrived));
+  ch.async_read_payload(into, std::move(arrived));
+}
+
+std::optional<DataLength> Receiver::judge(xdsi::Channel& ch, const FrameHeader& h) {
+  const FileOffset at(h.offset);
+  std::string why = "not one of the file's blocks";
+  const auto expect = params_.open_ended ? stream_block(h, why)
+                                         : block_at(at, params_.file_size, DataLength(params_.block_size));
+  if (machine_.finished()) return std::nullopt;
+  if (!expect || framed(*expect, tag()) != FrameLength(h.length)) {
+    bad_block(ch, h, why);
+    return std::nullopt;
+  }
+  if (!seen_.insert(at.value(), after(at, *expect)->value())) {
+    bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
+    return std::nullopt;
+  }
+  return expect;
 }
 
 void Receiver::queue_write(const Arrival& a) {
   // The disk thread checks the block's own tag before writing it.
   received_ += a.data.value();
-  pipe_.to_disk(piod::Block{a.slot, a.data, FileOffset(a.h.offset)});
+  piod::Block b{a.slot, a.data, FileOffset(a.h.offset)};
+  b.in_file = a.in_file;
+  pipe_.to_disk(b);
   if (!params_.limits.empty()) {
     // The block has arrived: it is paid for now (only bytes that came are charged), and the
     // channel reads its next one once the rate allows; TCP holds the rest back meanwhile.
@@ -861,13 +903,16 @@ void Receiver::commit() {
   writer_.reset();
   // Every block matched its digest; the list of them must be the one the sender hashed.
   if (!digests_agree()) return;
+  // Every payload is in: nothing goes into the file by splice after it is made final.
+  if (splice_file_) splice_file_->revoke();
   if (auto st = host_.commit(); !st) return fail(st.code, st.message, false, true);
-  if (skip_) {
+  if (skip_ || splice_file_) {
     std::string fallback;
     std::size_t copied = 0;
     for (const auto& ch : channels_)
       if (!ch->skip_fallback().empty() && ++copied == 1) fallback = ch->skip_fallback();
     if (copied) fallback = fmt::format("; read instead on {} of {} channels: {}", copied, channels_.size(), fallback);
+    if (splice_file_ && !splice_file_->refusal().empty()) fallback += "; read instead from then on: " + splice_file_->refusal();
     const auto spliced = channel_total(&xdsi::Channel::zero_copy_in_bytes) - zero_copy_in_from_;
     host_.debug(fmt::format("zero copy in: {} bytes by splice{}", spliced, fallback));
   }

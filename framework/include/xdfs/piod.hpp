@@ -94,6 +94,9 @@ struct Block {
   /// Send, zero copy (Source::zero_copy): the block's data was read into its slot (to make its
   /// digest from it), so that is what goes, not the file's bytes of now.
   bool in_slot = false;
+  /// Receive, zero copy: the block's first `in_file` bytes are in the file already (spliced
+  /// there by the network thread); only the rest, from the slot, is written.
+  std::uint32_t in_file = 0;
 };
 
 /// RAII eventfd: the disk thread's way to wake the network thread's event loop.

@@ -60,6 +60,32 @@ inline const ErrorCode integrity_failure = make_error_code(boost::system::errc::
 /// or reading it failed. Channel::failure() tells which.
 inline const ErrorCode source_failure = make_error_code(boost::system::errc::io_error);
 
+/// Where Channel::async_splice_payload puts payloads: a file, shared by a transfer's channels.
+/// It holds its own descriptor (a dup of the one it is made from), so that what it names can
+/// never change under it, and the transfer revokes it when it ends: a splice that wakes up
+/// after that (its wait already done when the channel was cancelled) puts nothing anywhere.
+class SpliceFile {
+public:
+  /// Empty (ready() false, refusal() says why) where the descriptor cannot be duplicated.
+  explicit SpliceFile(int fd) noexcept;
+  ~SpliceFile();
+  SpliceFile(const SpliceFile&) = delete;
+  SpliceFile& operator=(const SpliceFile&) = delete;
+  bool ready() const noexcept { return fd_ >= 0 && refusal_.empty(); }
+  int fd() const noexcept { return fd_; }
+  /// Closes the descriptor; nothing more goes into the file.
+  void revoke() noexcept;
+  /// Why payloads are no longer spliced into it ("" while they are); the first reason stays.
+  const std::string& refusal() const noexcept { return refusal_; }
+  void refuse(std::string why) {
+    if (refusal_.empty()) refusal_ = std::move(why);
+  }
+
+private:
+  int fd_ = -1;
+  std::string refusal_;
+};
+
 /// One framed, full-duplex xDFS channel. All calls happen on the owning session's thread.
 /// Writes are queued, so control frames may be sent while a data block is in flight.
 class Channel {
@@ -101,9 +127,20 @@ public:
   /// not splice the socket it reads them into a scratch buffer instead (skip_fallback() says
   /// why).
   void async_skip_payload(std::size_t n, Handler h);
-  /// Payload bytes this channel has skipped by splice(2) so far.
+  /// Zero copy into a file: the n payload bytes of the frame whose header was just read go
+  /// from the socket through the thread's pipe into `file` at `offset` on, by splice(2), never
+  /// through user space. Only for a frame without a tag (clear_frames()); its guard counts it.
+  /// Where the socket will not splice, or the file stops taking splices (its refusal() says
+  /// why from then on), the rest of the payload is read into `rest` at its place in the
+  /// payload (rest.size() == n) instead. The handler gets how many leading payload bytes are
+  /// in the file; the others are in `rest`. Nothing is written once the file is revoked.
+  using SpliceHandler = std::function<void(const ErrorCode&, std::size_t in_file)>;
+  void async_splice_payload(std::size_t n, std::shared_ptr<SpliceFile> file, std::uint64_t offset,
+                            std::span<std::uint8_t> rest, SpliceHandler h);
+  /// Payload bytes this channel has moved by splice(2) so far (skipped or into a file).
   std::uint64_t zero_copy_in_bytes() const noexcept { return zero_copy_in_bytes_; }
-  /// Why async_skip_payload copied instead ("" while it has not had to).
+  /// Why async_skip_payload or async_splice_payload read from the socket instead ("" while
+  /// neither has had to).
   const std::string& skip_fallback() const noexcept { return skip_fallback_; }
 
   /// Queues a frame whose payload the caller keeps alive until h runs. On a protected channel
@@ -188,10 +225,23 @@ private:
   /// The end of a payload's read: h(ec) on an error or without a guard, else its tag is read
   /// and checked.
   void check_payload(const ErrorCode& ec, std::span<std::uint8_t> payload, Handler h);
-  /// Skips what the socket holds of `left` more payload bytes: true once it has ended (all
-  /// skipped, or ec set), false when the socket has nothing more for now. `woke`: the socket
+  /// Where splice_some puts a payload: /dev/null (no file; what is read instead goes into a
+  /// scratch buffer), or a file at `offset` with `rest` for what is read instead.
+  struct SpliceTo {
+    std::shared_ptr<SpliceFile> file;
+    std::uint64_t offset = 0;
+    std::span<std::uint8_t> rest;
+    std::size_t n = 0;        // the payload's bytes
+    std::size_t in_file = 0;  // leading payload bytes in the file so far
+    bool copying = false;     // read from here to the payload's end
+  };
+  /// Takes what the socket holds of `left` more payload bytes: true once it has ended (all
+  /// taken, or ec set), false when the socket has nothing more for now. `woke`: the socket
   /// was just reported readable.
-  bool skip_some(std::size_t& left, ErrorCode& ec, bool woke);
+  bool splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool woke);
+  /// Empties the thread's pipe (`in` bytes, at `done` in the payload) into the target; false
+  /// (ec set) if it cannot.
+  bool drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCode& ec);
 
   tcp::socket socket_;
   std::uint32_t index_;

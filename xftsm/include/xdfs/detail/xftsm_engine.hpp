@@ -305,6 +305,7 @@ private:
     std::uint32_t slot = 0;
     wire::FrameHeader h;
     DataLength data{};  // the block's file data: the frame without its tag
+    std::uint32_t in_file = 0;  // leading bytes of it spliced into the file already
   };
   /// Feeds e to the table and runs the action it answers: one handler per action.
   void on(TransferEvent e, const Arrival& a);
@@ -315,6 +316,9 @@ private:
   void admit(xdsi::Channel& ch, const wire::FrameHeader& h);
   std::vector<std::unique_ptr<asio::steady_timer>> pace_;  // per channel: its next read waits for the rate
   void read_block(xdsi::Channel& ch, const wire::FrameHeader& h);
+  /// Whether the header names one whole, aligned block that has not come before (then marked
+  /// as come): its data length, or none once the transfer has failed for it.
+  std::optional<DataLength> judge(xdsi::Channel& ch, const wire::FrameHeader& h);
   /// queue_write: the authenticated block goes to the disk thread; its channel reads on.
   void queue_write(const Arrival& a);
   /// send_ack: a cumulative ACK once a quarter window (or the whole file) is written.
@@ -353,10 +357,12 @@ private:
   /// An ACK or a NACK on channel 0 (told_unsent_ counts it until it has left).
   void tell_sender(wire::ChannelEvent event, std::uint64_t offset);
   bool refetch_ = false;                 // clear mode with a manifest: bad blocks are fetched again
-  /// Zero copy in: why the blocks' payloads are read into slots ("" when, discarded anyway,
-  /// they are skipped by splice with xdsi::Channel::async_skip_payload).
-  std::string skip_refusal() const;
+  /// Zero copy in: why the blocks' payloads are read into slots ("" when they go by splice:
+  /// skipped with xdsi::Channel::async_skip_payload where the sink discards them, else into
+  /// the file with async_splice_payload).
+  std::string zero_copy_in_refusal() const;
   bool skip_ = false;
+  std::shared_ptr<xdsi::SpliceFile> splice_file_;  // payloads go into it; revoked with the disk thread
   std::uint64_t zero_copy_in_from_ = 0;  // the channels' spliced bytes when the transfer began
   /// Per offset: times asked again, until the block is written (at most a window of them: a
   /// correct sender has no more blocks than that unacknowledged).
