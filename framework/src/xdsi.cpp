@@ -266,7 +266,10 @@ void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
 SpliceFile::SpliceFile(int fd) noexcept : fd_(fd >= 0 ? ::fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1) {
   if (fd_ < 0) {
     refusal_ = std::string("no descriptor to splice into: ") + std::strerror(fd >= 0 ? errno : EBADF);
-  } else if (const int flags = ::fcntl(fd_, F_GETFL); flags < 0 || (flags & O_APPEND)) {
+  } else if (const int flags = ::fcntl(fd_, F_GETFL); flags < 0) {
+    refusal_ = std::string("the file's flags cannot be read: ") + std::strerror(errno);
+    revoke();
+  } else if (flags & O_APPEND) {
     refusal_ = "the file is open to append";  // splice(2) refuses it; writes at offsets would not land there
     revoke();
   }
@@ -288,10 +291,14 @@ void Channel::async_splice_payload(std::size_t n, std::shared_ptr<SpliceFile> fi
   auto fail_now = [this, &h](ErrorCode ec) {
     asio::post(socket_.get_executor(), [h = std::move(h), ec] { h(ec, 0); });
   };
-  // A file's offsets are signed 64-bit: the payload must end below that.
+  // A file's offsets are signed 64-bit: the payload must end below that. A caller's mistake
+  // either way, never the peer's.
   if (!clear_frames(static_cast<wire::ChannelEvent>(in_header_[0])) ||
-      (file && (rest.size() != n || offset > std::uint64_t(INT64_MAX) - n)))
-    return fail_now(make_error_code(boost::system::errc::operation_not_supported));
+      (file && (rest.size() != n || offset > std::uint64_t(INT64_MAX) - n))) {
+    source_code_ = errc::internal;
+    source_text_ = fmt::format("a payload of {} bytes at offset {} cannot go by splice", n, offset);
+    return fail_now(source_failure);
+  }
   // splice(2) from a socket blocks unless the socket itself is non-blocking.
   ErrorCode ec;
   if (!socket_.native_non_blocking()) socket_.native_non_blocking(true, ec);
@@ -311,8 +318,11 @@ void Channel::async_splice_payload(std::size_t n, std::shared_ptr<SpliceFile> fi
 
 bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool woke) {
   if (to.file && to.file->fd() < 0) {
-    // Revoked: the transfer has ended, and nothing more goes into its file.
-    ec = asio::error::operation_aborted;
+    // Revoked: the transfer has ended, and nothing more goes into its file (an ended transfer
+    // ignores the error; a live one would fail on it, not wait).
+    source_code_ = errc::internal;
+    source_text_ = "the file was closed under a splice";
+    ec = source_failure;
     return true;
   }
   auto& pipe = skip_pipe();
@@ -377,6 +387,9 @@ bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool w
 
 bool Channel::drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCode& ec) {
   auto& pipe = skip_pipe();
+  // The file's refusal is told once the pipe is empty: nothing that may throw runs while it
+  // holds bytes, which would otherwise start the thread's next payload.
+  int refused = 0;
   for (std::size_t out_done = 0; out_done < in;) {
     const std::size_t at_payload = done + out_done, want = in - out_done;
     ssize_t out;
@@ -390,7 +403,7 @@ bool Channel::drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCo
         // The file system (or a filter) takes no splice: what the pipe holds, and the rest of
         // the payload, are read into their place in the block instead, and so are the
         // transfer's next payloads.
-        to.file->refuse(std::string("the file does not take splice: ") + std::strerror(errno));
+        refused = errno;
         to.copying = true;
         continue;
       }
@@ -434,6 +447,7 @@ bool Channel::drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCo
     ec = source_failure;
     return false;
   }
+  if (refused) to.file->refuse(std::string("the file does not take splice: ") + std::strerror(refused));
   return true;
 }
 

@@ -844,6 +844,7 @@ void Receiver::on_disk() {
     Parked p = parked_.back();
     parked_.pop_back();
     read_block(*p.ch, p.h);
+    if (machine_.finished()) return;  // its header was judged (to splice it) and failed it
   }
   if (any) on(TransferEvent::block_written);
   maybe_complete();
