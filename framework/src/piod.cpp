@@ -331,10 +331,13 @@ void DiskWriter::write_blocks() {
                sink_.manifest ? sink_.manifest->file_size() : 0};
 
   while (true) {
+    // The wake-up count first, then the stop: a stop after this read raises the count, so the
+    // wait below returns at once. Read the other way round, a stop between the two was lost
+    // and the thread slept for ever, its transfer's join with it (a fuzzed session hung so).
+    const std::uint32_t seen = pipe_.disk_seq();
     // Once stopped, nothing more is written: the transfer has failed (or ended), and its file
     // descriptor is about to be closed and may then name another session's file.
     if (pipe_.stopping()) return;
-    const std::uint32_t seen = pipe_.disk_seq();
     batch.clear();
     Block b;
     while (batch.size() < pipe_.slots() && pipe_.disk_pop(b)) batch.push_back(b);
