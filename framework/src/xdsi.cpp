@@ -217,6 +217,13 @@ SkipPipe& skip_pipe() {
   return p;
 }
 
+// Errors of splice(2) that say it cannot be used here (this socket or file system takes none,
+// no memory for it, a system call filter refuses it): reading instead serves. Any other error
+// is the payload's own failure.
+bool splice_refused(int e) noexcept {
+  return e == EINVAL || e == ENOSYS || e == EOPNOTSUPP || e == EPERM || e == EACCES || e == ENOMEM;
+}
+
 // /dev/null, opened once it can be (-1 until then).
 int dev_null() {
   static std::atomic<int> fd{-1};
@@ -347,8 +354,7 @@ bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool w
     ssize_t got;
     if (!to.copying) {
       got = ::splice(fd, nullptr, pipe.w, nullptr, left, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
-      if (got < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EPERM ||
-                      errno == EACCES || errno == ENOMEM)) {
+      if (got < 0 && splice_refused(errno)) {
         // Not this socket, no memory for it, or a system call filter refuses it: read it.
         read_instead(std::string("the socket does not splice: ") + std::strerror(errno));
         continue;
@@ -398,8 +404,7 @@ bool Channel::drain_pipe(SpliceTo& to, std::size_t done, std::size_t in, ErrorCo
       auto at = static_cast<loff_t>(to.offset + at_payload);  // below INT64_MAX: checked at the start
       out = ::splice(pipe.r, nullptr, to.file->fd(), &at, want, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
       if (out < 0 && errno == EINTR) continue;
-      if (out < 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EPERM ||
-                      errno == ENOMEM)) {
+      if (out < 0 && splice_refused(errno)) {
         // The file system (or a filter) takes no splice: what the pipe holds, and the rest of
         // the payload, are read into their place in the block instead, and so are the
         // transfer's next payloads.
