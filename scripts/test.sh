@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./perf/install-peers.sh   # iperf3, GridFTP, rsync, matplotlib for the perf_smoke test
-XDFS_BUILD_DIR="${XDFS_BUILD_DIR:-build-test}" ./scripts/build.sh RelWithDebInfo
+XDFS_BUILD_PERF=ON XDFS_BUILD_DIR="${XDFS_BUILD_DIR:-build-test}" ./scripts/build.sh RelWithDebInfo
 ctest --test-dir "${XDFS_BUILD_DIR:-build-test}" --output-on-failure

@@ -23,6 +23,8 @@
 namespace {
 
 using namespace xdfs::piod;
+using xdfs::DataLength;
+using xdfs::FileOffset;
 
 constexpr std::uint64_t kRing = 32ull << 20;  // xdfsd's default --ring
 constexpr std::uint64_t kBytes = 256ull << 20; // per iteration
@@ -61,7 +63,7 @@ void feed(BlockPipe& pipe, const std::vector<std::uint64_t>& order, std::uint64_
     while (next < order.size() && !free_slots.empty()) {
       const std::uint64_t off = order[next++] * bs;
       const auto len = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, total - off));
-      pipe.to_disk(Block{free_slots.back(), len, off});
+      pipe.to_disk(Block{free_slots.back(), DataLength(len), FileOffset(off)});
       free_slots.pop_back();
       ++outstanding;
     }
@@ -132,7 +134,7 @@ void BM_DiskReader(benchmark::State& state) {
     state.PauseTiming();
     BlockPipe pipe(bs, static_cast<std::uint32_t>(kRing / bs));
     // The network side starts by handing every slot over as free.
-    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, 0, 0});
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s, DataLength(0), FileOffset(0)});
     state.ResumeTiming();
     DiskReader reader(pipe, Source{file.fd, kBytes, false});
     std::uint64_t got = 0;
@@ -140,8 +142,8 @@ void BM_DiskReader(benchmark::State& state) {
       Block b;
       bool any = false;
       while (pipe.from_disk(b)) {
-        got += b.length;
-        pipe.to_disk(Block{b.slot, 0, 0});
+        got += b.length.value();
+        pipe.to_disk(Block{b.slot, DataLength(0), FileOffset(0)});
         any = true;
       }
       if (pipe.failed()) {

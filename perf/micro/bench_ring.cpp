@@ -9,6 +9,7 @@
 
 namespace {
 
+using xdfs::FileOffset;
 using xdfs::piod::Block;
 using xdfs::piod::SpscRing;
 
@@ -20,13 +21,13 @@ void BM_SpscRingPushPopSingleThread(benchmark::State& state) {
   std::uint64_t sum = 0;
   for (auto _ : state) {
     for (std::size_t i = 0; i < burst; ++i) {
-      b.offset = i;
+      b.offset = FileOffset(i);
       ring.try_push(b);
     }
     Block out;
     for (std::size_t i = 0; i < burst; ++i) {
       ring.try_pop(out);
-      sum += out.offset;
+      sum += out.offset.value();
     }
   }
   benchmark::DoNotOptimize(sum);
@@ -45,14 +46,14 @@ void BM_SpscRingTwoThreads(benchmark::State& state) {
     std::thread producer([&] {
       Block b{};
       for (std::uint64_t i = 0; i < kItems; ++i) {
-        b.offset = i;
+        b.offset = FileOffset(i);
         while (!ring.try_push(b)) std::this_thread::yield();
       }
     });
     Block out;
     for (std::uint64_t i = 0; i < kItems; ++i) {
       while (!ring.try_pop(out)) std::this_thread::yield();
-      sum += out.offset;
+      sum += out.offset.value();
     }
     producer.join();
   }

@@ -80,11 +80,11 @@ void BM_BlockSealOpen(benchmark::State& state) {
   const auto cipher = static_cast<Cipher>(state.range(1));
   const auto len = static_cast<std::uint32_t>(state.range(2));
   xsec::BlockCrypto crypto(mode, cipher, key(3));
-  std::vector<std::uint8_t> block(len + crypto.tag_size(), 0x5a);
+  std::vector<std::uint8_t> block(len + crypto.tag_size().value(), 0x5a);
   std::uint64_t off = 0;
   for (auto _ : state) {
-    crypto.seal(block.data(), len, off);
-    if (!crypto.open(block.data(), len, off)) {
+    crypto.seal(block.data(), DataLength(len), FileOffset(off));
+    if (!crypto.open(block.data(), DataLength(len), FileOffset(off))) {
       state.SkipWithError("open refused a block it sealed");
       break;
     }
