@@ -249,6 +249,9 @@ void define(CLI::App& app, Options& o) {
       ->type_name("MODE")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   count("path-workers", cfg.path_workers, 1, 64, "threads per path-mode session doing file-system work (default 4)");
+  count("block-workers", cfg.block_workers, 0, xdfs::piod::BlockWorkers::max_helpers,
+        "helper threads that hash, seal and open blocks beside the disk\n"
+        "threads, shared by all sessions (0 to 7; default: one per core but one)");
   app.add_flag("!--no-zero-copy", cfg.zero_copy,
                "every block goes through memory: a download or relay reads it first\n"
                "instead of sending it from the page cache by sendfile, an upload\n"
@@ -360,6 +363,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   o.cfg.log = write_log;
+  xdfs::piod::BlockWorkers::configure(o.cfg.block_workers);
   try {
     auto modes = xdfs::standard_modes();
     std::erase_if(modes, [&](const xdfs::runtime::ModeEntry& e) {

@@ -820,6 +820,14 @@ void define(CLI::App& app, Command& c, Help& help) {
                         "blocks travel without their SHA-256 digests (docs/manifest.md):\n"
                         "faster; in clear mode nothing then checks the data")
       ->group(transfers);
+  value(&app, "--block-workers", "N",
+        "helper threads that hash, seal and open blocks beside the disk\n"
+        "thread (0 to 7; default: one per core but one)",
+        [](const std::string& v) {
+          xdfs::piod::BlockWorkers::configure(static_cast<unsigned>(
+              count_in(v, "--block-workers", 0, xdfs::piod::BlockWorkers::max_helpers, "a count")));
+        })
+      ->group(transfers);
   app.add_flag_callback("--no-zero-copy", [&opt] { opt.zero_copy = false; },
                         "every block goes through memory: an upload reads it first instead\n"
                         "of sending it from the page cache by sendfile, a download writes\n"

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -16,14 +17,17 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "xdfs/error.hpp"
 #include "xdfs/piod.hpp"
+#include "xdfs/xsec.hpp"
 
 namespace {
 
@@ -219,6 +223,93 @@ private:
     return one;
   }
 };
+
+
+/// What a DiskReader hands over for a file, each block sealed (private, AES-256-GCM) after its
+/// digest, on the disk thread alone (no workers) or over a pool: every block's slot bytes (data,
+/// digest, tag) by offset, and the whole-file digest.
+struct Sealed {
+  std::map<std::uint64_t, std::vector<std::uint8_t>> blocks;
+  std::optional<manifest::Digest> whole;
+};
+
+xsec::Key32 test_key() {
+  xsec::Key32 k;
+  k.fill(9);
+  return k;
+}
+
+Sealed read_sealed(int fd, std::uint64_t size, std::uint32_t bs, BlockWorkers* workers) {
+  xsec::BlockCrypto sealer(xsec::Protect::private_, xsec::Cipher::aes256gcm, test_key());
+  manifest::FileDigest whole(size, bs);
+  BlockPipe pipe(bs, 16);
+  Source src{fd, size, false};
+  src.sealer = &sealer;
+  src.manifest = &whole;
+  src.workers = workers;
+  Sealed out;
+  {
+    DiskReader reader(pipe, src);
+    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
+    std::uint64_t got = 0;
+    while (got < size) {
+      Block b;
+      bool any = false;
+      while (pipe.from_disk(b)) {
+        any = true;
+        const std::uint8_t* p = pipe.slot_data(b.slot);
+        out.blocks[b.offset.value()].assign(p, p + b.length.value() + manifest::digest_size + xsec::tag_size);
+        got += b.length.value();
+        pipe.to_disk(Block{b.slot});
+      }
+      if (pipe.failed()) FAIL("disk thread failed: " << pipe.error_text());
+      if (!any && got < size) wait_wake(pipe);
+    }
+    reader.join();
+  }
+  out.whole = whole.result();
+  return out;
+}
+
+/// Network side of a receiving pipe whose blocks come sealed: hands `sealed`'s blocks (in
+/// `order` of block index) to a DiskWriter that opens them on `workers`, recycling slots as
+/// they come back. Returns the pipe's error text ("" if none).
+std::string write_sealed(int fd, std::uint64_t size, std::uint32_t bs, const Sealed& sealed,
+                         const std::vector<std::uint64_t>& order, BlockWorkers* workers, manifest::FileDigest& whole) {
+  xsec::BlockCrypto opener(xsec::Protect::private_, xsec::Cipher::aes256gcm, test_key());
+  BlockPipe pipe(bs, 16);
+  Sink sink{fd, true, false, &opener};
+  sink.manifest = &whole;
+  sink.workers = workers;
+  DiskWriter writer(pipe, sink);
+  std::deque<std::uint32_t> free_slots;
+  for (std::uint32_t s = 0; s < pipe.slots(); ++s) free_slots.push_back(s);
+  std::size_t out = 0;
+  auto collect = [&] {
+    Block b;
+    bool any = false;
+    while (pipe.from_disk(b)) {
+      any = true;
+      --out;
+      free_slots.push_back(b.slot);
+    }
+    if (!any && !pipe.failed()) wait_wake(pipe);
+  };
+  for (std::uint64_t idx : order) {
+    while (free_slots.empty() && !pipe.failed()) collect();
+    if (pipe.failed()) break;
+    const std::uint32_t slot = free_slots.front();
+    free_slots.pop_front();
+    const auto& bytes = sealed.blocks.at(idx * bs);
+    std::memcpy(pipe.slot_data(slot), bytes.data(), bytes.size());
+    const auto len = static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, size - idx * bs));
+    pipe.to_disk(Block{slot, DataLength(len), FileOffset(idx * bs)});
+    ++out;
+  }
+  while (out > 0 && !pipe.failed()) collect();
+  // Every block came back written (or the writer failed and wrote no more).
+  return pipe.failed() ? pipe.error_text() : std::string();
+}
 
 }  // namespace
 
@@ -754,6 +845,136 @@ TEST_CASE("disk threads stop and join when idle") {
     }
     Block b;
     CHECK_FALSE(pipe.from_disk(b));
+  }
+}
+
+TEST_CASE("BlockWorkers runs every task once, each lane one task at a time, and brings a task's exception back after all end") {
+  BlockWorkers pool(3);
+  REQUIRE(pool.lanes() == 4);
+
+  SUBCASE("every task once; lanes never run two at a time; helpers take part") {
+    constexpr std::size_t n = 200;
+    std::vector<std::atomic<int>> ran(n);
+    std::vector<std::atomic<bool>> busy(pool.lanes());
+    std::atomic<int> clashes{0}, bad_lane{0};
+    std::set<unsigned> used;
+    std::mutex used_m;
+    pool.run(n, [&](std::size_t i, unsigned lane) {
+      if (lane >= pool.lanes()) {
+        ++bad_lane;
+        return;
+      }
+      if (busy[lane].exchange(true)) ++clashes;
+      ++ran[i];
+      {
+        std::lock_guard lock(used_m);
+        used.insert(lane);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      busy[lane] = false;
+    });
+    CHECK(bad_lane == 0);
+    CHECK(clashes == 0);
+    int wrong = 0;
+    for (auto& r : ran) wrong += r != 1;
+    CHECK(wrong == 0);
+    CHECK(used.count(0) == 1);  // the caller works too
+    CHECK(used.size() > 1);     // 200 ms of work: the sleeping helpers woke for it
+  }
+
+  SUBCASE("a throwing task: the others still run, and run() throws it once they have") {
+    constexpr std::size_t n = 64;
+    std::vector<std::atomic<int>> ran(n);
+    std::atomic<int> inside{0};
+    bool threw = false;
+    try {
+      pool.run(n, [&](std::size_t i, unsigned) {
+        ++inside;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        ++ran[i];
+        --inside;
+        if (i == 17) throw std::runtime_error("task 17 failed");
+      });
+    } catch (const std::runtime_error& e) {
+      threw = std::string(e.what()) == "task 17 failed";
+      CHECK(inside == 0);  // nothing still runs once it is thrown
+    }
+    CHECK(threw);
+    int wrong = 0;
+    for (auto& r : ran) wrong += r != 1;
+    CHECK(wrong == 0);
+  }
+
+  SUBCASE("several disk threads share the pool at once") {
+    constexpr int callers = 4, rounds = 50;
+    constexpr std::size_t n = 16;
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c)
+      threads.emplace_back([&] {
+        for (int r = 0; r < rounds; ++r) {
+          std::vector<std::atomic<int>> ran(n);
+          pool.run(n, [&](std::size_t i, unsigned) { ++ran[i]; });
+          for (auto& x : ran) wrong += x != 1;
+        }
+      });
+    for (auto& t : threads) t.join();
+    CHECK(wrong == 0);
+  }
+
+  SUBCASE("without helpers everything runs on the caller, as lane 0") {
+    BlockWorkers none(0);
+    CHECK(none.lanes() == 1);
+    const auto me = std::this_thread::get_id();
+    int elsewhere = 0, count = 0;
+    none.run(10, [&](std::size_t, unsigned lane) {
+      elsewhere += lane != 0 || std::this_thread::get_id() != me;
+      ++count;
+    });
+    CHECK(count == 10);
+    CHECK(elsewhere == 0);
+  }
+}
+
+TEST_CASE("blocks hashed and sealed over a BlockWorkers pool are those of the disk thread alone, and open back over one") {
+  constexpr std::uint32_t bs = 65536;
+  constexpr std::uint64_t size = 40 * bs + 12345;  // 41 blocks, the last short
+  constexpr std::uint64_t blocks = 41;
+  TempFile src;
+  const auto data = expected_bytes(size);
+  src.write_all(data);
+  BlockWorkers pool(3);
+
+  const Sealed alone = read_sealed(src.fd, size, bs, nullptr);
+  const Sealed spread = read_sealed(src.fd, size, bs, &pool);
+  REQUIRE(alone.blocks.size() == blocks);
+  REQUIRE(alone.whole);
+  CHECK(spread.whole == alone.whole);
+  int differ = 0;
+  for (const auto& [off, bytes] : alone.blocks) differ += spread.blocks.count(off) == 0 || spread.blocks.at(off) != bytes;
+  CHECK(differ == 0);
+  // Sealed: no block's bytes are the file's.
+  CHECK(std::memcmp(alone.blocks.at(0).data(), data.data(), bs) != 0);
+
+  SUBCASE("opened over the pool in any order: the file, and the same whole-file digest") {
+    TempFile dst;
+    manifest::FileDigest whole(size, bs);
+    CHECK(write_sealed(dst.fd, size, bs, spread, scrambled_order(blocks, 3), &pool, whole) == "");
+    CHECK(dst.contents() == data);
+    CHECK(whole.result() == alone.whole);
+  }
+  SUBCASE("two damaged blocks: the transfer fails naming the first in order, whichever lane opened it") {
+    Sealed bad = spread;
+    bad.blocks[7 * bs][100] ^= 1;
+    bad.blocks[5 * bs][bs - 1] ^= 1;
+    TempFile dst;
+    manifest::FileDigest whole(size, bs);
+    std::vector<std::uint64_t> order(blocks);
+    for (std::uint64_t i = 0; i < blocks; ++i) order[i] = i;
+    CHECK(write_sealed(dst.fd, size, bs, bad, order, &pool, whole) ==
+          "block at offset " + std::to_string(5 * bs) + " failed its integrity check");
+    // Nothing of or after the damaged blocks' group reached the file.
+    CHECK(dst.contents().size() <= 5 * bs);
   }
 }
 

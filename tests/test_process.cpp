@@ -122,6 +122,40 @@ TEST_CASE("xduc -p 8 moves a 1 GiB random file up and down byte-identically") {
   CHECK(xt::files_equal(local / "gig", local / "gig.back"));
 }
 
+TEST_CASE("--block-workers: digests, seals and opening spread over that many helpers on each side, byte-exact; out of range refused") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "data", (3 << 20) + 4321, 17);
+  for (const char* workers : {"0", "3"}) {
+    CAPTURE(workers);
+    xt::XdfsdProcess d(root.path(), {"--block-workers", workers, "--debug"});
+    const std::string lanes = std::string(workers) == "0" ? "block work on the disk thread alone"
+                                                         : "block work on 4 lanes (the disk thread and 3 helpers)";
+    for (const char* protect : {"private", "integrity", "clear"}) {
+      CAPTURE(protect);
+      ::unlink((root / "data").c_str());
+      ::unlink((local / "back").c_str());
+      // 64 KiB blocks: a group of many blocks for the lanes to share.
+      auto up = xt::xduc({"-q", "-p", "2", "--block-size", "64K", "--protect", protect, "--block-workers", workers,
+                          "--debug", local / "data", url(d, "data")});
+      REQUIRE_MESSAGE(up.status == 0, up.err);
+      CHECK(xt::files_equal(local / "data", root / "data"));
+      CHECK(up.err.find(lanes + ": digests") != std::string::npos);
+      auto down = xt::xduc({"-q", "-p", "2", "--block-size", "64K", "--protect", protect, "--block-workers", workers,
+                            "--debug", url(d, "data"), local / "back"});
+      REQUIRE_MESSAGE(down.status == 0, down.err);
+      CHECK(xt::files_equal(local / "data", local / "back"));
+      CHECK(down.err.find(lanes) != std::string::npos);
+    }
+    CHECK(d.wait_for_log(lanes + ": opening and digest checks"));
+    CHECK(d.wait_for_log(lanes + ": digests and seals"));
+  }
+  auto one_line = [](const xt::RunResult& r, const std::string& text) {
+    return r.status == 2 && std::count(r.err.begin(), r.err.end(), '\n') == 1 && r.err.find(text) != std::string::npos;
+  };
+  CHECK(one_line(xt::run(XDFSD_PATH, {"--root", root.path(), "--block-workers", "8"}), "--block-workers"));
+  CHECK(one_line(xt::xduc({"--block-workers", "many", local / "data", "xdfs://127.0.0.1:1/x"}), "--block-workers"));
+}
+
 TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --no-zero-copy on either side turns it off") {
   xt::TempDir root, local;
   xt::write_random_file(local / "data", (4 << 20) + 9, 17);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <system_error>
 #include <chrono>
 #include <cerrno>
 #include <cstdlib>
@@ -179,6 +180,133 @@ int write_all(DiskIo& io, int fd, iovec* iov, int cnt, std::int64_t offset, cons
 
 }  // namespace
 
+// ---- BlockWorkers ----
+
+struct BlockWorkers::Job {
+  const std::function<void(std::size_t, unsigned)>* task = nullptr;
+  std::size_t n = 0;
+  std::atomic<std::size_t> next{0};
+  unsigned lanes = 1;  // lanes given out so far (under m_)
+  unsigned inside = 0;  // helpers working in it (under m_)
+  std::exception_ptr error;  // the first a task threw (under m_)
+};
+
+namespace {
+std::atomic<int> configured_helpers{-1};  // -1: default_helpers()
+std::atomic<bool> shared_made{false};
+}  // namespace
+
+unsigned BlockWorkers::default_helpers() noexcept {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores <= 1 ? 0 : std::min(cores - 1, max_helpers);
+}
+
+bool BlockWorkers::configure(unsigned helpers) noexcept {
+  if (shared_made.load(std::memory_order_acquire)) return false;
+  configured_helpers.store(static_cast<int>(std::min(helpers, max_helpers)), std::memory_order_release);
+  return true;
+}
+
+BlockWorkers& BlockWorkers::shared() {
+  static BlockWorkers* const pool = [] {
+    shared_made.store(true, std::memory_order_release);
+    const int c = configured_helpers.load(std::memory_order_acquire);
+    return new BlockWorkers(c < 0 ? default_helpers() : static_cast<unsigned>(c));  // never freed: see shared()
+  }();
+  return *pool;
+}
+
+BlockWorkers::BlockWorkers(unsigned helpers) {
+  helpers = std::min(helpers, max_helpers);
+  helpers_.reserve(helpers);
+  for (unsigned i = 0; i < helpers; ++i) {
+    try {
+      helpers_.emplace_back([this] { help(); });
+    } catch (const std::system_error&) {
+      break;  // fewer helpers: every batch still runs, on fewer lanes
+    }
+  }
+}
+
+BlockWorkers::~BlockWorkers() {
+  {
+    std::lock_guard lock(m_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  for (auto& t : helpers_) t.join();
+}
+
+void BlockWorkers::work(Job& job, unsigned lane) noexcept {
+  for (std::size_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n;) {
+    try {
+      (*job.task)(i, lane);
+    } catch (...) {
+      std::lock_guard lock(m_);
+      if (!job.error) job.error = std::current_exception();
+    }
+  }
+}
+
+void BlockWorkers::help() noexcept {
+  // Signals go to the process's other threads: a helper only computes.
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);
+  std::unique_lock lock(m_);
+  while (true) {
+    work_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    Job* job = jobs_.front();
+    // Every task taken (or every lane given): nobody else need come; its caller waits for those inside.
+    if (job->next.load(std::memory_order_relaxed) >= job->n || job->lanes >= lanes()) {
+      jobs_.pop_front();
+      continue;
+    }
+    const unsigned lane = job->lanes++;
+    ++job->inside;
+    lock.unlock();
+    work(*job, lane);
+    lock.lock();
+    if (--job->inside == 0) done_.notify_all();
+  }
+}
+
+void BlockWorkers::run(std::size_t n, const std::function<void(std::size_t, unsigned)>& task) {
+  if (n == 0) return;
+  if (helpers_.empty() || n == 1) {
+    for (std::size_t i = 0; i < n; ++i) task(i, 0);
+    return;
+  }
+  Job job;
+  job.task = &task;
+  job.n = n;
+  {
+    std::lock_guard lock(m_);
+    jobs_.push_back(&job);
+  }
+  // As many helpers as there are tasks beside the caller's first one.
+  if (n - 1 >= helpers_.size())
+    work_.notify_all();
+  else
+    for (std::size_t i = 0; i + 1 < n; ++i) work_.notify_one();
+  work(job, 0);
+  std::unique_lock lock(m_);
+  // No helper enters it from now on; those inside finish the task they took.
+  if (auto it = std::find(jobs_.begin(), jobs_.end(), &job); it != jobs_.end()) jobs_.erase(it);
+  done_.wait(lock, [&] { return job.inside == 0; });
+  if (job.error) std::rethrow_exception(job.error);
+}
+
+Lanes::Lanes(BlockWorkers* w, BlockSealer* sealer, bool hashes) : workers(w), own(sealer) {
+  const unsigned n = w && (sealer || hashes) ? w->lanes() : 1;
+  for (unsigned lane = 1; lane < n && sealer; ++lane) clones.push_back(sealer->clone());
+  for (unsigned lane = 0; lane < n; ++lane)
+    hashers.push_back(hashes ? std::make_unique<manifest::BlockHasher>() : nullptr);
+}
+
+// ---- DiskWriter ----
+
 DiskWriter::DiskWriter(BlockPipe& pipe, Sink sink) : pipe_(pipe), sink_(sink), thread_([this] { run(); }) {}
 
 DiskWriter::~DiskWriter() {
@@ -261,32 +389,52 @@ void DiskWriter::write_blocks() {
     return true;
   };
 
-  // Opens (decrypts or checks) blocks in place, then checks each one's digest; false once one
-  // fails either check (with refetch, a digest that does not match marks the block instead).
-  std::optional<manifest::BlockHasher> hasher;
-  if (sink_.manifest) hasher.emplace();
+  // Opens (decrypts or checks) blocks in place, then checks each one's digest, on the lanes of
+  // the sink's workers; then, in the blocks' order, false at the first that failed either check
+  // (with refetch, a digest that does not match marks the block instead), and the digests of
+  // the others go into the manifest.
+  Lanes lanes(sink_.workers, sink_.opener, sink_.manifest != nullptr);
   const std::uint32_t digest = sink_.manifest ? manifest::digest_size : 0;
+  enum class Check : std::uint8_t { ok, tag, digest };
+  std::vector<Check> checks;
+  std::vector<manifest::Digest> found;
+  auto check = [&](const Block& b, unsigned lane, Check& c, manifest::Digest& d) {
+    std::uint8_t* data = pipe_.slot_data(b.slot);
+    const std::uint32_t len = b.length.value();
+    c = Check::ok;
+    if (sink_.opener && !lanes.sealer(lane)->open(data, DataLength(len + digest), b.offset)) {
+      c = Check::tag;
+      return;
+    }
+    if (!sink_.manifest) return;
+    d = lanes.hashers[lane]->digest(data, len);
+    if (std::memcmp(d.data(), data + len, d.size()) != 0) c = Check::digest;
+  };
   auto open_all = [&](Block* blocks, std::size_t count) -> bool {
+    if (!sink_.opener && !sink_.manifest) return true;
+    checks.resize(count);
+    found.resize(count);
+    if (lanes.count() > 1 && count > 1)
+      lanes.workers->run(count, [&](std::size_t k, unsigned lane) { check(blocks[k], lane, checks[k], found[k]); });
+    else
+      for (std::size_t k = 0; k < count; ++k) check(blocks[k], 0, checks[k], found[k]);
     for (std::size_t k = 0; k < count; ++k) {
-      std::uint8_t* data = pipe_.slot_data(blocks[k].slot);
-      const std::uint32_t len = blocks[k].length.value();
-      if (sink_.opener && !sink_.opener->open(data, DataLength(len + digest), blocks[k].offset)) {
+      if (checks[k] == Check::tag) {
         pipe_.set_error(errc::integrity_error,
                         "block at offset " + std::to_string(blocks[k].offset.value()) + " failed its integrity check");
         return false;
       }
       if (!sink_.manifest) continue;
-      const manifest::Digest d = hasher->digest(data, len);
-      const bool matches = std::memcmp(d.data(), data + len, d.size()) == 0;
-      if (!matches && sink_.refetch) {
+      if (checks[k] == Check::digest && sink_.refetch) {
         blocks[k].retry = true;
         continue;
       }
-      if (!matches) {
+      if (checks[k] == Check::digest) {
         pipe_.set_error(errc::integrity_error, "block at offset " + std::to_string(blocks[k].offset.value()) +
                                                    " does not match its digest");
         return false;
       }
+      const manifest::Digest& d = found[k];
       const auto added = sink_.manifest->add(blocks[k].offset, d);
       if (added == manifest::FileDigest::Added::ok && sink_.digests)
         sink_.digests->put(blocks[k].offset.value() / pipe_.block_size(), d);
@@ -350,7 +498,7 @@ void DiskWriter::write_blocks() {
       // With an opener, a run is at most crypto_group bytes, each opened just before its write
       // (still in cache); every run's slots go back to the network thread as soon as it is out.
       const bool checked = sink_.opener || sink_.manifest;
-      const std::size_t cap = checked ? crypto_group(pipe_.block_size()) : max_iov;
+      const std::size_t cap = checked ? crypto_group(pipe_.block_size(), lanes.count()) : max_iov;
       std::size_t start = 0;
       for (std::size_t i = 1; i <= batch.size(); ++i) {
         const bool breaks = i == batch.size() || i - start == cap ||
@@ -418,7 +566,7 @@ void DiskReader::join() {
 
 void DiskReader::run() {
   try {
-    if (source_.manifest) hasher_.emplace();
+    lanes_.emplace(source_.workers, source_.sealer, source_.manifest != nullptr);
     if (source_.stream)
       read_stream();
     else
@@ -480,12 +628,12 @@ void DiskReader::read_blocks() {
       iovec one{pipe_.slot_data(b.slot), b.length.value()};
       if (!read_all(&one, 1, b.offset.value())) return false;
     }
-    if (hasher_) {
+    if (source_.manifest) {
       std::uint8_t* data = pipe_.slot_data(b.slot);
       manifest::Digest d;
       if (source_.test_corrupt == 2) data[b.length.value() - 1] ^= 1;
       if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
-        d = hasher_->digest(data, b.length.value());
+        d = lanes_->hashers[0]->digest(data, b.length.value());
       manifest::BlockHasher::put(data + b.length.value(), d);
       if (source_.test_corrupt == 1) data[b.length.value() - 1] ^= 1;
     }
@@ -551,7 +699,7 @@ void DiskReader::read_blocks() {
     if (read && !read_all(iov, static_cast<int>(n), next_)) return;
     for (std::size_t i = 0; i < n; ++i) batch[i].in_slot = read;
     next_ = off;
-    for (std::size_t i = 0; i < n; ++i) finish(batch[i]);
+    finish(batch, n);
     for (std::size_t i = 0; i < n; ++i) pipe_.disk_push(batch[i]);
     pipe_.net_wake().notify();
   }
@@ -566,20 +714,29 @@ bool DiskReader::needs_bytes(const Block* blocks, std::size_t n) const noexcept 
   return false;  // every digest is kept already (a relay's copy)
 }
 
-void DiskReader::finish(Block& b) {
+void DiskReader::protect(Block& b, unsigned lane, manifest::Digest& d) {
   std::uint8_t* data = pipe_.slot_data(b.slot);
   std::uint32_t len = b.length.value();
   if (source_.manifest) {
-    manifest::Digest d;
     if (source_.test_corrupt == 2) data[len - 1] ^= 1;
     if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
-      d = hasher_->digest(data, len);
+      d = lanes_->hashers[lane]->digest(data, len);
     manifest::BlockHasher::put(data + len, d);
     if (source_.test_corrupt == 1) data[len - 1] ^= 1;
-    (void)source_.manifest->add(b.offset, d);  // read in order: always taken at once
     len += manifest::digest_size;
   }
-  if (source_.sealer) source_.sealer->seal(data, DataLength(len), b.offset);
+  if (source_.sealer) lanes_->sealer(lane)->seal(data, DataLength(len), b.offset);
+}
+
+void DiskReader::finish(Block* blocks, std::size_t n) {
+  if (!source_.manifest && !source_.sealer) return;
+  manifest::Digest digests[max_iov];
+  if (lanes_->count() > 1 && n > 1)
+    lanes_->workers->run(n, [&](std::size_t i, unsigned lane) { protect(blocks[i], lane, digests[i]); });
+  else
+    for (std::size_t i = 0; i < n; ++i) protect(blocks[i], 0, digests[i]);
+  if (source_.manifest)
+    for (std::size_t i = 0; i < n; ++i) (void)source_.manifest->add(blocks[i].offset, digests[i]);  // in order: taken at once
 }
 
 // A stream: blocks in order from read(2), each handed over as soon as it is full (a slow
@@ -649,8 +806,8 @@ void DiskReader::read_stream() {
         Block& blk = batch[i];
         blk.offset = FileOffset(next_ + std::uint64_t(i) * bs);
         blk.length = DataLength(static_cast<std::uint32_t>(std::min<std::uint64_t>(bs, got - std::uint64_t(i) * bs)));
-        finish(blk);
       }
+      finish(batch + handed, static_cast<std::size_t>(ready - handed));
       if (ended) {
         // The size is known: the manifest's, then the network thread's, before the last block.
         if (source_.manifest && !source_.manifest->set_size(next_ + got)) {

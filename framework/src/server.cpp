@@ -500,6 +500,7 @@ void Server::Impl::reload(ServerConfig next) {
   restart("memory-limit", (next.memory_limit ? next.memory_limit : default_memory_limit()) == c.memory_limit);
   restart("max-total-rate", next.max_total_rate == c.max_total_rate);
   restart("partial-expiry", next.partial_expiry == c.partial_expiry);
+  restart("block-workers", next.block_workers == c.block_workers);
   std::string line = applied.empty() ? "SIGHUP: reloaded, nothing changed" : "SIGHUP: reloaded: " + fmt::format("{}", fmt::join(applied, ", "));
   line += "; authorized keys and relay peers are read again at the next session";
   if (!kept.empty()) line += fmt::format("; not applied, these need a restart: {}", fmt::join(kept, ", "));

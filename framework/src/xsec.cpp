@@ -712,7 +712,7 @@ std::array<std::uint8_t, 12> block_ad(std::uint64_t offset, std::uint32_t len) {
 }
 }  // namespace
 
-BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(mode) {
+BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(mode), cipher_(cipher), key_(key) {
   if (mode == Protect::private_) {
     seal_ = std::make_unique<Evp>(cipher, key, true);
     open_ = std::make_unique<Evp>(cipher, key, false);
@@ -721,7 +721,11 @@ BlockCrypto::BlockCrypto(Protect mode, Cipher cipher, const Key32& key) : mode_(
   }
 }
 
-BlockCrypto::~BlockCrypto() = default;
+BlockCrypto::~BlockCrypto() { OPENSSL_cleanse(key_.data(), key_.size()); }
+
+std::unique_ptr<piod::BlockSealer> BlockCrypto::clone() const {
+  return std::make_unique<BlockCrypto>(mode_, cipher_, key_);
+}
 
 void BlockCrypto::seal(std::uint8_t* data, DataLength length, FileOffset at) {
   const std::uint32_t len = length.value();

@@ -336,8 +336,23 @@ void Sender::stop_disk() noexcept {
   reader_.reset();  // joins: the reader checks for the stop before every read
 }
 
+namespace {
+// The debug line that says where a transfer's per-block work runs.
+std::string block_work(unsigned lanes, const char* what) {
+  if (lanes <= 1) return fmt::format("block work on the disk thread alone: {}", what);
+  return fmt::format("block work on {} lanes (the disk thread and {} helpers): {}", lanes, lanes - 1, what);
+}
+}  // namespace
+
 void Sender::start() {
   for (std::uint32_t s = 0; s < pipe_.slots() - (resends_ ? 1 : 0); ++s) pipe_.to_disk(piod::Block{s});
+  // Digests and seals spread over the process's helper threads, beside the disk thread.
+  if (!source_.workers && (source_.sealer || source_.manifest)) {
+    source_.workers = &piod::BlockWorkers::shared();
+    host_.debug(block_work(source_.workers->lanes(), source_.sealer && source_.manifest ? "digests and seals"
+                                                     : source_.sealer                   ? "seals"
+                                                                                        : "digests"));
+  }
   reader_.emplace(pipe_, source_, params_.start_offset);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);
@@ -658,6 +673,13 @@ void Receiver::stop_disk() noexcept {
 }
 
 void Receiver::start() {
+  // Opening and digest checks spread over the process's helper threads, beside the disk thread.
+  if (!sink_.workers && (sink_.opener || sink_.manifest)) {
+    sink_.workers = &piod::BlockWorkers::shared();
+    host_.debug(block_work(sink_.workers->lanes(), sink_.opener && sink_.manifest ? "opening and digest checks"
+                                                   : sink_.opener                 ? "opening"
+                                                                                  : "digest checks"));
+  }
   writer_.emplace(pipe_, sink_);
   watch_disk();
   for (auto& ch : channels_) read_loop(*ch);

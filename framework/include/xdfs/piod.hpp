@@ -14,9 +14,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -126,6 +131,51 @@ public:
   virtual void seal(std::uint8_t* data, DataLength len, FileOffset offset) = 0;
   /// Checks (and decrypts in place) the block whose tag is at data + len.
   virtual bool open(std::uint8_t* data, DataLength len, FileOffset offset) = 0;
+  /// Another sealer with the same key, for another thread (a BlockWorkers lane): each block is
+  /// still sealed once, by whichever lane takes it, so no nonce serves twice.
+  virtual std::unique_ptr<BlockSealer> clone() const = 0;
+};
+
+/// Helper threads that hash, seal and open the blocks of a disk thread's batch beside it, one
+/// block each, so that one transfer's per-byte work (SHA-256 digests, AES-GCM) is not bounded
+/// by one core. One pool serves every transfer of a process; a disk thread takes part in its
+/// own batch as lane 0 and never waits for a helper to start: a helper busy elsewhere only
+/// means that the disk thread does more of the batch itself. Helpers hold no session state;
+/// what a lane needs (its sealer, its hasher) is the disk thread's, by lane number.
+class BlockWorkers {
+public:
+  /// Helpers of the shared pool unless configure() says otherwise: one per core but one.
+  static constexpr unsigned max_helpers = 7;
+  static unsigned default_helpers() noexcept;
+  /// Sets the shared pool's helpers (0: none, every batch on its disk thread); only before
+  /// shared() is first called, false after (the pool is made once per process).
+  static bool configure(unsigned helpers) noexcept;
+  /// The process's pool, made on first use and never destroyed (its helpers sleep until work
+  /// comes); fewer helpers if the system will not start as many threads.
+  static BlockWorkers& shared();
+
+  explicit BlockWorkers(unsigned helpers);
+  ~BlockWorkers();  // stops and joins the helpers (a pool no batch is using)
+  BlockWorkers(const BlockWorkers&) = delete;
+  BlockWorkers& operator=(const BlockWorkers&) = delete;
+
+  /// Lanes a batch can spread over: the helpers and the calling thread.
+  unsigned lanes() const noexcept { return static_cast<unsigned>(helpers_.size()) + 1; }
+  /// Runs task(i, lane) for every i in [0, n): the caller as lane 0, helpers that are free as
+  /// lanes 1 .. lanes()-1, each lane one task at a time; returns once every task is done. The
+  /// first exception a task throws is thrown here, after every task has ended.
+  void run(std::size_t n, const std::function<void(std::size_t, unsigned)>& task);
+
+private:
+  struct Job;
+  void help() noexcept;
+  void work(Job& job, unsigned lane) noexcept;
+  std::mutex m_;
+  std::condition_variable work_;  // helpers wait here for a job
+  std::condition_variable done_;  // a caller waits here for the helpers in its job to leave it
+  std::deque<Job*> jobs_;         // with tasks left to take
+  bool stop_ = false;
+  std::vector<std::thread> helpers_;
 };
 
 /// Slack after every slot for a block's digest and tag.
@@ -195,6 +245,9 @@ struct Sink {
   std::atomic<std::uint64_t>* written = nullptr;
   /// If set (with a manifest): every verified block's digest is put here.
   DigestLog* digests = nullptr;
+  /// If set, blocks are opened and their digests checked on its lanes, several at once (each
+  /// lane with a clone of the opener); else one after the other on the disk thread.
+  BlockWorkers* workers = nullptr;
 };
 
 /// Where sent bytes come from.
@@ -231,6 +284,9 @@ struct Source {
   /// pack's magic, at its start, stays), 1: after its digest is taken; 2: before (a forgery
   /// whose digests match it).
   std::uint8_t test_corrupt = 0;
+  /// If set, blocks are hashed and sealed on its lanes, several at once (each lane with a clone
+  /// of the sealer); else one after the other on the disk thread.
+  BlockWorkers* workers = nullptr;
 };
 
 /// Bytes after a block's data in its slot and its frame: its digest, then its tag.
@@ -333,11 +389,25 @@ private:
 inline constexpr std::size_t max_iov = 64;
 
 /// Slots a disk thread seals (or opens) and then reads (or writes) in one go when blocks are
-/// protected: about 2 MiB, so the bytes are still in cache between the cryptography and the copy.
-constexpr std::size_t crypto_group(std::uint32_t block_size) noexcept {
+/// protected: about 2 MiB a lane, so the bytes are still in cache between the cryptography and
+/// the copy, and every lane of a BlockWorkers pool has a block of the group.
+constexpr std::size_t crypto_group(std::uint32_t block_size, unsigned lanes = 1) noexcept {
   const std::size_t n = (std::size_t{2} << 20) / (block_size ? block_size : 1);
-  return n < 1 ? 1 : (n > max_iov ? max_iov : n);
+  const std::size_t group = (n < 1 ? 1 : n) * (lanes ? lanes : 1);
+  return group > max_iov ? max_iov : group;
 }
+
+/// What a disk thread keeps for each lane of its BlockWorkers: lane 0 is its own (the source's
+/// sealer or the sink's opener), the others clones, each with a hasher. Made on the disk thread.
+struct Lanes {
+  Lanes(BlockWorkers* workers, BlockSealer* sealer, bool hashes);
+  unsigned count() const noexcept { return static_cast<unsigned>(hashers.size()); }
+  BlockSealer* sealer(unsigned lane) noexcept { return lane == 0 ? own : clones[lane - 1].get(); }
+  BlockWorkers* workers;
+  BlockSealer* own;
+  std::vector<std::unique_ptr<BlockSealer>> clones;
+  std::vector<std::unique_ptr<manifest::BlockHasher>> hashers;  // empty pointers without a manifest
+};
 
 /// The disk thread of a receiving side: writes filled blocks, coalescing contiguous ones into
 /// one pwritev; for a non-seekable sink it restores offset order and writes sequentially.
@@ -370,9 +440,12 @@ private:
   void run();
   void read_blocks();
   void read_stream();
-  /// A block just read (its offset and length set): its digest after its data and into the
-  /// manifest, then sealed, as the source says.
-  void finish(Block& b);
+  /// Blocks just read (offsets and lengths set, at most max_iov): each one's digest after its
+  /// data, then sealed, as the source says, on the lanes of its workers; then the digests into
+  /// the manifest in the blocks' order.
+  void finish(Block* blocks, std::size_t n);
+  /// One block of finish(), on `lane`; its digest (with a manifest) in `d`.
+  void protect(Block& b, unsigned lane, manifest::Digest& d);
   /// Whether these blocks must be read into their slots: always, but with zero copy only if a
   /// digest is to be made from one.
   bool needs_bytes(const Block* blocks, std::size_t n) const noexcept;
@@ -380,12 +453,12 @@ private:
   /// Slots read in one go: with a sealer or digests at most crypto_group's bytes, hashed and
   /// sealed while still in cache.
   std::size_t batch_cap() const noexcept {
-    return source_.sealer || source_.manifest ? crypto_group(pipe_.block_size()) : max_iov;
+    return source_.sealer || source_.manifest ? crypto_group(pipe_.block_size(), lanes_ ? lanes_->count() : 1) : max_iov;
   }
   BlockPipe& pipe_;
   Source source_;
   std::uint64_t next_;
-  std::optional<manifest::BlockHasher> hasher_;  // with a manifest; made on the disk thread
+  std::optional<Lanes> lanes_;  // made on the disk thread
   std::thread thread_;
 };
 

@@ -90,6 +90,11 @@ struct ServerConfig {
   /// reading it (which must have it open); without this, such an upload replaces the FIFO.
   bool allow_fifo = false;
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
+  /// Helper threads the process's transfers hash, seal and open blocks on beside their disk
+  /// threads (piod::BlockWorkers; 0: none); the default is one per core but one, at most 7.
+  /// The pool is the process's, made once: xdfsd gives it this at start
+  /// (BlockWorkers::configure); a reload that changes it says it needs a restart.
+  unsigned block_workers = piod::BlockWorkers::default_helpers();
   /// Downloads send file data to the sockets by sendfile(2) where they can (clear mode, a
   /// regular file); false (xdfsd --no-zero-copy) reads every block into user space first.
   bool zero_copy = true;

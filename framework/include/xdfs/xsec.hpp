@@ -173,7 +173,8 @@ bool equal_constant_time(std::span<const std::uint8_t> a, std::span<const std::u
 Key32 data_key(const Key32& session_secret, bool client_to_server, std::uint64_t transfer);
 
 /// Seals and opens block payloads on a disk thread (integrity: GMAC tag; private: AEAD). One
-/// thread at a time: it keeps its cipher contexts between blocks.
+/// thread at a time: it keeps its cipher contexts between blocks; clone() gives another thread
+/// its own.
 class BlockCrypto final : public piod::BlockSealer {
 public:
   BlockCrypto(Protect mode, Cipher cipher, const Key32& key);
@@ -181,10 +182,13 @@ public:
   TagLength tag_size() const noexcept override { return TagLength(16); }
   void seal(std::uint8_t* data, DataLength len, FileOffset offset) override;
   bool open(std::uint8_t* data, DataLength len, FileOffset offset) override;
+  std::unique_ptr<piod::BlockSealer> clone() const override;
 
 private:
   class Evp;
   Protect mode_;
+  Cipher cipher_;
+  Key32 key_;  // for clones; wiped with the object
   std::unique_ptr<Evp> seal_;  // private: seals; integrity: makes and checks GMACs
   std::unique_ptr<Evp> open_;  // private only
 };
