@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -239,8 +240,47 @@ xsec::Key32 test_key() {
   return k;
 }
 
-Sealed read_sealed(int fd, std::uint64_t size, std::uint32_t bs, BlockWorkers* workers) {
-  xsec::BlockCrypto sealer(xsec::Protect::private_, xsec::Cipher::aes256gcm, test_key());
+/// Which threads sealed or opened blocks, shared by a sealer and its clones. With
+/// `wait_for_second`, the first thread to seal waits (10 s at most) until a second one has
+/// too: a pool's helper then surely takes part, however loaded the machine.
+struct SealThreads {
+  std::mutex m;
+  std::condition_variable cv;
+  std::set<std::thread::id> threads;
+  bool wait_for_second = false;
+  std::uint64_t slow_offset = UINT64_MAX;  // opening the block there takes 100 ms more
+  void note() {
+    std::unique_lock lock(m);
+    threads.insert(std::this_thread::get_id());
+    cv.notify_all();
+    if (wait_for_second && threads.size() == 1)
+      cv.wait_for(lock, std::chrono::seconds(10), [&] { return threads.size() > 1; });
+  }
+};
+
+/// xsec::BlockCrypto (private, AES-256-GCM) that notes the threads it runs on.
+class NotingSealer final : public BlockSealer {
+public:
+  explicit NotingSealer(SealThreads& t) : inner_(xsec::Protect::private_, xsec::Cipher::aes256gcm, test_key()), t_(t) {}
+  TagLength tag_size() const noexcept override { return inner_.tag_size(); }
+  void seal(std::uint8_t* data, DataLength len, FileOffset offset) override {
+    t_.note();
+    inner_.seal(data, len, offset);
+  }
+  bool open(std::uint8_t* data, DataLength len, FileOffset offset) override {
+    t_.note();
+    if (offset.value() == t_.slow_offset) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return inner_.open(data, len, offset);
+  }
+  std::unique_ptr<BlockSealer> clone() const override { return std::make_unique<NotingSealer>(t_); }
+
+private:
+  xsec::BlockCrypto inner_;
+  SealThreads& t_;
+};
+
+Sealed read_sealed(int fd, std::uint64_t size, std::uint32_t bs, BlockWorkers* workers, SealThreads& threads) {
+  NotingSealer sealer(threads);
   manifest::FileDigest whole(size, bs);
   BlockPipe pipe(bs, 16);
   Source src{fd, size, false};
@@ -248,9 +288,10 @@ Sealed read_sealed(int fd, std::uint64_t size, std::uint32_t bs, BlockWorkers* w
   src.manifest = &whole;
   src.workers = workers;
   Sealed out;
+  // Every slot free before the reader starts: its first group is a whole one.
+  for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
   {
     DiskReader reader(pipe, src);
-    for (std::uint32_t s = 0; s < pipe.slots(); ++s) pipe.to_disk(Block{s});
     std::uint64_t got = 0;
     while (got < size) {
       Block b;
@@ -275,16 +316,17 @@ Sealed read_sealed(int fd, std::uint64_t size, std::uint32_t bs, BlockWorkers* w
 /// `order` of block index) to a DiskWriter that opens them on `workers`, recycling slots as
 /// they come back. Returns the pipe's error text ("" if none).
 std::string write_sealed(int fd, std::uint64_t size, std::uint32_t bs, const Sealed& sealed,
-                         const std::vector<std::uint64_t>& order, BlockWorkers* workers, manifest::FileDigest& whole) {
-  xsec::BlockCrypto opener(xsec::Protect::private_, xsec::Cipher::aes256gcm, test_key());
+                         const std::vector<std::uint64_t>& order, BlockWorkers* workers, manifest::FileDigest& whole,
+                         SealThreads& threads) {
+  NotingSealer opener(threads);
   BlockPipe pipe(bs, 16);
   Sink sink{fd, true, false, &opener};
   sink.manifest = &whole;
   sink.workers = workers;
-  DiskWriter writer(pipe, sink);
   std::deque<std::uint32_t> free_slots;
   for (std::uint32_t s = 0; s < pipe.slots(); ++s) free_slots.push_back(s);
   std::size_t out = 0;
+  std::optional<DiskWriter> writer;
   auto collect = [&] {
     Block b;
     bool any = false;
@@ -296,6 +338,8 @@ std::string write_sealed(int fd, std::uint64_t size, std::uint32_t bs, const Sea
     if (!any && !pipe.failed()) wait_wake(pipe);
   };
   for (std::uint64_t idx : order) {
+    // The writer starts once every slot is full: its first groups are whole ones.
+    if (free_slots.empty() && !writer) writer.emplace(pipe, sink);
     while (free_slots.empty() && !pipe.failed()) collect();
     if (pipe.failed()) break;
     const std::uint32_t slot = free_slots.front();
@@ -306,6 +350,7 @@ std::string write_sealed(int fd, std::uint64_t size, std::uint32_t bs, const Sea
     pipe.to_disk(Block{slot, DataLength(len), FileOffset(idx * bs)});
     ++out;
   }
+  if (!writer) writer.emplace(pipe, sink);
   while (out > 0 && !pipe.failed()) collect();
   // Every block came back written (or the writer failed and wrote no more).
   return pipe.failed() ? pipe.error_text() : std::string();
@@ -859,11 +904,17 @@ TEST_CASE("BlockWorkers runs every task once, each lane one task at a time, and 
     std::atomic<int> clashes{0}, bad_lane{0};
     std::set<unsigned> used;
     std::mutex used_m;
+    std::atomic<bool> helped{false};
     pool.run(n, [&](std::size_t i, unsigned lane) {
       if (lane >= pool.lanes()) {
         ++bad_lane;
         return;
       }
+      // The caller's first task waits (10 s at most) for a helper to take one: they do take
+      // part, however loaded the machine.
+      if (lane != 0) helped = true;
+      for (int k = 0; lane == 0 && i == 0 && !helped && k < 10000; ++k)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (busy[lane].exchange(true)) ++clashes;
       ++ran[i];
       {
@@ -879,30 +930,35 @@ TEST_CASE("BlockWorkers runs every task once, each lane one task at a time, and 
     for (auto& r : ran) wrong += r != 1;
     CHECK(wrong == 0);
     CHECK(used.count(0) == 1);  // the caller works too
-    CHECK(used.size() > 1);     // 200 ms of work: the sleeping helpers woke for it
+    CHECK(used.size() > 1);     // the sleeping helpers woke for it
   }
 
-  SUBCASE("a throwing task: the others still run, and run() throws it once they have") {
-    constexpr std::size_t n = 64;
-    std::vector<std::atomic<int>> ran(n);
-    std::atomic<int> inside{0};
-    bool threw = false;
-    try {
-      pool.run(n, [&](std::size_t i, unsigned) {
-        ++inside;
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-        ++ran[i];
-        --inside;
-        if (i == 17) throw std::runtime_error("task 17 failed");
-      });
-    } catch (const std::runtime_error& e) {
-      threw = std::string(e.what()) == "task 17 failed";
-      CHECK(inside == 0);  // nothing still runs once it is thrown
+  SUBCASE("throwing tasks: the others still run, and run() throws the lowest one's once all have") {
+    BlockWorkers none(0);
+    for (BlockWorkers* p : {&pool, &none}) {
+      CAPTURE(p->lanes());
+      constexpr std::size_t n = 64;
+      std::vector<std::atomic<int>> ran(n);
+      std::atomic<int> inside{0};
+      std::string thrown;
+      try {
+        p->run(n, [&](std::size_t i, unsigned) {
+          ++inside;
+          // Task 40 throws first in time, task 17 later.
+          std::this_thread::sleep_for(std::chrono::microseconds(i == 17 ? 20000 : 200));
+          ++ran[i];
+          --inside;
+          if (i == 17 || i == 40) throw std::runtime_error("task " + std::to_string(i) + " failed");
+        });
+      } catch (const std::runtime_error& e) {
+        thrown = e.what();
+        CHECK(inside == 0);  // nothing still runs once it is thrown
+      }
+      CHECK(thrown == "task 17 failed");
+      int wrong = 0;
+      for (auto& r : ran) wrong += r != 1;
+      CHECK(wrong == 0);
     }
-    CHECK(threw);
-    int wrong = 0;
-    for (auto& r : ran) wrong += r != 1;
-    CHECK(wrong == 0);
   }
 
   SUBCASE("several disk threads share the pool at once") {
@@ -945,8 +1001,12 @@ TEST_CASE("blocks hashed and sealed over a BlockWorkers pool are those of the di
   src.write_all(data);
   BlockWorkers pool(3);
 
-  const Sealed alone = read_sealed(src.fd, size, bs, nullptr);
-  const Sealed spread = read_sealed(src.fd, size, bs, &pool);
+  SealThreads on_alone, on_pool;
+  on_pool.wait_for_second = true;
+  const Sealed alone = read_sealed(src.fd, size, bs, nullptr, on_alone);
+  const Sealed spread = read_sealed(src.fd, size, bs, &pool, on_pool);
+  CHECK(on_alone.threads.size() == 1);  // the disk thread
+  CHECK(on_pool.threads.size() > 1);    // and a helper
   REQUIRE(alone.blocks.size() == blocks);
   REQUIRE(alone.whole);
   CHECK(spread.whole == alone.whole);
@@ -956,14 +1016,22 @@ TEST_CASE("blocks hashed and sealed over a BlockWorkers pool are those of the di
   // Sealed: no block's bytes are the file's.
   CHECK(std::memcmp(alone.blocks.at(0).data(), data.data(), bs) != 0);
 
-  SUBCASE("opened over the pool in any order: the file, and the same whole-file digest") {
-    TempFile dst;
-    manifest::FileDigest whole(size, bs);
-    CHECK(write_sealed(dst.fd, size, bs, spread, scrambled_order(blocks, 3), &pool, whole) == "");
-    CHECK(dst.contents() == data);
-    CHECK(whole.result() == alone.whole);
+  SUBCASE("opened over the pool, in order and not: the file, and the same whole-file digest") {
+    for (std::uint64_t reversed : {1, 2}) {  // groups of 1: in order; of 2 reversed: no run is contiguous
+      CAPTURE(reversed);
+      TempFile dst;
+      manifest::FileDigest whole(size, bs);
+      SealThreads opened;
+      opened.wait_for_second = reversed == 1;  // in order, groups of 4 contiguous blocks go over the lanes
+      CHECK(write_sealed(dst.fd, size, bs, spread, scrambled_order(blocks, reversed), &pool, whole, opened) == "");
+      if (reversed == 1) CHECK(opened.threads.size() > 1);
+      CHECK(dst.contents() == data);
+      CHECK(whole.result() == alone.whole);
+    }
   }
-  SUBCASE("two damaged blocks: the transfer fails naming the first in order, whichever lane opened it") {
+  SUBCASE("two damaged blocks of one group: the transfer fails naming the first in order, whichever lane opened it") {
+    // The ring holds 16 slots, so a group is 4 blocks: blocks 4-7 are one.
+    REQUIRE(crypto_group(bs, pool.lanes(), 16) == 4);
     Sealed bad = spread;
     bad.blocks[7 * bs][100] ^= 1;
     bad.blocks[5 * bs][bs - 1] ^= 1;
@@ -971,10 +1039,12 @@ TEST_CASE("blocks hashed and sealed over a BlockWorkers pool are those of the di
     manifest::FileDigest whole(size, bs);
     std::vector<std::uint64_t> order(blocks);
     for (std::uint64_t i = 0; i < blocks; ++i) order[i] = i;
-    CHECK(write_sealed(dst.fd, size, bs, bad, order, &pool, whole) ==
+    SealThreads opened;
+    opened.slow_offset = 5 * bs;  // block 7's failure comes first in time, on another lane
+    CHECK(write_sealed(dst.fd, size, bs, bad, order, &pool, whole, opened) ==
           "block at offset " + std::to_string(5 * bs) + " failed its integrity check");
-    // Nothing of or after the damaged blocks' group reached the file.
-    CHECK(dst.contents().size() <= 5 * bs);
+    // Nothing of the damaged blocks' group, or after it, reached the file.
+    CHECK(dst.contents().size() <= 4 * bs);
   }
 }
 

@@ -188,7 +188,8 @@ struct BlockWorkers::Job {
   std::atomic<std::size_t> next{0};
   unsigned lanes = 1;  // lanes given out so far (under m_)
   unsigned inside = 0;  // helpers working in it (under m_)
-  std::exception_ptr error;  // the first a task threw (under m_)
+  std::exception_ptr error;  // of the lowest task that threw (under m_)
+  std::size_t error_task = SIZE_MAX;
 };
 
 namespace {
@@ -203,8 +204,9 @@ unsigned BlockWorkers::default_helpers() noexcept {
 
 bool BlockWorkers::configure(unsigned helpers) noexcept {
   if (shared_made.load(std::memory_order_acquire)) return false;
-  configured_helpers.store(static_cast<int>(std::min(helpers, max_helpers)), std::memory_order_release);
-  return true;
+  int unset = -1;
+  return configured_helpers.compare_exchange_strong(unset, static_cast<int>(std::min(helpers, max_helpers)),
+                                                    std::memory_order_acq_rel);
 }
 
 BlockWorkers& BlockWorkers::shared() {
@@ -222,8 +224,8 @@ BlockWorkers::BlockWorkers(unsigned helpers) {
   for (unsigned i = 0; i < helpers; ++i) {
     try {
       helpers_.emplace_back([this] { help(); });
-    } catch (const std::system_error&) {
-      break;  // fewer helpers: every batch still runs, on fewer lanes
+    } catch (...) {  // no thread (system_error) or no memory for one: fewer helpers, fewer lanes
+      break;
     }
   }
 }
@@ -243,15 +245,20 @@ void BlockWorkers::work(Job& job, unsigned lane) noexcept {
       (*job.task)(i, lane);
     } catch (...) {
       std::lock_guard lock(m_);
-      if (!job.error) job.error = std::current_exception();
+      if (i < job.error_task) {
+        job.error = std::current_exception();
+        job.error_task = i;
+      }
     }
   }
 }
 
 void BlockWorkers::help() noexcept {
-  // Signals go to the process's other threads: a helper only computes.
+  // Signals go to the process's other threads: a helper only computes. Not the ones a fault
+  // raises, which would otherwise kill the process without its handlers' say.
   sigset_t all;
   sigfillset(&all);
+  for (int fault : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigdelset(&all, fault);
   pthread_sigmask(SIG_BLOCK, &all, nullptr);
   std::unique_lock lock(m_);
   while (true) {
@@ -274,13 +281,14 @@ void BlockWorkers::help() noexcept {
 
 void BlockWorkers::run(std::size_t n, const std::function<void(std::size_t, unsigned)>& task) {
   if (n == 0) return;
-  if (helpers_.empty() || n == 1) {
-    for (std::size_t i = 0; i < n; ++i) task(i, 0);
-    return;
-  }
   Job job;
   job.task = &task;
   job.n = n;
+  if (helpers_.empty() || n == 1) {
+    work(job, 0);  // the same rules: every task runs, the lowest one's exception comes back
+    if (job.error) std::rethrow_exception(job.error);
+    return;
+  }
   {
     std::lock_guard lock(m_);
     jobs_.push_back(&job);
@@ -298,11 +306,23 @@ void BlockWorkers::run(std::size_t n, const std::function<void(std::size_t, unsi
   if (job.error) std::rethrow_exception(job.error);
 }
 
-Lanes::Lanes(BlockWorkers* w, BlockSealer* sealer, bool hashes) : workers(w), own(sealer) {
-  const unsigned n = w && (sealer || hashes) ? w->lanes() : 1;
-  for (unsigned lane = 1; lane < n && sealer; ++lane) clones.push_back(sealer->clone());
-  for (unsigned lane = 0; lane < n; ++lane)
-    hashers.push_back(hashes ? std::make_unique<manifest::BlockHasher>() : nullptr);
+Lanes::Lanes(BlockWorkers* w, BlockSealer* sealer) : workers(w), own(sealer) {
+  const unsigned n = w ? w->lanes() : 1;
+  clones.resize(n - 1);
+  hashers.resize(n);
+}
+
+BlockSealer* Lanes::sealer(unsigned lane) {
+  if (lane == 0 || !own) return own;
+  auto& c = clones[lane - 1];
+  if (!c) c = own->clone();
+  return c.get();
+}
+
+manifest::BlockHasher& Lanes::hasher(unsigned lane) {
+  auto& h = hashers[lane];
+  if (!h) h = std::make_unique<manifest::BlockHasher>();
+  return *h;
 }
 
 // ---- DiskWriter ----
@@ -393,7 +413,7 @@ void DiskWriter::write_blocks() {
   // the sink's workers; then, in the blocks' order, false at the first that failed either check
   // (with refetch, a digest that does not match marks the block instead), and the digests of
   // the others go into the manifest.
-  Lanes lanes(sink_.workers, sink_.opener, sink_.manifest != nullptr);
+  Lanes lanes(sink_.workers, sink_.opener);
   const std::uint32_t digest = sink_.manifest ? manifest::digest_size : 0;
   enum class Check : std::uint8_t { ok, tag, digest };
   std::vector<Check> checks;
@@ -407,7 +427,7 @@ void DiskWriter::write_blocks() {
       return;
     }
     if (!sink_.manifest) return;
-    d = lanes.hashers[lane]->digest(data, len);
+    d = lanes.hasher(lane).digest(data, len);
     if (std::memcmp(d.data(), data + len, d.size()) != 0) c = Check::digest;
   };
   auto open_all = [&](Block* blocks, std::size_t count) -> bool {
@@ -498,7 +518,7 @@ void DiskWriter::write_blocks() {
       // With an opener, a run is at most crypto_group bytes, each opened just before its write
       // (still in cache); every run's slots go back to the network thread as soon as it is out.
       const bool checked = sink_.opener || sink_.manifest;
-      const std::size_t cap = checked ? crypto_group(pipe_.block_size(), lanes.count()) : max_iov;
+      const std::size_t cap = checked ? crypto_group(pipe_.block_size(), lanes.count(), pipe_.slots()) : max_iov;
       std::size_t start = 0;
       for (std::size_t i = 1; i <= batch.size(); ++i) {
         const bool breaks = i == batch.size() || i - start == cap ||
@@ -566,7 +586,7 @@ void DiskReader::join() {
 
 void DiskReader::run() {
   try {
-    lanes_.emplace(source_.workers, source_.sealer, source_.manifest != nullptr);
+    lanes_.emplace(source_.workers, source_.sealer);
     if (source_.stream)
       read_stream();
     else
@@ -633,7 +653,7 @@ void DiskReader::read_blocks() {
       manifest::Digest d;
       if (source_.test_corrupt == 2) data[b.length.value() - 1] ^= 1;
       if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
-        d = lanes_->hashers[0]->digest(data, b.length.value());
+        d = lanes_->hasher(0).digest(data, b.length.value());
       manifest::BlockHasher::put(data + b.length.value(), d);
       if (source_.test_corrupt == 1) data[b.length.value() - 1] ^= 1;
     }
@@ -720,7 +740,7 @@ void DiskReader::protect(Block& b, unsigned lane, manifest::Digest& d) {
   if (source_.manifest) {
     if (source_.test_corrupt == 2) data[len - 1] ^= 1;
     if (source_.test_corrupt == 2 || !source_.digests || !source_.digests->get(b.offset.value() / pipe_.block_size(), d))
-      d = lanes_->hashers[lane]->digest(data, len);
+      d = lanes_->hasher(lane).digest(data, len);
     manifest::BlockHasher::put(data + len, d);
     if (source_.test_corrupt == 1) data[len - 1] ^= 1;
     len += manifest::digest_size;

@@ -340,6 +340,8 @@ Server::Server(ServerConfig config, runtime::HandlerFactory factory) : impl_(std
   impl_->factory = std::move(factory);
   auto& c = impl_->config;
   if (c.root.empty()) throw Error(errc::bad_argument, "no root directory given");
+  // The process's block-work pool, if nothing has set it yet (xdfsd did, with the same value).
+  piod::BlockWorkers::configure(c.block_workers);
   int fd = ::open(c.root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw Error(errc_from_errno(errno), "root '" + c.root + "': " + std::strerror(errno));
   impl_->root = files::Fd(fd);

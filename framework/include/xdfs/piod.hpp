@@ -147,8 +147,9 @@ public:
   /// Helpers of the shared pool unless configure() says otherwise: one per core but one.
   static constexpr unsigned max_helpers = 7;
   static unsigned default_helpers() noexcept;
-  /// Sets the shared pool's helpers (0: none, every batch on its disk thread); only before
-  /// shared() is first called, false after (the pool is made once per process).
+  /// Sets the shared pool's helpers (0: none, every batch on its disk thread). The first call
+  /// before shared() is first used decides; false for any later one (the pool is made once per
+  /// process, and a program's own setting is not undone by a library's default).
   static bool configure(unsigned helpers) noexcept;
   /// The process's pool, made on first use and never destroyed (its helpers sleep until work
   /// comes); fewer helpers if the system will not start as many threads.
@@ -162,8 +163,9 @@ public:
   /// Lanes a batch can spread over: the helpers and the calling thread.
   unsigned lanes() const noexcept { return static_cast<unsigned>(helpers_.size()) + 1; }
   /// Runs task(i, lane) for every i in [0, n): the caller as lane 0, helpers that are free as
-  /// lanes 1 .. lanes()-1, each lane one task at a time; returns once every task is done. The
-  /// first exception a task throws is thrown here, after every task has ended.
+  /// lanes 1 .. lanes()-1, each lane one task at a time; returns once every task is done. Every
+  /// task runs even when one throws; the exception of the lowest task that threw is thrown
+  /// here, after every task has ended.
   void run(std::size_t n, const std::function<void(std::size_t, unsigned)>& task);
 
 private:
@@ -216,6 +218,7 @@ public:
   virtual ~DigestLog() = default;
   virtual void put(std::uint64_t block, const manifest::Digest& d) noexcept = 0;
   /// False if the block's digest is not known here (it came before this process kept them).
+  /// Called from several threads at once (a reader's BlockWorkers lanes).
   virtual bool get(std::uint64_t block, manifest::Digest& d) const noexcept = 0;
 };
 
@@ -272,7 +275,8 @@ struct Source {
   /// lies below *available; until then the reader waits (seeing a stop within 5 ms).
   const std::atomic<std::uint64_t>* available = nullptr;
   /// If set (with a manifest): a block goes with the digest kept here for it, where there is
-  /// one, instead of one made from what was read (which is then not hashed at all).
+  /// one, instead of one made from what was read (which is then not hashed at all). Read from
+  /// the lanes of `workers`, so several threads at once.
   const DigestLog* digests = nullptr;
   /// Zero copy: the network thread sends each block's data from `fd` itself (sendfile), so a
   /// block is read here only where a digest must be made from it (one `digests` lacks); a
@@ -390,23 +394,29 @@ inline constexpr std::size_t max_iov = 64;
 
 /// Slots a disk thread seals (or opens) and then reads (or writes) in one go when blocks are
 /// protected: about 2 MiB a lane, so the bytes are still in cache between the cryptography and
-/// the copy, and every lane of a BlockWorkers pool has a block of the group.
-constexpr std::size_t crypto_group(std::uint32_t block_size, unsigned lanes = 1) noexcept {
+/// the copy, and every lane of a BlockWorkers pool has a block of the group; but at most a
+/// quarter of the ring's `slots` (at least one), since the helpers may be busy elsewhere and the
+/// disk thread then does the whole group alone before any of it is handed over.
+constexpr std::size_t crypto_group(std::uint32_t block_size, unsigned lanes = 1, std::uint32_t slots = 0) noexcept {
   const std::size_t n = (std::size_t{2} << 20) / (block_size ? block_size : 1);
-  const std::size_t group = (n < 1 ? 1 : n) * (lanes ? lanes : 1);
+  std::size_t group = (n < 1 ? 1 : n) * (lanes ? lanes : 1);
+  if (lanes > 1 && slots > 0 && group > slots / 4) group = slots / 4 < 1 ? 1 : slots / 4;
   return group > max_iov ? max_iov : group;
 }
 
 /// What a disk thread keeps for each lane of its BlockWorkers: lane 0 is its own (the source's
-/// sealer or the sink's opener), the others clones, each with a hasher. Made on the disk thread.
+/// sealer or the sink's opener), the others clones, each lane with a hasher. A lane's are made
+/// the first time that lane works for this disk thread, by the thread holding the lane (one at a
+/// time), so a transfer of one block (path mode's small files) makes none.
 struct Lanes {
-  Lanes(BlockWorkers* workers, BlockSealer* sealer, bool hashes);
+  Lanes(BlockWorkers* workers, BlockSealer* sealer);
   unsigned count() const noexcept { return static_cast<unsigned>(hashers.size()); }
-  BlockSealer* sealer(unsigned lane) noexcept { return lane == 0 ? own : clones[lane - 1].get(); }
+  BlockSealer* sealer(unsigned lane);
+  manifest::BlockHasher& hasher(unsigned lane);
   BlockWorkers* workers;
   BlockSealer* own;
-  std::vector<std::unique_ptr<BlockSealer>> clones;
-  std::vector<std::unique_ptr<manifest::BlockHasher>> hashers;  // empty pointers without a manifest
+  std::vector<std::unique_ptr<BlockSealer>> clones;             // lanes 1.., made on first use
+  std::vector<std::unique_ptr<manifest::BlockHasher>> hashers;  // made on first use
 };
 
 /// The disk thread of a receiving side: writes filled blocks, coalescing contiguous ones into
@@ -453,7 +463,8 @@ private:
   /// Slots read in one go: with a sealer or digests at most crypto_group's bytes, hashed and
   /// sealed while still in cache.
   std::size_t batch_cap() const noexcept {
-    return source_.sealer || source_.manifest ? crypto_group(pipe_.block_size(), lanes_ ? lanes_->count() : 1) : max_iov;
+    return source_.sealer || source_.manifest ? crypto_group(pipe_.block_size(), lanes_ ? lanes_->count() : 1, pipe_.slots())
+                                                : max_iov;
   }
   BlockPipe& pipe_;
   Source source_;

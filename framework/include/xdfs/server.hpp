@@ -92,8 +92,9 @@ struct ServerConfig {
   unsigned path_workers = 4;              ///< path mode: threads per session doing file-system work
   /// Helper threads the process's transfers hash, seal and open blocks on beside their disk
   /// threads (piod::BlockWorkers; 0: none); the default is one per core but one, at most 7.
-  /// The pool is the process's, made once: xdfsd gives it this at start
-  /// (BlockWorkers::configure); a reload that changes it says it needs a restart.
+  /// The pool is the process's, made once: the first Server made gives it this
+  /// (BlockWorkers::configure), unless the program set it before; a reload that changes it
+  /// says it needs a restart.
   unsigned block_workers = piod::BlockWorkers::default_helpers();
   /// Downloads send file data to the sockets by sendfile(2) where they can (clear mode, a
   /// regular file); false (xdfsd --no-zero-copy) reads every block into user space first.
