@@ -16,7 +16,8 @@
 # Every other option goes to perf/bench.py (see /usr/bin/python3 perf/bench.py --help).
 #
 # A full run writes perf/RESULTS.md and perf/plots/*.png; a smoke run writes OUT/RESULTS.md and
-# OUT/plots and fails if any run failed or a record is malformed (timings are never judged).
+# OUT/plots and fails if any run failed or a record is malformed (timings are never judged). A run
+# stopped by a signal (Ctrl-C, SIGTERM) reports what ran into OUT only.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -60,6 +61,13 @@ status=0
 "$py" "$here/bench.py" --out "$out" --xdfs-bin "$bin" "${pass[@]}" || status=$?
 # If the driver was killed outright, remove the namespaces and scratch files it left.
 "$py" "$here/bench.py" --out "$out" --xdfs-bin "$bin" --sweep-only || true
+# Stopped by a signal (128 + its number): what ran is reported into OUT only, never published
+# over perf/RESULTS.md as if it were a whole run, and the micro-benchmarks are left out.
+if [ "$status" -ge 128 ]; then
+  echo "run.sh: the run was stopped (status $status): the report of what ran goes to $out only" >&2
+  publish=0
+  micro=0
+fi
 
 if ((micro)) && [ "$status" -ne 2 ]; then
   case " ${pass[*]} " in
