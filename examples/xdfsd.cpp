@@ -363,7 +363,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   o.cfg.log = write_log;
-  xdfs::piod::BlockWorkers::configure(o.cfg.block_workers);
   try {
     auto modes = xdfs::standard_modes();
     std::erase_if(modes, [&](const xdfs::runtime::ModeEntry& e) {

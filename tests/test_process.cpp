@@ -125,11 +125,13 @@ TEST_CASE("xduc -p 8 moves a 1 GiB random file up and down byte-identically") {
 TEST_CASE("--block-workers: digests, seals and opening spread over that many helpers on each side, byte-exact; out of range refused") {
   xt::TempDir root, local;
   xt::write_random_file(local / "data", (3 << 20) + 4321, 17);
-  for (const char* workers : {"0", "3"}) {
+  for (const char* workers : {"0", "1", "3"}) {
     CAPTURE(workers);
     xt::XdfsdProcess d(root.path(), {"--block-workers", workers, "--debug"});
-    const std::string lanes = std::string(workers) == "0" ? "block work on the disk thread alone"
-                                                         : "block work on 4 lanes (the disk thread and 3 helpers)";
+    const std::string w = workers;
+    const std::string lanes = w == "0"   ? "block work on the disk thread alone"
+                              : w == "1" ? "block work on 2 lanes (the disk thread and 1 helper)"
+                                         : "block work on 4 lanes (the disk thread and 3 helpers)";
     for (const char* protect : {"private", "integrity", "clear"}) {
       CAPTURE(protect);
       ::unlink((root / "data").c_str());

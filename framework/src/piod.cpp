@@ -12,7 +12,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <system_error>
 #include <chrono>
 #include <cerrno>
 #include <cstdlib>

@@ -337,21 +337,29 @@ void Sender::stop_disk() noexcept {
 }
 
 namespace {
-// The debug line that says where a transfer's per-block work runs.
-std::string block_work(unsigned lanes, const char* what) {
-  if (lanes <= 1) return fmt::format("block work on the disk thread alone: {}", what);
-  return fmt::format("block work on {} lanes (the disk thread and {} helpers): {}", lanes, lanes - 1, what);
+// Per-block work (crypto, digests or both) spreads over the process's helper threads, beside the
+// disk thread; the debug line says where it runs and what it is. Nothing to do: no pool.
+piod::BlockWorkers* pick_workers(TransferHost& host, bool crypto, bool digests, const char* both,
+                                 const char* crypto_only, const char* digests_only) {
+  if (!crypto && !digests) return nullptr;
+  auto& pool = piod::BlockWorkers::shared();
+  const char* what = crypto && digests ? both : crypto ? crypto_only : digests_only;
+  const unsigned lanes = pool.lanes();
+  if (lanes <= 1) {
+    host.debug(fmt::format("block work on the disk thread alone: {}", what));
+  } else {
+    host.debug(fmt::format("block work on {} lanes (the disk thread and {} {}): {}", lanes, lanes - 1,
+                           lanes == 2 ? "helper" : "helpers", what));
+  }
+  return &pool;
 }
 }  // namespace
 
 void Sender::start() {
   for (std::uint32_t s = 0; s < pipe_.slots() - (resends_ ? 1 : 0); ++s) pipe_.to_disk(piod::Block{s});
-  // Digests and seals spread over the process's helper threads, beside the disk thread.
-  if (!source_.workers && (source_.sealer || source_.manifest)) {
-    source_.workers = &piod::BlockWorkers::shared();
-    host_.debug(block_work(source_.workers->lanes(), source_.sealer && source_.manifest ? "digests and seals"
-                                                     : source_.sealer                   ? "seals"
-                                                                                        : "digests"));
+  if (!source_.workers) {
+    source_.workers = pick_workers(host_, source_.sealer != nullptr, source_.manifest != nullptr,
+                                   "digests and seals", "seals", "digests");
   }
   reader_.emplace(pipe_, source_, params_.start_offset);
   watch_disk();
@@ -673,12 +681,9 @@ void Receiver::stop_disk() noexcept {
 }
 
 void Receiver::start() {
-  // Opening and digest checks spread over the process's helper threads, beside the disk thread.
-  if (!sink_.workers && (sink_.opener || sink_.manifest)) {
-    sink_.workers = &piod::BlockWorkers::shared();
-    host_.debug(block_work(sink_.workers->lanes(), sink_.opener && sink_.manifest ? "opening and digest checks"
-                                                   : sink_.opener                 ? "opening"
-                                                                                  : "digest checks"));
+  if (!sink_.workers) {
+    sink_.workers = pick_workers(host_, sink_.opener != nullptr, sink_.manifest != nullptr,
+                                 "opening and digest checks", "opening", "digest checks");
   }
   writer_.emplace(pipe_, sink_);
   watch_disk();
