@@ -582,8 +582,9 @@ def main(argv=None) -> int:
     agg = Agg(recs)
     plt = None if args.no_plots else plotter()
     os.makedirs(args.plots, exist_ok=True)
+    # Only this report's own plots go: perf/pull.py and perf/relay.py publish theirs here too.
     for f in os.listdir(args.plots):
-        if f.endswith(".png"):
+        if f.endswith(".png") and f.startswith(("mem_", "disk_", "small_", "link_")):
             os.unlink(os.path.join(args.plots, f))
     md_dir = os.path.dirname(os.path.abspath(args.md))
 
