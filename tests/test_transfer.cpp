@@ -6,6 +6,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/mount.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -924,6 +926,130 @@ TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whe
   CHECK(std::string(e.what()) == "peer aborted: channel 3 closed by the server");
   CHECK(e.channel() == xdfs::ChannelIndex(3));
   CHECK_FALSE(e.offset().has_value());
+}
+
+TEST_CASE("XDSI: a payload read waits to be woken until a quarter MiB or the payload's rest is there, and leaves the socket waking at one byte") {
+  namespace asio = boost::asio;
+  using xdfs::xdsi::detail::LowWater;
+  // Linux holds a mark to half the largest receive buffer.
+  std::size_t rmem_max = 0;
+  {
+    std::ifstream f("/proc/sys/net/ipv4/tcp_rmem");
+    std::size_t lo = 0, def = 0;
+    f >> lo >> def >> rmem_max;
+    REQUIRE(rmem_max > 0);
+  }
+  const int quarter = static_cast<int>(std::min(LowWater::default_wake, rmem_max / 2));
+  const std::size_t n = (1u << 20) + 5, early = 8 * 1024;
+  const auto data = xt::random_bytes(n, 41);
+  for (const bool skip : {false, true}) {
+    CAPTURE(skip);  // read into a buffer, or by splice into /dev/null
+    Loopback lb;
+    auto& ctx = lb.ctx;
+    auto& ch = *lb.channels[0];
+    const int fd = ch.socket().native_handle();
+    auto mark = [&] {
+      int v = 0;
+      socklen_t len = sizeof v;
+      REQUIRE(::getsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, &len) == 0);
+      return v;
+    };
+    auto queued = [&] {
+      int v = 0;
+      REQUIRE(::ioctl(fd, FIONREAD, &v) == 0);
+      return static_cast<std::size_t>(v);
+    };
+    // Runs the loop until `until` holds, at most 10 s.
+    auto run_until = [&](auto until) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!until() && std::chrono::steady_clock::now() < deadline) {
+        ctx.restart();
+        ctx.run_one_for(std::chrono::milliseconds(10));
+      }
+      return until();
+    };
+    std::vector<std::uint8_t> dst(n);
+    bool done = false;
+    boost::system::error_code got;
+    auto finish = [&](const boost::system::error_code& ec) {
+      got = ec;
+      done = true;
+    };
+    auto start = [&](std::size_t bytes) {
+      done = false;
+      if (skip)
+        ch.async_skip_payload(bytes, finish);
+      else
+        ch.async_read_payload(std::span(dst).first(bytes), finish);
+    };
+    // Nothing there yet: the read waits for a quarter MiB. A few KiB (one segment, well inside
+    // a fresh connection's window) do not wake it.
+    start(n);
+    CHECK(mark() == quarter);
+    asio::write(lb.peer, asio::buffer(data.data(), early));
+    CHECK(run_until([&] { return queued() == early; }));
+    ctx.restart();
+    ctx.poll();
+    CHECK_FALSE(done);
+    CHECK(queued() == early);
+    // The rest: taken as it comes, whole.
+    std::thread writer([&] { asio::write(lb.peer, asio::buffer(data.data() + early, n - early)); });
+    const bool ended = run_until([&] { return done; });
+    writer.join();
+    REQUIRE(ended);
+    CHECK_FALSE(got);
+    if (!skip) CHECK(dst == data);
+    CHECK(queued() == 0);
+    // Back at one byte: a parked channel's wait (the session's, between operations) wakes at
+    // the next operation's first byte.
+    CHECK(mark() == 1);
+    const std::uint8_t one = 7;
+    asio::write(lb.peer, asio::buffer(&one, 1));
+    bool woke = false;
+    ch.socket().async_wait(asio::ip::tcp::socket::wait_read, [&](const boost::system::error_code& ec) { woke = !ec; });
+    CHECK(run_until([&] { return woke; }));
+    std::uint8_t b = 0;
+    REQUIRE(::recv(fd, &b, 1, 0) == 1);
+    // A payload under a quarter MiB: the read waits for all of it; under 16 KiB, for any byte.
+    for (const std::size_t size : {std::size_t(100 * 1024), std::size_t(10 * 1024)}) {
+      CAPTURE(size);
+      start(size);
+      CHECK(mark() == (size >= LowWater::floor ? static_cast<int>(size) : 1));
+      asio::write(lb.peer, asio::buffer(data.data(), size));
+      REQUIRE(run_until([&] { return done; }));
+      CHECK_FALSE(got);
+      if (!skip) CHECK(std::equal(data.begin(), data.begin() + static_cast<long>(size), dst.begin()));
+      CHECK(mark() == 1);
+    }
+    // A read cancelled while it waits puts the mark back too.
+    start(n);
+    CHECK(mark() == quarter);
+    ch.socket().cancel();
+    REQUIRE(run_until([&] { return done; }));
+    CHECK(got == asio::error::operation_aborted);
+    CHECK(mark() == 1);
+  }
+  // A TCP window that is set bounds the wake to a quarter of the window the kernel granted.
+  Loopback lb;
+  auto& ch = *lb.channels[0];
+  const int fd = ch.socket().native_handle();
+  xdfs::xdsi::SocketOptions o;
+  o.tcp_window = 256 * 1024;
+  REQUIRE_FALSE(xdfs::xdsi::apply(ch, o));
+  int granted = 0;
+  socklen_t len = sizeof granted;
+  REQUIRE(::getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &granted, &len) == 0);
+  const std::size_t wake = std::min<std::size_t>(o.tcp_window, static_cast<std::size_t>(granted) / 2) / 4;
+  CHECK(ch.payload_wake() == wake);
+  std::vector<std::uint8_t> dst(n);
+  ch.async_read_payload(dst, [](const boost::system::error_code&) {});
+  int v = 0;
+  len = sizeof v;
+  REQUIRE(::getsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, &len) == 0);
+  CHECK(v == static_cast<int>(wake));
+  ch.close();
+  lb.ctx.restart();
+  lb.ctx.poll();
 }
 
 TEST_CASE("every error code has a class that says what a caller does next") {

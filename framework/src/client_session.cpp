@@ -316,7 +316,7 @@ struct Session::Impl {
   void on_connected(xdsi::Channel& ch) {
     xdsi::SocketOptions so;
     so.tcp_window = opt.tcp_window;
-    xdsi::apply(ch.socket(), so);
+    xdsi::apply(ch, so);
     auto o = opening;
     o.channel_index = ch.index();
     o.join = ch.index() != 0;

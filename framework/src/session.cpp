@@ -60,7 +60,7 @@ public:
                             fmt::format("duplicate channel index {} in session {}", idx, env_.id.short_hex()));
     xdsi::SocketOptions opts;
     opts.tcp_window = std::min(env_.nego.tcp_window, env_.config.max_tcp_window);
-    xdsi::apply(ch->socket(), opts);
+    xdsi::apply(*ch, opts);
     if (machine_.fire(SessionEvent::channel_joined) == SessionAction::register_session) {
       // Channel 0 (Noise XX) registers the session; the others have until the join timeout.
       channels_.resize(n);

@@ -38,6 +38,38 @@ ErrorCode apply(tcp::socket& s, const SocketOptions& o) {
   return ec;
 }
 
+ErrorCode apply(Channel& ch, const SocketOptions& o) {
+  const ErrorCode ec = apply(ch.socket(), o);
+  if (!ec && o.tcp_window > 0) {
+    // The buffer granted, not the one asked for (net.core.rmem_max caps it); the kernel reports
+    // it doubled, and about half of it is window.
+    int granted = 0;
+    socklen_t len = sizeof granted;
+    std::size_t window = o.tcp_window;
+    if (::getsockopt(ch.socket().native_handle(), SOL_SOCKET, SO_RCVBUF, &granted, &len) == 0 && granted > 0)
+      window = std::min(window, static_cast<std::size_t>(granted) / 2);
+    ch.set_payload_wake(std::min(ch.payload_wake(), window / 4));
+  }
+  return ec;
+}
+
+namespace detail {
+
+void LowWater::wait_for(int fd, std::size_t left) noexcept {
+  const std::size_t want = std::min(left, wake_);
+  set(fd, want >= floor ? static_cast<int>(want) : 1);  // at most wake_: an int
+}
+
+void LowWater::set(int fd, int bytes) noexcept {
+  if (bytes == mark_ || fd < 0) return;
+  // Refused (a filter, a closed socket): mark_ keeps what the socket has, so a refused raise
+  // only costs wake-ups, and a refused reset is tried again at the next read's end and when
+  // the channel is detached.
+  if (::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof bytes) == 0) mark_ = bytes;
+}
+
+}  // namespace detail
+
 std::string peer_name(const tcp::socket& s) {
   ErrorCode ec;
   auto ep = s.remote_endpoint(ec);
@@ -136,32 +168,40 @@ ReadResult read_result(ssize_t r, ErrorCode& ec) {
 // 1 MiB block on loopback). A channel's loop runs on one thread (the class's rule), so no
 // readiness is lost between the read that found nothing and the wait. A close while it waits
 // ends it with operation_aborted. `done` never runs inside the starting call.
+// A payload's read (`lw` given) raises the socket's low-water mark while it waits, and puts it
+// back once it ends: done, failed or cancelled (detail::LowWater). As every handler here, this
+// one runs only while its channel lives (a channel's owner runs the loop out before freeing it).
 template <typename Step>
 struct WhileReadable {
   tcp::socket* s;
   Step step;
   Channel::Handler done;
+  detail::LowWater* lw;
 
   void operator()(const ErrorCode& waited) {
     ErrorCode ec = waited;
-    if (ec || step(ec, true)) return done(ec);
+    if (ec || step(ec, true)) {
+      if (lw && s->is_open()) lw->reset(s->native_handle());
+      return done(ec);
+    }
     s->async_wait(tcp::socket::wait_read, std::move(*this));
   }
 };
 
 template <typename Step>
-void while_readable(tcp::socket& s, Step step, Channel::Handler done) {
+void while_readable(tcp::socket& s, Step step, Channel::Handler done, detail::LowWater* lw = nullptr) {
   ErrorCode ec;
   if (step(ec, false)) return asio::post(s.get_executor(), [done = std::move(done), ec] { done(ec); });
-  s.async_wait(tcp::socket::wait_read, WhileReadable<Step>{&s, std::move(step), std::move(done)});
+  s.async_wait(tcp::socket::wait_read, WhileReadable<Step>{&s, std::move(step), std::move(done), lw});
 }
 
 // Reads exactly n bytes into p. A socket found closed ends it with bad_descriptor, as asio's
-// reads do.
-void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n, Channel::Handler h) {
+// reads do. A payload's read passes its channel's low-water mark.
+void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n, Channel::Handler h,
+                  detail::LowWater* lw = nullptr) {
   while_readable(
       s,
-      [&s, p, n, got = std::size_t(0)](ErrorCode& ec, bool) mutable {
+      [&s, p, n, lw, got = std::size_t(0)](ErrorCode& ec, bool) mutable {
         while (got < n) {
           if (!s.is_open()) {
             ec = asio::error::bad_descriptor;
@@ -171,13 +211,15 @@ void read_exactly(tcp::socket& s, std::uint8_t* p, std::size_t n, Channel::Handl
           switch (read_result(r, ec)) {
             case ReadResult::bytes: got += static_cast<std::size_t>(r); break;
             case ReadResult::again: break;
-            case ReadResult::empty: return false;
+            case ReadResult::empty:
+              if (lw) lw->wait_for(s.native_handle(), n - got);
+              return false;
             case ReadResult::ended: return true;
           }
         }
         return true;
       },
-      std::move(h));
+      std::move(h), lw);
 }
 
 // The pipe through which a network thread splices the payloads it skips (async_skip_payload):
@@ -262,12 +304,14 @@ void Channel::async_read_payload(std::span<std::uint8_t> dst, Handler h) {
     in_checked_ = false;
     return asio::post(socket_.get_executor(), [h = std::move(h)] { h({}); });
   }
-  read_exactly(socket_, dst.data(), dst.size(),
-               [this, dst, h = std::move(h)](const ErrorCode& ec) mutable { check_payload(ec, dst, std::move(h)); });
+  read_exactly(
+      socket_, dst.data(), dst.size(),
+      [this, dst, h = std::move(h)](const ErrorCode& ec) mutable { check_payload(ec, dst, std::move(h)); },
+      &low_water_);
 }
 
 void Channel::async_read_payload_part(std::span<std::uint8_t> dst, Handler h) {
-  read_exactly(socket_, dst.data(), dst.size(), std::move(h));
+  read_exactly(socket_, dst.data(), dst.size(), std::move(h), &low_water_);
 }
 
 SpliceFile::SpliceFile(int fd) noexcept : fd_(fd >= 0 ? ::fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1) {
@@ -320,7 +364,8 @@ void Channel::async_splice_payload(std::size_t n, std::shared_ptr<SpliceFile> fi
       // Nothing to check, but the guard counts the frame.
       [this, to, h = std::move(h)](const ErrorCode& e) mutable {
         check_payload(e, {}, [to, h = std::move(h)](const ErrorCode& e2) { h(e2, to->in_file); });
-      });
+      },
+      &low_water_);
 }
 
 bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool woke) {
@@ -384,7 +429,9 @@ bool Channel::splice_some(SpliceTo& to, std::size_t& left, ErrorCode& ec, bool w
     switch (read_result(got, ec)) {
       case ReadResult::bytes: left -= static_cast<std::size_t>(got); break;
       case ReadResult::again: break;
-      case ReadResult::empty: return false;
+      case ReadResult::empty:
+        low_water_.wait_for(fd, left);
+        return false;
       case ReadResult::ended: return true;
     }
   }
@@ -738,6 +785,8 @@ Channel::Detached Channel::detach() {
   d.protocol = ec ? tcp::v4() : ep.protocol();
   d.index = index_;
   d.guard = std::move(guard_);
+  // The adopting channel takes the socket as waking at one byte.
+  if (socket_.is_open()) low_water_.reset(socket_.native_handle());
   d.fd = socket_.is_open() ? socket_.release(ec) : -1;
   if (ec) d.fd = -1;
   return d;

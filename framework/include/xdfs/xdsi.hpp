@@ -5,6 +5,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -33,6 +34,33 @@ struct SocketOptions {
 
 /// Applies options; returns the first failure.
 ErrorCode apply(tcp::socket& s, const SocketOptions& o);
+
+namespace detail {
+/// A channel's receive low-water mark (SO_RCVLOWAT). While a payload read waits it is raised to
+/// what that read still needs, up to wake() bytes, so that the event loop wakes the read once
+/// that much is there instead of at every segment that arrives (fewer wake-ups and system calls
+/// a byte; Linux wakes it earlier anyway when the receive window runs low or memory is short,
+/// and at once on FIN or an error). It is back at 1 byte once the read is done, fails or is
+/// cancelled, for every other read and for a parked channel's wait. Below 16 KiB a wake-up
+/// costs about what a raise would save: not raised.
+class LowWater {
+public:
+  static constexpr std::size_t default_wake = 256 * 1024;  // what a splice pipe holds here
+  static constexpr std::size_t floor = 16 * 1024;
+  static constexpr std::size_t max_wake = 64u << 20;
+  std::size_t wake() const noexcept { return wake_; }
+  void set_wake(std::size_t bytes) noexcept { wake_ = std::min(bytes, max_wake); }
+  /// Before a payload read of fd waits for `left` more bytes.
+  void wait_for(int fd, std::size_t left) noexcept;
+  /// Once that read has ended.
+  void reset(int fd) noexcept { set(fd, 1); }
+
+private:
+  void set(int fd, int bytes) noexcept;
+  std::size_t wake_ = default_wake;
+  int mark_ = 1;
+};
+}  // namespace detail
 
 /// "host:port" of the socket's peer, or "?" when it has none.
 std::string peer_name(const tcp::socket& s);
@@ -103,6 +131,11 @@ public:
   /// True while a write is queued or in flight.
   bool sending() const noexcept { return !out_.empty(); }
   std::size_t queued() const noexcept { return out_.size(); }
+
+  /// Payload reads wake once this many bytes are there, or the payload's rest (see
+  /// detail::LowWater); 0 or under 16 KiB: at every arrival, as all other reads do.
+  void set_payload_wake(std::size_t bytes) noexcept { low_water_.set_wake(bytes); }
+  std::size_t payload_wake() const noexcept { return low_water_.wake(); }
 
   /// From now on every frame is sealed and checked by g.
   void protect(std::unique_ptr<FrameGuard> g) noexcept { guard_ = std::move(g); }
@@ -245,6 +278,7 @@ private:
 
   tcp::socket socket_;
   std::uint32_t index_;
+  detail::LowWater low_water_;
   wire::HeaderBytes in_header_{};
   bool in_checked_ = false;  // the frame just read was empty and its tag checked with the header
   std::deque<Out> out_;
@@ -259,6 +293,11 @@ private:
   errc source_code_ = errc::ok;  // what source_failure stands for, and why
   std::string source_text_;
 };
+
+/// Applies options to a channel's socket; a set TCP window also bounds its payload wake to a
+/// quarter of the window the kernel granted, so that a sender is not held waiting for the
+/// whole window to be read.
+ErrorCode apply(Channel& ch, const SocketOptions& o);
 
 /// A session's channels by index (a slot may be empty while its channel has not joined).
 using ChannelList = std::vector<std::unique_ptr<Channel>>;
