@@ -39,19 +39,54 @@ session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/f
          "$src/relay/src/relay_fsm.cpp" "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp" "$src/relay/src/pack.cpp" "$src/relay/src/pull.cpp"
          "$src/xftsm/src/client.cpp" "$src/framework/src/client_session.cpp")
 libs=(-lcapnp -lkj -lbotan-2 -lcrypto -lfmt -lpthread)
+deps_of() {  # NAME: sets deps to the sources the harness links besides its own
+  deps=("${parsers[@]}")
+  case "$1" in
+    fuzz_session) deps+=("${session[@]}") ;;
+    fuzz_pack) deps+=("$src/framework/src/files.cpp" "$src/framework/src/manifest.cpp" "$src/pathm/src/fsops.cpp"
+                      "$src/relay/src/pack.cpp") ;;
+  esac
+}
+object_of() { local rel="${1#"$src"/}"; rel="${rel#"$build"/}"; echo "$work/obj/${rel//\//_}.o"; }
+# Every source is compiled once, whichever harnesses share it, one clang invocation per source on
+# every core: built whole, one invocation per harness, fuzz_session alone took minutes on one core.
+mkdir -p "$work/obj"
+rm -f "$work/obj/failed"
+printf '%s\0' "${flags[@]}" >"$work/obj/flags"
+declare -A wanted=()
+for name in "${harnesses[@]}"; do
+  deps_of "$name"
+  for f in "$src/tests/fuzz/$name.cpp" "${deps[@]}"; do wanted["$f"]=1; done
+done
+compile_one() {  # SOURCE: its object, or its name in obj/failed and its errors in OBJECT.log
+  local obj flags
+  obj="$(object_of "$1")"
+  mapfile -d '' -t flags <"$work/obj/flags"
+  "$cxx" "${flags[@]}" -c "$1" -o "$obj" >"$obj.log" 2>&1 || echo "$1" >>"$work/obj/failed"
+}
+export -f compile_one object_of
+export src build work cxx
+printf '%s\0' "${!wanted[@]}" | xargs -0 -n 1 -P "$(nproc 2>/dev/null || echo 2)" bash -c 'compile_one "$1"' _
+if [ -s "$work/obj/failed" ]; then
+  while read -r f; do
+    echo "fuzzer source $f did not build:"
+    tail -n 40 "$(object_of "$f").log"
+  done <"$work/obj/failed"
+  exit 1
+fi
 status=0
 for name in "${harnesses[@]}"; do
-  sources=("${parsers[@]}")
+  deps_of "$name"
+  objects=()
+  for f in "$src/tests/fuzz/$name.cpp" "${deps[@]}"; do objects+=("$(object_of "$f")"); done
   max_len=4096
   case "$name" in
-    fuzz_session) sources+=("${session[@]}"); max_len=16384 ;;
+    fuzz_session) max_len=16384 ;;
     fuzz_pathm) max_len=65536 ;;
-    fuzz_pack) sources+=("$src/framework/src/files.cpp" "$src/framework/src/manifest.cpp" "$src/pathm/src/fsops.cpp"
-                         "$src/relay/src/pack.cpp"); max_len=16384 ;;
+    fuzz_pack) max_len=16384 ;;
   esac
-  if ! "$cxx" "${flags[@]}" "$src/tests/fuzz/$name.cpp" "${sources[@]}" "${libs[@]}" -o "$work/$name" \
-       >"$work/$name.build.log" 2>&1; then
-    echo "fuzzer $name did not build:"
+  if ! "$cxx" "${flags[@]}" "${objects[@]}" "${libs[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1; then
+    echo "fuzzer $name did not link:"
     tail -n 40 "$work/$name.build.log"
     exit 1
   fi
