@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <limits>
 #include <stdexcept>
 #include <utility>
 
@@ -588,7 +589,13 @@ void Channel::pump() {
   std::array<asio::const_buffer, 3> bufs{asio::buffer(o.header, o.raw ? 0 : o.header.size()),
                                          asio::buffer(o.payload.data(), o.payload.size()),
                                          asio::buffer(o.tag.data(), o.tag_len)};
-  asio::async_write(socket_, bufs, [this](const ErrorCode& ec, std::size_t) { complete_front(ec); });
+  // As much as the socket takes in each system call: asio's own completion conditions
+  // (transfer_all, transfer_exactly) hand it 64 KiB at a time, which is 16 sendmsg calls and as
+  // many turns of the loop (each with its epoll_wait) per 1 MiB block.
+  const auto whole = [](const ErrorCode& ec, std::size_t) -> std::size_t {
+    return ec ? 0 : std::numeric_limits<std::size_t>::max();
+  };
+  asio::async_write(socket_, bufs, whole, [this](const ErrorCode& ec, std::size_t) { complete_front(ec); });
 }
 
 namespace {
