@@ -39,12 +39,14 @@ session=("$src/framework/src/piod.cpp" "$src/framework/src/manifest.cpp" "$src/f
          "$src/relay/src/relay_fsm.cpp" "$src/relay/src/forward.cpp" "$src/relay/src/server_mode.cpp" "$src/relay/src/master.cpp" "$src/relay/src/pack.cpp" "$src/relay/src/pull.cpp"
          "$src/xftsm/src/client.cpp" "$src/framework/src/client_session.cpp")
 libs=(-lcapnp -lkj -lbotan-2 -lcrypto -lfmt -lpthread)
-deps_of() {  # NAME: sets deps to the sources the harness links besides its own
+harness() {  # NAME: sets deps (the sources it links besides its own) and max_len (its inputs' limit)
   deps=("${parsers[@]}")
+  max_len=4096
   case "$1" in
-    fuzz_session) deps+=("${session[@]}") ;;
+    fuzz_session) deps+=("${session[@]}"); max_len=16384 ;;
+    fuzz_pathm) max_len=65536 ;;
     fuzz_pack) deps+=("$src/framework/src/files.cpp" "$src/framework/src/manifest.cpp" "$src/pathm/src/fsops.cpp"
-                      "$src/relay/src/pack.cpp") ;;
+                      "$src/relay/src/pack.cpp"); max_len=16384 ;;
   esac
 }
 object_of() { local rel="${1#"$src"/}"; rel="${rel#"$build"/}"; echo "$work/obj/${rel//\//_}.o"; }
@@ -55,7 +57,7 @@ rm -f "$work/obj/failed"
 printf '%s\0' "${flags[@]}" >"$work/obj/flags"
 declare -A wanted=()
 for name in "${harnesses[@]}"; do
-  deps_of "$name"
+  harness "$name"
   for f in "$src/tests/fuzz/$name.cpp" "${deps[@]}"; do wanted["$f"]=1; done
 done
 compile_one() {  # SOURCE: its object, or its name in obj/failed and its errors in OBJECT.log
@@ -76,15 +78,9 @@ if [ -s "$work/obj/failed" ]; then
 fi
 status=0
 for name in "${harnesses[@]}"; do
-  deps_of "$name"
+  harness "$name"
   objects=()
   for f in "$src/tests/fuzz/$name.cpp" "${deps[@]}"; do objects+=("$(object_of "$f")"); done
-  max_len=4096
-  case "$name" in
-    fuzz_session) max_len=16384 ;;
-    fuzz_pathm) max_len=65536 ;;
-    fuzz_pack) max_len=16384 ;;
-  esac
   if ! "$cxx" "${flags[@]}" "${objects[@]}" "${libs[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1; then
     echo "fuzzer $name did not link:"
     tail -n 40 "$work/$name.build.log"

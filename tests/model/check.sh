@@ -89,14 +89,17 @@ export -f verify check_config check_drop
 { printf 'check_config "%s"\n' "${configs[@]}"; printf 'check_drop %s\n' "${drops[@]}"; } |
   xargs -d '\n' -n 1 -P "$(nproc 2>/dev/null || echo 2)" bash -c 'eval "$1"' _
 
+report() {  # NAME: prints the search's report; false if it failed or did not run
+  [ -s "$1/report" ] || { echo "FAIL $1: the search did not run"; return 1; }
+  cat "$1/report"
+  [ ! -e "$1/failed" ]
+}
 covered=""
 for config in "${configs[@]}"; do
   read -r n b k f <<< "$config"
   name="n${n}b${b}k${k}f${f}"
-  [ -s "$name/report" ] || { echo "FAIL $name: the search did not run"; status=1; continue; }
-  cat "$name/report"
-  [ -e "$name/failed" ] && status=1
-  covered="$covered $(tr '\n' ' ' < "$name/covered")"
+  report "$name" || status=1
+  [ -e "$name/covered" ] && covered="$covered $(tr '\n' ' ' < "$name/covered")"
 done
 for row in $(grep -o 'ROW [a-z-]*:[0-9]*' n2b2k2f1/n2b2k2f1.pml | cut -d' ' -f2 | sort -u); do
   case " $covered " in *" $row "*) continue ;; esac
@@ -104,9 +107,6 @@ for row in $(grep -o 'ROW [a-z-]*:[0-9]*' n2b2k2f1/n2b2k2f1.pml | cut -d' ' -f2 
   echo "FAIL: row $row is never taken in any configuration"; status=1
 done
 for row in "${drops[@]}"; do
-  name="drop-${row/:/-}"
-  [ -s "$name/report" ] || { echo "FAIL $name: the search did not run"; status=1; continue; }
-  cat "$name/report"
-  [ -e "$name/failed" ] && status=1
+  report "drop-${row/:/-}" || status=1
 done
 exit $status
