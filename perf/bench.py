@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import resource
 import shlex
@@ -42,10 +43,10 @@ import syscalls  # noqa: E402  (perf stat's count of system calls, shared with z
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-SCENARIOS = ["mem", "disk", "small", "link"]
-ALIASES = {"a": "mem", "b": "disk", "c": "small", "d": "link",
+SCENARIOS = ["mem", "disk", "small", "link", "cached"]
+ALIASES = {"a": "mem", "b": "disk", "c": "small", "d": "link", "e": "cached",
            "memory": "mem", "memory-to-memory": "mem", "disk-to-disk": "disk",
-           "smallfiles": "small", "small-files": "small"}
+           "smallfiles": "small", "small-files": "small", "page-cached": "cached"}
 
 # The tools of each scenario, in the order of the first repetition (later ones rotate it).
 TOOLS = {
@@ -53,6 +54,7 @@ TOOLS = {
     "disk": ["xdfs", "xdfs-private", "gridftp"],
     "small": ["xdfs", "xdfs-private", "gridftp", "gridftp-pp", "gridftp-pp-cc", "rsync", "tar"],
     "link": ["xdfs", "xdfs-private", "gridftp", "iperf3", "iperf3-z"],
+    "cached": ["xdfs", "gridftp", "iperf3-z"],
 }
 # xdfs runs with --protect clear --no-verify: control frames MACed, data as is, no block digests,
 # like GridFTP's anonymous clear data channel without -verify-checksum (the fair comparison).
@@ -60,6 +62,9 @@ TOOLS = {
 # verified against its digest, what a user gets without options. perf/xsec.py measures what
 # verification costs (clear against clear/no-verify). iperf3-z is iperf3 -Z: its sender moves the
 # bytes by sendfile(2).
+# Scenario (e), cached, is a download of a file in the server's page cache to /dev/null: xDFS
+# and GridFTP send the file itself (xdfsd by sendfile), against iperf3 -Z -R, which sends one
+# small buffer file over and over by sendfile.
 
 # System calls are counted (perf stat; perf/syscalls.py) in one extra run of every point and tool
 # after the timed repetitions: perf around a process costs tens of milliseconds of its own and
@@ -81,6 +86,8 @@ FULL = dict(
     link_rates="1gbit,10gbit",
     link_streams="1,8,64",
     link_size="1gbit:256M,10gbit:1G",
+    cached_size="2G",
+    cached_streams="1,8",
     block_size="1M",
     cc=2,
     iperf_time=2,
@@ -96,6 +103,8 @@ SMOKE = dict(
     link_rates="1gbit",
     link_streams="1,4",
     link_size="1gbit:8M",
+    cached_size="16M",
+    cached_streams="1,4",
     block_size="1M",
     cc=2,
     iperf_time=1,
@@ -420,8 +429,9 @@ def parse_rate(rate: str) -> int:
 class Server:
     """A fresh server process for one run. `ready` parses its log into a port (or None yet)."""
 
-    def __init__(self, name, argv, log_path, ready, netns=None, self_exits=False, settled=None):
+    def __init__(self, name, argv, log_path, ready, netns=None, self_exits=False, settled=None, repick=None):
         self.name = name
+        self.repick = repick  # () -> a new argv on another port, for a server told its port is taken
         self.settled = settled  # (server) -> True once what its clients did is in its log
         self.argv = argv
         self.netns = netns
@@ -444,6 +454,20 @@ class Server:
         return [g for c in top for g in proc_children(c)] if self.perf_out else top
 
     def start(self, timeout=20.0) -> "Server":
+        for attempt in range(5):
+            try:
+                return self._start(timeout)
+            except RuntimeError as e:
+                if not self.repick or attempt == 4 or "Address already in use" not in str(e):
+                    raise
+                log(f"bench: {self.name}: port taken, starting it on another ({e})")
+                self.usage = None
+                self.argv = self.repick()
+                if self.perf_out:
+                    self.argv = syscalls.wrap(self.argv, self.perf_out)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "Server":
         with open(self.log_path, "wb") as lf:
             self.pid = H.spawn(self.argv, stdout=lf, stderr=subprocess.STDOUT, netns=self.netns,
                                usage=self.usage_path)
@@ -525,9 +549,25 @@ def ready_log(pattern):
 
 
 def free_port(host="127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that binds now, below the kernel's ephemeral range (ip_local_port_range) where it
+    can. bind(0) picks one inside that range, where any outgoing connection may take it before the
+    server binds it: iperf3 failed to listen ("Address already in use") at 1000 streams."""
+    lo = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    candidates = [random.randrange(10000, lo) for _ in range(64)] if lo > 10100 else []
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port on {host}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,9 +687,13 @@ def gridftp_xfer_bytes(srv: Server) -> tuple[int, int, list[str]]:
 
 
 def iperf3_server(ctx: Ctx, host: str, port: int, idx: int, netns=None) -> Server:
-    argv = ["iperf3", "-s", "-1", "-B", host, "-p", str(port), "--forceflush"]
-    srv = Server("iperf3", argv, ctx.runlog(f"iperf3-{idx}.log"),
-                 ready_log(r"Server listening on (\d+)"), netns, self_exits=True)
+    """An iperf3 server for one test. On loopback (no namespace) its port is picked here, and
+    picked again should another socket take it first."""
+    def argv(p: int) -> list[str]:
+        return ["iperf3", "-s", "-1", "-B", host, "-p", str(p), "--forceflush"]
+    repick = (lambda: argv(free_port(host))) if netns is None else None
+    srv = Server("iperf3", argv(port if netns is not None else free_port(host)), ctx.runlog(f"iperf3-{idx}.log"),
+                 ready_log(r"Server listening on (\d+)"), netns, self_exits=True, repick=repick)
     return srv
 
 
@@ -753,14 +797,22 @@ def measure(ctx: Ctx, rec: dict, servers: list[Server], clients: list[list[str]]
     return rec
 
 
-def parse_xduc_json(out: str, expect: int) -> float:
+def parse_xduc_json(out: str, expect: int, rec: dict | None = None) -> float:
+    """xduc's own seconds. With rec, also its data phase: the seconds after set-up (every channel
+    connected, secured and accepted), which is what iperf3 reports its rate over."""
     line = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
     if not line:
         raise RunError(f"xduc printed no JSON summary: {out[-200:]!r}")
     j = json.loads(line[-1])
     if j.get("bytes") != expect:
         raise RunError(f"xduc moved {j.get('bytes')} bytes, expected {expect}")
-    return float(j["seconds"])
+    secs = float(j["seconds"])
+    setup = j.get("setup_seconds")
+    if rec is not None and isinstance(setup, (int, float)) and 0 <= setup < secs:
+        rec["setup_seconds"] = round(setup, 6)
+        rec["data_seconds"] = round(secs - setup, 6)
+        rec["data_bytes_per_second"] = round(expect / (secs - setup), 1)
+    return secs
 
 
 def xdfsd_settled(srv: Server) -> bool:
@@ -797,7 +849,7 @@ def mem_run(ctx: Ctx, rec: dict, tool: str, direction: str, streams: int, nbytes
             return a + (["/dev/zero", url] if up else [url, "/dev/null"])
 
         def check(started, outs):
-            rec["tool_seconds"] = parse_xduc_json(outs[0], nbytes)
+            rec["tool_seconds"] = parse_xduc_json(outs[0], nbytes, rec)
             rec["server_seconds"] = xdfsd_check(started[0], nbytes)
         return measure(ctx, rec, [srv], [client], nbytes=nbytes, netns_c=netns_c, check=check)
 
@@ -824,11 +876,13 @@ def mem_run(ctx: Ctx, rec: dict, tool: str, direction: str, streams: int, nbytes
         # run at once, splitting the streams evenly; bytes, CPU and peak RSS are summed.
         pairs = max(1, math.ceil(streams / 128))
         split = [streams // pairs + (1 if i < streams % pairs else 0) for i in range(pairs)]
-        ports = [free_port(host) if netns_s is None else 5201 + i for i in range(pairs)]
-        servers = [iperf3_server(ctx, host, ports[i], i, netns_s) for i in range(pairs)]
+        servers = [iperf3_server(ctx, host, 5201 + i, i, netns_s) for i in range(pairs)]
         secs = str(ctx.args.iperf_time)
-        clients = [["iperf3", "-c", host, "-p", str(ports[i]), "-P", str(split[i]), "-t", secs, "-J"]
-                   + ([] if up else ["-R"]) + (["-Z"] if tool == "iperf3-z" else []) for i in range(pairs)]
+
+        def client(i):  # the port each server listens on: known once it started
+            return lambda started: (["iperf3", "-c", host, "-p", str(started[i].port), "-P", str(split[i]), "-t", secs,
+                                     "-J"] + ([] if up else ["-R"]) + (["-Z"] if tool == "iperf3-z" else []))
+        clients = [client(i) for i in range(pairs)]
         rec["processes"] = pairs
 
         def check(started, outs):
@@ -942,6 +996,64 @@ def disk_run(ctx: Ctx, rec: dict, tool: str, direction: str, streams: int, size:
         if os.path.exists(dst):
             os.unlink(dst)
         os.sync()  # the deleted file's dirty pages are dropped; start each run with a clean cache
+
+
+# ----------------------------------------------------------------------------------------------
+# scenario (e) a page-cached file to /dev/null
+
+def cached_name(size: int) -> str:
+    return f"c_{fmt_size(size)}"
+
+
+def cached_setup(ctx: Ctx, sizes: list[int]) -> None:
+    for s in sizes:
+        p = os.path.join(ctx.srv, cached_name(s))
+        if not os.path.exists(p):
+            log(f"bench: writing {fmt_size(s)} file for the page-cached downloads")
+            write_file(p, s)
+            os.chmod(p, 0o644)
+
+
+def read_through(path: str) -> None:
+    """Reads a file once, untimed, so that a run finds all of it in the page cache."""
+    buf = bytearray(16 * MiB)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def cached_run(ctx: Ctx, rec: dict, tool: str, streams: int, size: int) -> dict:
+    """The server sends a file from its page cache; the client writes it to /dev/null."""
+    if tool == "iperf3-z":
+        return mem_run(ctx, rec, tool, "download", streams, size)
+    name = cached_name(size)
+    src = os.path.join(ctx.srv, name)
+    read_through(src)
+    if tool == "xdfs":
+        srv = xdfsd_server(ctx, "127.0.0.1", streams=streams)
+        xargs = xduc_args(ctx, tool)
+
+        def client(started):
+            return [ctx.xduc, "-p", str(streams), "--block-size", str(ctx.block), "-q", "--json"] + xargs + [
+                f"xdfs://127.0.0.1:{started[0].port}/{name}", "/dev/null"]
+
+        def check(started, outs):
+            rec["tool_seconds"] = parse_xduc_json(outs[0], size, rec)
+            rec["server_seconds"] = xdfsd_check(started[0], size)
+        return measure(ctx, rec, [srv], [client], nbytes=size, check=check)
+    if tool == "gridftp":
+        srv = gridftp_server(ctx, "127.0.0.1")
+
+        def client(started):
+            return ["globus-url-copy", "-fast", "-p", str(streams), "-bs", str(ctx.block),
+                    f"ftp://127.0.0.1:{started[0].port}{src}", "file:///dev/null"]
+
+        def check(started, outs):
+            got, n, bad = gridftp_xfer_bytes(started[0])
+            if got != size or bad:
+                raise RunError(f"gridftp server logged {got} bytes (codes {bad}), expected {size}")
+        return measure(ctx, rec, [srv], [client], nbytes=size, check=check)
+    raise Unsupported(f"{tool} has no page-cached download here")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1104,6 +1216,10 @@ def build_plan(args) -> list[tuple[str, dict]]:
                 for n in ints(args.link_streams):
                     for d in ("upload", "download"):
                         plan.append((sc, dict(direction=d, streams=n, size=size, files=1, bytes=size, link=rate)))
+        elif sc == "cached":
+            size = parse_size(args.cached_size)
+            for n in ints(args.cached_streams):
+                plan.append((sc, dict(direction="download", streams=n, size=size, files=1, bytes=size)))
     return plan
 
 
@@ -1143,6 +1259,8 @@ def run_one(ctx: Ctx, sc: str, point: dict, tool: str, rep: int, counted: bool =
             ctx.link.shape(point["link"])
             mem_run(ctx, rec, tool, point["direction"], point["streams"], point["bytes"],
                     host=Link.SERVER_IP, netns_s=ctx.link.ns_s, netns_c=ctx.link.ns_c)
+        elif sc == "cached":
+            cached_run(ctx, rec, tool, point["streams"], point["size"])
     except Unsupported as e:
         rec["status"] = "unsupported"
         rec["error"] = str(e)
@@ -1256,7 +1374,7 @@ def check_records(path: str, scenarios: list[str], counted: bool = False) -> lis
                         problems.append(f"line {i}: ok record without {k}")
                 if r.get("bytes_per_second", 0) <= 0:
                     problems.append(f"line {i}: non-positive throughput")
-                if r.get("scenario") in ("mem", "disk", "link") and not isinstance(r.get("server_cpu_s"), (int, float)):
+                if r.get("scenario") in ("mem", "disk", "link", "cached") and not isinstance(r.get("server_cpu_s"), (int, float)):
                     problems.append(f"line {i}: ok record without server_cpu_s")
                 if r.get("counted"):
                     if not isinstance(r.get("client_syscalls"), int):
@@ -1351,8 +1469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="results directory (records.jsonl, meta.json)")
     ap.add_argument("--xdfs-bin", required=True, help="directory holding xdfsd and xduc")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition (the test suite's run)")
-    ap.add_argument("--scenarios", default="mem,disk,small,link",
-                    help="comma list of mem,disk,small,link (or a,b,c,d)")
+    ap.add_argument("--scenarios", default="mem,disk,small,link,cached",
+                    help="comma list of mem,disk,small,link,cached (or a,b,c,d,e)")
     ap.add_argument("--tools", default="", help="only these tools (e.g. xdfs,iperf3; 'gridftp' selects every variant)")
     ap.add_argument("--reps", type=int, help="repetitions of every point (default 3, smoke 1)")
     ap.add_argument("--work", default="", help="scratch directory for test data (default: a fresh one in /var/tmp)")
@@ -1366,6 +1484,8 @@ def main(argv=None) -> int:
     ap.add_argument("--link-rates", help="tbf rates (default 1gbit,10gbit)")
     ap.add_argument("--link-streams", help="stream counts in link mode (default 1,8,64)")
     ap.add_argument("--link-size", help="RATE:SIZE,... bytes per link run (default 1gbit:256M,10gbit:1G)")
+    ap.add_argument("--cached-size", help="bytes of the page-cached file downloaded to /dev/null (default 2G)")
+    ap.add_argument("--cached-streams", help="stream counts of the page-cached downloads (default 1,8)")
     ap.add_argument("--block-size", help="block size for xduc and globus-url-copy/-server (default 1M)")
     ap.add_argument("--iperf-time", type=int, help="seconds per iperf3 run (-t; default 2, smoke 1)")
     ap.add_argument("--no-syscalls", action="store_true",
@@ -1428,7 +1548,8 @@ def main(argv=None) -> int:
     need = {"mem": ["globus-gridftp-server", "globus-url-copy", "iperf3"],
             "disk": ["globus-gridftp-server", "globus-url-copy"],
             "small": ["globus-gridftp-server", "globus-url-copy", "rsync", "tar"],
-            "link": ["globus-gridftp-server", "globus-url-copy", "iperf3", "ip", "tc"]}
+            "link": ["globus-gridftp-server", "globus-url-copy", "iperf3", "ip", "tc"],
+            "cached": ["globus-gridftp-server", "globus-url-copy", "iperf3"]}
     missing = sorted({t for sc in args.scenarios for t in need[sc] if not shutil.which(t)})
     if missing:
         log(f"bench: missing {', '.join(missing)}: run perf/install-peers.sh (or perf/run.sh without --no-install)")
@@ -1477,6 +1598,8 @@ def main(argv=None) -> int:
                 disk_setup(ctx, sorted({p["size"] for p in points}))
             elif sc == "small":
                 small_setup(ctx, sorted({(p["files"], p["size"]) for p in points}))
+            elif sc == "cached":
+                cached_setup(ctx, sorted({p["size"] for p in points}))
             elif sc == "link":
                 if os.geteuid() != 0:
                     ctx.link_why = "link mode needs root (network namespaces, tc)"
@@ -1510,6 +1633,10 @@ def main(argv=None) -> int:
                 ctx.link = None
             if sc == "small":
                 shutil.rmtree(os.path.join(ctx.srv, "small"), ignore_errors=True)
+            if sc == "cached":
+                for f in os.listdir(ctx.srv):
+                    if f.startswith("c_"):
+                        os.unlink(os.path.join(ctx.srv, f))
             if sc == "disk":
                 for f in os.listdir(ctx.srv):
                     if f.startswith("f_"):

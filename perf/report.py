@@ -29,7 +29,8 @@ TOOL_COLOR = {
     "iperf3": "#7f7f7f", "iperf3-z": "#bcbd22", "rsync": "#2ca02c", "tar": "#8c564b",
 }
 SCEN_TITLE = {"mem": "Memory to memory (loopback)", "disk": "Disk to disk (loopback)",
-              "small": "Lots of small files", "link": "Link mode (veth + tc tbf between two namespaces)"}
+              "small": "Lots of small files", "link": "Link mode (veth + tc tbf between two namespaces)",
+              "cached": "A page-cached file to /dev/null (loopback)"}
 
 
 def label(t: str) -> str:
@@ -123,6 +124,14 @@ class Agg:
 
 def tp(rs) -> Stat:
     return Agg.stat(rs, "bytes_per_second", 1e6)
+
+
+def tp_data(rs) -> Stat:
+    """Throughput over the data phase, set-up excluded, as iperf3 reports its own: xduc's seconds
+    less its set-up (records with data_bytes_per_second); any other tool's throughput as it is."""
+    if rs and all(isinstance(r.get("data_bytes_per_second"), (int, float)) for r in rs):
+        return Agg.stat(rs, "data_bytes_per_second", 1e6)
+    return tp(rs)
 
 
 def fmt_tp(s: Stat) -> str:
@@ -270,21 +279,30 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
             continue
         rs = {(t, n): agg.get(scenario, t, direction, n, size, 1, link) for t in tools for n in streams}
         out.append(f"\n### {direction.capitalize()}, {human(size)} per run\n")
-        head = "| streams | " + " | ".join(f"{label(t)} MB/s" for t in tools)
+        # xDFS's rate after set-up beside its wall-clock one, where xduc reported its set-up: the
+        # ratios to iperf3 compare it with iperf3's own rate, which excludes set-up too.
+        data = "xdfs" in tools and any(isinstance(r.get("data_bytes_per_second"), (int, float))
+                                       for n in streams for r in rs[("xdfs", n)])
+        head = "| streams | " + " | ".join(f"{label(t)} MB/s" + (" | xDFS MB/s after set-up" if data and t == "xdfs" else "")
+                                          for t in tools)
         cols = []
         if "xdfs" in tools and "gridftp" in tools:
-            cols.append(("xDFS/GridFTP", "gridftp"))
-        if "xdfs" in tools and "iperf3" in tools:
-            cols.append(("xDFS/iperf3", "iperf3"))
-        if "xdfs" in tools and "iperf3-z" in tools:
-            cols.append(("xDFS/iperf3 -Z", "iperf3-z"))
+            cols.append(("xDFS/GridFTP", "gridftp", tp))
+        for peer in ("iperf3", "iperf3-z"):
+            if "xdfs" in tools and peer in tools:
+                cols.append((f"xDFS/{label(peer)}{' ‡' if data else ''}", peer, tp_data if data else tp))
         head += "".join(f" | {c[0]}" for c in cols) + " |"
         out.append(head)
-        out.append("|" + "---:|" * (1 + len(tools) + len(cols)))
+        out.append("|" + "---:|" * (1 + len(tools) + len(cols) + (1 if data else 0)))
         for n in streams:
-            row = f"| {n} | " + " | ".join(fmt_tp(tp(rs[(t, n)])) for t in tools)
-            row += "".join(f" | {fmt_ratio(tp(rs[('xdfs', n)]), tp(rs[(c[1], n)]))}" for c in cols)
+            row = f"| {n} | " + " | ".join(fmt_tp(tp(rs[(t, n)])) + (f" | {fmt_tp(tp_data(rs[(t, n)]))}" if data and t == "xdfs" else "")
+                                           for t in tools)
+            row += "".join(f" | {fmt_ratio(c[2](rs[('xdfs', n)]), tp(rs[(c[1], n)]))}" for c in cols)
             out.append(row + " |")
+        if data and any(c[1].startswith("iperf3") for c in cols):
+            out.append("\n‡ set-up excluded on both sides: xDFS's rate after its set-up (xduc's seconds less its "
+                       "`setup_seconds`: every channel connected, secured and accepted) against iperf3's receiver "
+                       "rate, which excludes its connection set-up. xDFS/GridFTP compares wall-clock rates.")
         out.append("\nCPU seconds per GiB moved (client / server) and peak resident memory in MiB (client / server), medians:\n")
         out.append("| streams | " + " | ".join(f"{label(t)} CPU s/GiB | {label(t)} RSS MiB" for t in tools) + " |")
         out.append("|" + "---:|" * (1 + 2 * len(tools)))
@@ -304,7 +322,8 @@ def section_mem(agg: Agg, plt, plots_dir, rel, out, scenario="mem", link=""):
         xt = (streams, [str(n) for n in streams])
         fname = f"{tag}_throughput.png"
         line_plot(plt, os.path.join(plots_dir, fname),
-                  f"{'Parallel' if scenario == 'mem' else link} throughput, {direction}, memory to memory",
+                  {"mem": "Parallel throughput", "cached": "Page-cached file to /dev/null"}.get(scenario, f"{link} throughput")
+                  + f", {direction}" + (", memory to memory" if scenario != "cached" else ""),
                   "parallel streams", "MB/s",
                   [(label(t), TOOL_COLOR[t], "-" if not t.startswith("iperf3") else "--", streams, [tp(rs[(t, n)]) for n in streams])
                    for t in tools], logx=True, xticks=xt, note=f"{human(size)} per run; median, bars min–max")
@@ -547,11 +566,12 @@ def behind(agg: Agg, out):
         sc, link, tool, direction, n, size, files = k
         if tool != "xdfs":  # clear mode: the like-for-like one (private is encrypted, GridFTP is not)
             continue
-        x = tp(rs)
         for peer in ("gridftp", "iperf3"):
             prs = agg.groups.get((sc, link, peer, direction, n, size, files))
             if not prs:
                 continue
+            # Against iperf3 set-up is left out on both sides (where xduc reported its own).
+            x = tp_data(rs) if peer == "iperf3" else tp(rs)
             p = tp(prs)
             if peer == "gridftp" and x.med < 0.95 * p.med:
                 rows.append((sc, link, tool, direction, n, size, peer, x.med / p.med))
@@ -584,7 +604,7 @@ def main(argv=None) -> int:
     os.makedirs(args.plots, exist_ok=True)
     # Only this report's own plots go: perf/pull.py and perf/relay.py publish theirs here too.
     for f in os.listdir(args.plots):
-        if f.endswith(".png") and f.startswith(("mem_", "disk_", "small_", "link_")):
+        if f.endswith(".png") and f.startswith(("mem_", "disk_", "small_", "link_", "cached_")):
             os.unlink(os.path.join(args.plots, f))
     md_dir = os.path.dirname(os.path.abspath(args.md))
 
@@ -630,12 +650,14 @@ def main(argv=None) -> int:
                "(ru_maxrss). Client and server share the same 2 cores on loopback, so loopback throughput is "
                "CPU-bound: compare CPU per GiB as much as MB/s.")
 
-    for sc in ("mem", "disk", "small", "link"):
+    for sc in ("mem", "disk", "small", "link", "cached"):
         if not any(r["scenario"] == sc for r in recs):
             continue
         out.append(f"\n## {SCEN_TITLE[sc]}")
         if sc == "mem":
             section_mem(agg, plt, args.plots, rel, out)
+        elif sc == "cached":
+            section_mem(agg, plt, args.plots, rel, out, scenario="cached")
         elif sc == "disk":
             section_disk(agg, plt, args.plots, rel, out)
         elif sc == "small":

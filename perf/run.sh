@@ -2,11 +2,11 @@
 # The one benchmark command: installs the peers, builds xDFS (Release), runs every scenario for
 # xDFS and its peers taking turns, writes OUT/records.jsonl, and renders RESULTS.md and plots.
 #
-#   perf/run.sh [--smoke] [--scenarios mem,disk,small,link] [--reps N] [--out DIR]
+#   perf/run.sh [--smoke] [--scenarios mem,disk,small,link,cached] [--reps N] [--out DIR]
 #               [--no-build --xdfs-bin DIR] [--no-install] [--no-micro] [bench.py options...]
 #
 #   --smoke          tiny sizes, 2 repetitions, a few seconds; report goes to OUT only
-#   --scenarios L    any of mem (a), disk (b), small (c), link (d); default all four
+#   --scenarios L    any of mem (a), disk (b), small (c), link (d), cached (e); default all five
 #   --reps N         repetitions of every point (default 3)
 #   --out DIR        results directory (default perf/out/<UTC timestamp>)
 #   --no-build       use existing binaries: --xdfs-bin DIR must hold xdfsd and xduc
