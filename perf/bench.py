@@ -1012,6 +1012,7 @@ def cached_setup(ctx: Ctx, sizes: list[int]) -> None:
             log(f"bench: writing {fmt_size(s)} file for the page-cached downloads")
             write_file(p, s)
             os.chmod(p, 0o644)
+    os.sync()  # no writeback of the new file during the timed runs
 
 
 def read_through(path: str) -> None:
