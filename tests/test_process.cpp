@@ -594,6 +594,31 @@ TEST_CASE("xduc's memory-mode uploads send a block in a few sendmsg calls, not o
   }
 }
 
+// A sender hands each sent block's slot back to its disk thread, and woke that thread for every
+// one: a futex wake, the thread's futex wait, and its eventfd round trip back, per block. Now it
+// wakes it once a quarter of the pool is back (or when few blocks are left to send). Counted with
+// strace on the real xduc, a clear memory-mode upload: before, 1.9 futex calls a block.
+TEST_CASE("xduc's memory-mode upload wakes its disk thread once for several blocks, not once a block") {
+  REQUIRE_MESSAGE(xt::run("/usr/bin/strace", {"-f", "-qq", "-o", "/dev/null", "true"}, 30000).status == 0,
+                  "strace cannot trace here");
+  xt::TempDir root, tmp;
+  xt::XdfsdProcess d(root.path(), {"--allow-memory-mode"});
+  const std::string url = "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/m";
+  constexpr int blocks = 256;  // 1 MiB each
+  const auto trace = tmp / "futex.strace";
+  auto r = xt::run("/usr/bin/strace", {"-f", "-qq", "-e", "trace=futex", "-e", "signal=none", "-o", trace, XDUC_PATH,
+                                       "-q", "--protect", "clear", "--block-size", "1M", "--memory",
+                                       std::to_string(blocks) + "M", "/dev/zero", url});
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  std::ifstream in(trace);
+  std::string line;
+  int calls = 0;
+  while (std::getline(in, line))
+    if (line.find("futex(") != std::string::npos) ++calls;
+  CAPTURE(calls);
+  CHECK(calls < blocks / 2);
+}
+
 TEST_CASE("the embedding example runs a server and a client in one process") {
   xt::TempDir root, local;
   xt::write_random_file(local / "e", 1 << 20, 8);

@@ -118,7 +118,16 @@ void BlockPipe::disk_wait(std::uint32_t seen) noexcept {
 
 void BlockPipe::to_disk(const Block& b) noexcept {
   [[maybe_unused]] bool ok = forth_.try_push(b);
+  unwoken_ = 0;
   wake_disk();
+}
+
+void BlockPipe::to_disk_lazily(const Block& b, std::uint32_t batch, bool now) noexcept {
+  [[maybe_unused]] bool ok = forth_.try_push(b);
+  if (now || ++unwoken_ >= batch) {
+    unwoken_ = 0;
+    wake_disk();
+  }
 }
 
 void BlockPipe::disk_push(const Block& b) noexcept {

@@ -483,7 +483,10 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
       spare_busy_ = false;  // the spare slot reads the next block asked for, if any
       resend();
     } else {
-      pipe_.to_disk(piod::Block{b.slot});  // slot goes back for read-ahead
+      // The slot goes back for read-ahead, waking the disk thread once a quarter of the pool
+      // is back, or at once when fewer blocks than that are left to send meanwhile.
+      const std::uint32_t batch = std::max<std::uint32_t>(1, pipe_.slots() / 4);
+      pipe_.to_disk_lazily(piod::Block{b.slot}, batch, ready_.size() - ready_head_ < batch);
     }
     on(TransferEvent::block_sent);
     maybe_finish();

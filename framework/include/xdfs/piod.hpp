@@ -338,6 +338,11 @@ public:
   // Network-thread side.
   /// Hands a block to the disk thread (never fails: the ring holds every slot).
   void to_disk(const Block& b) noexcept;
+  /// Hands a slot back to the disk thread, waking it only once `batch` slots wait for it
+  /// unwoken, or at once if `now`. A sender returns one slot per block sent; waking the disk
+  /// thread for each one cost a futex wake, its wait, and an eventfd round trip back per block.
+  /// Whoever calls this must call it with `now` before the blocks it can send run out.
+  void to_disk_lazily(const Block& b, std::uint32_t batch, bool now) noexcept;
   bool from_disk(Block& out) noexcept { return back_.try_pop(out); }
   EventFd& net_wake() noexcept { return net_wake_; }
 
@@ -380,6 +385,7 @@ private:
   SpscRing<Block> back_;   // disk -> net
   std::atomic<std::uint32_t> disk_seq_{0};
   std::atomic<bool> disk_sleeping_{false};  // lets the producer skip the wake-up syscall
+  std::uint32_t unwoken_ = 0;               // network thread: slots pushed since the last wake
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> prefix_hashed_{0};
   std::atomic<std::uint64_t> stream_end_{no_end};
