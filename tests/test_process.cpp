@@ -564,30 +564,38 @@ TEST_CASE("xduc interrupted by SIGINT exits 130 with one line, and the server dr
   CHECK(d.wait_for_log("status=error: cancelled"));
 }
 
-// A frame leaves in as few system calls as the socket takes: asio's composed write on its own
-// hands the kernel 64 KiB at a time (16 sendmsg calls and as many turns of the loop per MiB).
-// Counted on the real xduc with strace (scripts/install-deps.sh installs it): with the socket's
-// buffer as Linux tunes it on loopback a 1 MiB block leaves in one call, rarely a few; the bound
-// is half the old floor, so that a slow machine's partial writes do not fail it.
-TEST_CASE("xduc's memory-mode uploads send a block in a few sendmsg calls, not one per 64 KiB") {
+// How many calls of one system call xduc makes (all its threads), uploading from memory with
+// `args` to a memory-mode xdfsd, counted on the real process by strace (scripts/install-deps.sh
+// installs it).
+static int traced_upload_calls(const std::string& syscall, std::vector<std::string> args) {
   REQUIRE_MESSAGE(xt::run("/usr/bin/strace", {"-f", "-qq", "-o", "/dev/null", "true"}, 30000).status == 0,
                   "strace cannot trace here");
   xt::TempDir root, tmp;
   xt::XdfsdProcess d(root.path(), {"--allow-memory-mode"});
-  const std::string url = "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/m";
+  const auto trace = tmp / (syscall + ".strace");
+  std::vector<std::string> argv{"-f", "-qq", "-e", "trace=" + syscall, "-e", "signal=none", "-o", trace, XDUC_PATH, "-q"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  argv.insert(argv.end(), {"/dev/zero", "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/m"});
+  auto r = xt::run("/usr/bin/strace", argv);
+  REQUIRE_MESSAGE(r.status == 0, r.err);
+  std::ifstream in(trace);
+  std::string line;
+  int calls = 0;
+  while (std::getline(in, line))
+    if (line.find(syscall + "(") != std::string::npos) ++calls;
+  return calls;
+}
+
+// A frame leaves in as few system calls as the socket takes: asio's composed write on its own
+// hands the kernel 64 KiB at a time (16 sendmsg calls and as many turns of the loop per MiB).
+// With the socket's buffer as Linux tunes it on loopback a 1 MiB block leaves in one call,
+// rarely a few; the bound is half the old floor, so that a slow machine's partial writes do not
+// fail it.
+TEST_CASE("xduc's memory-mode uploads send a block in a few sendmsg calls, not one per 64 KiB") {
   constexpr int mib = 64;
   for (const std::string protect : {"clear", "private"}) {
     CAPTURE(protect);
-    const auto trace = tmp / (protect + ".strace");
-    auto r = xt::run("/usr/bin/strace", {"-f", "-qq", "-e", "trace=sendmsg", "-e", "signal=none", "-o", trace,
-                                         XDUC_PATH, "-q", "--protect", protect, "--memory", std::to_string(mib) + "M",
-                                         "/dev/zero", url});
-    REQUIRE_MESSAGE(r.status == 0, r.err);
-    std::ifstream in(trace);
-    std::string line;
-    int calls = 0;
-    while (std::getline(in, line))
-      if (line.find("sendmsg(") != std::string::npos) ++calls;
+    const int calls = traced_upload_calls("sendmsg", {"--protect", protect, "--memory", std::to_string(mib) + "M"});
     CAPTURE(calls);
     CHECK(calls >= mib / 16);  // the trace is there: at least a call per 16 MiB
     CHECK(calls < 8 * mib);
@@ -596,25 +604,12 @@ TEST_CASE("xduc's memory-mode uploads send a block in a few sendmsg calls, not o
 
 // A sender hands each sent block's slot back to its disk thread, and woke that thread for every
 // one: a futex wake, the thread's futex wait, and its eventfd round trip back, per block. Now it
-// wakes it once a quarter of the pool is back (or when few blocks are left to send). Counted with
-// strace on the real xduc, a clear memory-mode upload: before, 1.9 futex calls a block.
+// wakes it once a quarter of the pool is back (or when few blocks are left to send). A clear
+// memory-mode upload: before, 1.9 futex calls a block.
 TEST_CASE("xduc's memory-mode upload wakes its disk thread once for several blocks, not once a block") {
-  REQUIRE_MESSAGE(xt::run("/usr/bin/strace", {"-f", "-qq", "-o", "/dev/null", "true"}, 30000).status == 0,
-                  "strace cannot trace here");
-  xt::TempDir root, tmp;
-  xt::XdfsdProcess d(root.path(), {"--allow-memory-mode"});
-  const std::string url = "xdfs://127.0.0.1:" + std::to_string(d.port()) + "/m";
   constexpr int blocks = 256;  // 1 MiB each
-  const auto trace = tmp / "futex.strace";
-  auto r = xt::run("/usr/bin/strace", {"-f", "-qq", "-e", "trace=futex", "-e", "signal=none", "-o", trace, XDUC_PATH,
-                                       "-q", "--protect", "clear", "--block-size", "1M", "--memory",
-                                       std::to_string(blocks) + "M", "/dev/zero", url});
-  REQUIRE_MESSAGE(r.status == 0, r.err);
-  std::ifstream in(trace);
-  std::string line;
-  int calls = 0;
-  while (std::getline(in, line))
-    if (line.find("futex(") != std::string::npos) ++calls;
+  const int calls = traced_upload_calls(
+      "futex", {"--protect", "clear", "--block-size", "1M", "--memory", std::to_string(blocks) + "M"});
   CAPTURE(calls);
   CHECK(calls < blocks / 2);
 }
