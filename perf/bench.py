@@ -1512,6 +1512,13 @@ def main(argv=None) -> int:
         if s not in scen:
             scen.append(s)
     args.scenarios = scen
+    # A bad size or stream list is a one-line usage error naming the option, not a traceback later.
+    for opt, parse in (("mem_size", parse_size), ("cached_size", parse_size), ("block_size", parse_size),
+                       ("mem_streams", ints), ("cached_streams", ints), ("link_streams", ints)):
+        try:
+            parse(getattr(args, opt))
+        except ValueError as e:
+            ap.error(f"--{opt.replace('_', '-')}: {e}")
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
 
