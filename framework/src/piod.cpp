@@ -89,12 +89,22 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* c
     if (huge - head) ::munmap(p + head + bytes, huge - head);
     p += head;
     (void)::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: without THP, 4 KiB pages as before
+    huge_ = true;
   }
   memory_ = std::unique_ptr<std::uint8_t, PoolDeleter>(p, PoolDeleter{bytes});
 }
 
 BlockPipe::~BlockPipe() {
-  if (cache_) cache_->give(std::move(memory_));
+  if (!cache_) return;
+  // The next transfer of the session may fill its slots: huge pages again for what it faults.
+  if (sparse_) (void)::madvise(memory_.get(), memory_.get_deleter().bytes, MADV_HUGEPAGE);
+  cache_->give(std::move(memory_));
+}
+
+void BlockPipe::sparse() noexcept {
+  // A pool from the cache is faulted in already; advice changes nothing there.
+  if (!huge_ || sparse_) return;
+  sparse_ = ::madvise(memory_.get(), memory_.get_deleter().bytes, MADV_NOHUGEPAGE) == 0;
 }
 
 namespace {

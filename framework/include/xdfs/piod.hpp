@@ -331,6 +331,10 @@ public:
   std::uint32_t block_size() const noexcept { return block_size_; }
   std::uint32_t slots() const noexcept { return slots_; }
   /// A slot holds one block and, after its data, room for the block's tag.
+  /// The slots will hold little but their blocks' trailers: zero copy moves the data. A fresh
+  /// pool then faults in 4 KiB pages as trailers are written, instead of a 2 MiB huge page
+  /// zeroed for every other trailer. Before the disk thread starts, on the network thread.
+  void sparse() noexcept;
   std::uint8_t* slot_data(std::uint32_t slot) noexcept {
     return memory_.get() + static_cast<std::size_t>(slot) * (block_size_ + slot_tag_room);
   }
@@ -381,6 +385,8 @@ private:
   std::uint32_t slots_;
   PoolCache* cache_;
   PoolMemory memory_;
+  bool huge_ = false;    // a fresh pool asked for transparent huge pages
+  bool sparse_ = false;  // ...and was told not to (sparse())
   SpscRing<Block> forth_;  // net -> disk
   SpscRing<Block> back_;   // disk -> net
   std::atomic<std::uint32_t> disk_seq_{0};
