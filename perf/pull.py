@@ -123,6 +123,10 @@ class Bed:
         for i in range(1, self.k + 1):
             shutil.rmtree(self.dest(i), ignore_errors=True)
             os.makedirs(self.dest(i))
+        # Nothing an earlier run (or the set-up) wrote is left for the kernel to write back during
+        # this one: the hosts share this machine's disk, and a host held up by write-back holds up
+        # every host after it in the chain.
+        os.sync()
 
     def bittorrent(self) -> None:
         """The file's torrent (256 KiB pieces), and opentracker on the source, which serves only
