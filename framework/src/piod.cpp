@@ -77,8 +77,13 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* c
   // transfer starts on fresh memory, and faulting it in 4 KiB at a time cost more than reading
   // a 10 MiB file from the page cache.
   constexpr std::size_t huge = std::size_t{2} << 20;
-  const bool big = bytes >= huge;
-  const std::size_t want = big ? bytes + huge : bytes;
+  // Whole pages: the tail past a big pool is unmapped from a page boundary (munmap refuses any
+  // other, which left up to 2 MiB and a mapping behind for every pool a server made).
+  const long pg = ::sysconf(_SC_PAGESIZE);
+  const std::size_t page = pg > 0 ? static_cast<std::size_t>(pg) : 4096;
+  const std::size_t mapped = (bytes + page - 1) / page * page;
+  const bool big = mapped >= huge;
+  const std::size_t want = big ? mapped + huge : mapped;
   void* mem = ::mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) throw std::bad_alloc();
   auto* p = static_cast<std::uint8_t*>(mem);
@@ -86,23 +91,22 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* c
     const auto addr = reinterpret_cast<std::uintptr_t>(p);
     const std::size_t head = (huge - addr % huge) % huge;
     if (head) ::munmap(p, head);
-    if (huge - head) ::munmap(p + head + bytes, huge - head);
+    if (huge - head) ::munmap(p + head + mapped, huge - head);
     p += head;
-    (void)::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: without THP, 4 KiB pages as before
+    (void)::madvise(p, mapped, MADV_HUGEPAGE);  // a hint: without THP, 4 KiB pages as before
     huge_ = true;
   }
-  memory_ = std::unique_ptr<std::uint8_t, PoolDeleter>(p, PoolDeleter{bytes});
+  memory_ = std::unique_ptr<std::uint8_t, PoolDeleter>(p, PoolDeleter{mapped});
 }
 
 BlockPipe::~BlockPipe() {
-  if (!cache_) return;
-  // The next transfer of the session may fill its slots: huge pages again for what it faults.
-  if (sparse_) (void)::madvise(memory_.get(), memory_.get_deleter().bytes, MADV_HUGEPAGE);
-  cache_->give(std::move(memory_));
+  // A sparse pool has a page here and there in every 2 MiB: one that fills its slots would
+  // fault 4 KiB pages all over it. The session's next pipe maps a fresh one instead.
+  if (cache_ && !sparse_) cache_->give(std::move(memory_));
 }
 
 void BlockPipe::sparse() noexcept {
-  // A pool from the cache is faulted in already; advice changes nothing there.
+  // (A pool from the cache was mapped by an earlier pipe, and took its advice then.)
   if (!huge_ || sparse_) return;
   sparse_ = ::madvise(memory_.get(), memory_.get_deleter().bytes, MADV_NOHUGEPAGE) == 0;
 }

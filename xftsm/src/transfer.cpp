@@ -294,7 +294,8 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   ready_.reserve(pipe_.slots());
   const std::string refusal = zero_copy_refusal();
   source_.zero_copy = refusal.empty();
-  if (source_.zero_copy) pipe_.sparse();  // the slots hold trailers; the data goes from the file
+  // The slots hold the blocks' digests alone (the data goes from the file).
+  if (source_.zero_copy && source_.manifest) pipe_.sparse();
   zero_copy_from_ = channel_total(&xdsi::Channel::zero_copy_bytes);
   host_.debug(source_.zero_copy ? "zero copy: file data goes to the sockets by sendfile"
                                 : "zero copy off: " + refusal);
@@ -653,7 +654,6 @@ Receiver::Receiver(asio::io_context& io, Machine& machine, ChannelList& channels
     }
   }
   skip_ = refusal.empty() && sink_.discard;
-  if (skip_ || splice_file_) pipe_.sparse();  // payloads go past the slots
   zero_copy_in_from_ = channel_total(&xdsi::Channel::zero_copy_in_bytes);
   host_.debug(skip_          ? "zero copy in: payloads go from the sockets into /dev/null by splice"
               : splice_file_ ? "zero copy in: payloads go from the sockets into the file by splice"

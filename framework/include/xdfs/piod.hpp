@@ -330,11 +330,12 @@ public:
 
   std::uint32_t block_size() const noexcept { return block_size_; }
   std::uint32_t slots() const noexcept { return slots_; }
-  /// A slot holds one block and, after its data, room for the block's tag.
   /// The slots will hold little but their blocks' trailers: zero copy moves the data. A fresh
   /// pool then faults in 4 KiB pages as trailers are written, instead of a 2 MiB huge page
-  /// zeroed for every other trailer. Before the disk thread starts, on the network thread.
+  /// zeroed for every other trailer (and is not kept for the session's next pipe). Before the
+  /// disk thread starts, on the network thread.
   void sparse() noexcept;
+  /// A slot holds one block and, after its data, room for the block's tag.
   std::uint8_t* slot_data(std::uint32_t slot) noexcept {
     return memory_.get() + static_cast<std::size_t>(slot) * (block_size_ + slot_tag_room);
   }
