@@ -1105,7 +1105,7 @@ TEST_CASE("a sparse pipe faults in a page for each trailer written, not a 2 MiB 
     bool in = false;
     while (std::fgets(line, sizeof line, f)) {
       unsigned long lo = 0, hi = 0;
-      if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && std::strchr(line, '-') < std::strchr(line, ' '))
+      if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2)  // a mapping's first line; its fields follow
         in = lo <= at && at < hi;
       else if (in)
         std::sscanf(line, "AnonHugePages: %ld kB", &huge_kb);
