@@ -165,12 +165,13 @@ bool nul_inside(pm::Encoded& enc, const std::string& text) {
 
 TEST_SUITE("pathm") {
 
-TEST_CASE("copy_exact copies a range in the kernel or through a buffer; put_copy from a short source leaves nothing") {
+TEST_CASE("copy_exact copies a range in the kernel (copy_file_range or splice) or through a buffer; put_copy from a short source leaves nothing") {
   xt::TempDir d;
   xt::write_random_file(d / "src", 3 << 20, 7);
   const std::string src = xt::read_file(d / "src");
   // Same file system (the kernel copies), and from tmpfs to this one where /dev/shm is one
-  // (copy_file_range refuses across file systems of different kinds: the buffer copies).
+  // (copy_file_range refuses across file systems of different kinds: splice through a pipe
+  // copies; the buffer only tells a short source's end).
   std::vector<std::string> from{d / "src"};
   if (fs::is_directory("/dev/shm")) {
     char shm[] = "/dev/shm/xdfs-copy-XXXXXX";

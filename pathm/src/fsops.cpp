@@ -407,6 +407,36 @@ Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_
     left -= static_cast<std::uint64_t>(c);
   }
   if (!left) return Status::ok();
+  // Where copy_file_range will not join the two (a file on tmpfs into one on a disk): through a
+  // pipe, which holds the source's pages themselves, so that each byte is copied once, into the
+  // destination's page cache. What the pipe still holds when a write fails is read again below.
+  if (int p[2]; ::pipe2(p, O_CLOEXEC) == 0) {
+    Fd pr(p[0]), pw(p[1]);
+    (void)::fcntl(pw.get(), F_SETPIPE_SZ, 1 << 20);  // (else its default: more calls, same copy)
+    while (left) {
+      const ssize_t got = ::splice(from, &in, pw.get(), nullptr, static_cast<std::size_t>(std::min<std::uint64_t>(left, 1u << 20)), 0);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) break;  // the source's end, or a file system that cannot: the buffer decides
+      auto held = static_cast<std::size_t>(got);
+      int failed = 0;
+      while (held) {
+        const ssize_t put = ::splice(pr.get(), nullptr, to, &out, held, 0);
+        if (put < 0 && errno == EINTR) continue;
+        if (put <= 0) {
+          failed = put < 0 ? errno : EIO;
+          break;
+        }
+        held -= static_cast<std::size_t>(put);
+      }
+      left -= static_cast<std::uint64_t>(got) - held;
+      if (!held) continue;
+      if (failed == ENOSPC || failed == EDQUOT || failed == EFBIG || failed == EIO)
+        return Status::from_errno(failed, "write " + quoted(to_name));
+      in -= static_cast<off_t>(held);
+      break;
+    }
+  }
+  if (!left) return Status::ok();
   std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min<std::uint64_t>(left, 1u << 20)));
   while (left) {
     const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));

@@ -66,7 +66,8 @@ Status open_file(int root, const std::string& path, files::Fd& fd, Entry& e);
 /// Reads exactly dst.size() bytes at offset; a file that got shorter is a size_mismatch.
 Status read_exact(int fd, std::span<std::uint8_t> dst, std::uint64_t offset, const std::string& path);
 /// Copies n bytes of `from` at from_offset to `to` at to_offset, in the kernel where the file
-/// systems allow it (copy_file_range: no copy through user space), else through a buffer. A
+/// systems allow it (copy_file_range, else splice through a pipe: no copy through user space),
+/// else through a buffer. A
 /// source that ends first is a size_mismatch; a destination opened for appending, or a range of
 /// the same file that overlaps, is refused. from_name and to_name name them in errors.
 Status copy_exact(int from, std::uint64_t from_offset, int to, std::uint64_t to_offset, std::uint64_t n,
