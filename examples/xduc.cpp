@@ -957,6 +957,12 @@ void define(CLI::App& app, Command& c, Help& help) {
           c.pull_opt.listen = v;
         })
       ->group(flags);
+  value(get, "--memory-stage", "DIR",
+        "a memory file system where a set's parts (up to 128M, two at\n"
+        "once) wait while they arrive and feed later hosts, so that they reach\n"
+        "the disk once, as files (default /dev/shm; none: beside DST)",
+        [&c](const std::string& v) { c.pull_opt.memory_stage = v == "none" ? std::string() : v; })
+      ->group(flags);
   file(get, "--server-log", c.server_log, "append this host's server's log lines to FILE")->group(flags);
   const char* key_text =
       "Give that line, followed by rw or ro, to the server's authorized_keys (--identity FILE: another key).";

@@ -10,7 +10,10 @@
 // file, whole and with the digest the master gave, is renamed to its name in DST.
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <linux/magic.h>
 #include <unistd.h>
 
 #include <dirent.h>
@@ -136,6 +139,58 @@ std::string staging_name(const std::string& name) {
   return fmt::format(".xdfs-pull-{:016x}", h);
 }
 
+// A set's parts of at most a pack's size wait in a directory of this pull's own on a memory
+// file system, so that their bytes reach DST's disk once, as the files they hold, instead of
+// twice (the part, then its files). It goes when the pull ends, however it ends: what was
+// verified there is not kept for a later pull (a part is at most a pack). A pull holds a lock on
+// its directory while it runs; one killed before its end leaves its directory unlocked, and the
+// next pull of the same user there removes it.
+struct MemoryStage {
+  std::string path;
+  files::Fd lock;
+  MemoryStage() = default;
+  MemoryStage(MemoryStage&&) = default;
+  MemoryStage& operator=(MemoryStage&& o) noexcept {
+    std::swap(path, o.path);
+    std::swap(lock, o.lock);
+    return *this;
+  }
+  ~MemoryStage() {
+    std::error_code ignored;
+    if (!path.empty()) std::filesystem::remove_all(path, ignored);
+  }
+};
+
+// Empty (none: parts wait beside DST) where `under` is not a memory file system of ours to use.
+MemoryStage memory_stage(const std::string& under) {
+  MemoryStage m;
+  struct statfs fs {};
+  if (under.empty() || ::statfs(under.c_str(), &fs) != 0 || (fs.f_type != TMPFS_MAGIC && fs.f_type != RAMFS_MAGIC))
+    return m;
+  const std::string prefix = fmt::format(".xdfs-pull-{}-", ::geteuid());
+  if (DIR* d = ::opendir(under.c_str())) {
+    std::vector<std::string> left;
+    while (auto* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      struct stat st {};
+      if (n.rfind(prefix, 0) != 0 || ::fstatat(::dirfd(d), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+          !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+        continue;
+      files::Fd other(::openat(::dirfd(d), n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      if (other && ::flock(other.get(), LOCK_EX | LOCK_NB) == 0) left.push_back(under + "/" + n);
+    }
+    ::closedir(d);
+    std::error_code ignored;
+    for (const auto& n : left) std::filesystem::remove_all(n, ignored);
+  }
+  std::string tmpl = under + "/" + prefix + "XXXXXX";
+  if (!::mkdtemp(tmpl.data())) return m;
+  m.path = tmpl;
+  m.lock = files::Fd(::open(tmpl.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!m.lock || ::flock(m.lock.get(), LOCK_EX | LOCK_NB) != 0) return MemoryStage{};
+  return m;
+}
+
 }  // namespace
 
 PullResult pull(const Endpoint& master, const std::string& remote, const std::string& local,
@@ -190,8 +245,12 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     std::string path;
     ~Emptied() { ::rmdir(path.c_str()); }  // only if nothing worth keeping is left in it
   } emptied{staging};
+  MemoryStage memory;
+  if (po.set) memory = memory_stage(po.memory_stage);
   ServerConfig cfg;
   cfg.root = staging;
+  cfg.relay_memory_dir = memory.path;
+  cfg.relay_memory_max = relay_detail::max_pack_size;
   cfg.state_dir = state.path;
   cfg.authorized_keys = state.path + "/authorized_keys";
   cfg.relay_peers = state.path + "/relay_peers";
@@ -309,9 +368,18 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   // Whole in the staging directory means verified against the master's digest (its server keeps
   // nothing else there under the name): it goes to its place in DST at once, while this host
   // still serves the hosts after it from its descriptor.
+  // Where this host's server keeps a part: in memory if it had the room there, else in staging.
+  auto kept_in = [&](const std::string& part_name) -> const std::string& {
+    struct stat ms {};
+    if (!memory.path.empty() && (::lstat((memory.path + "/" + part_name).c_str(), &ms) == 0 ||
+                                 ::lstat((memory.path + "/" + files::partial_name(part_name)).c_str(), &ms) == 0))
+      return memory.path;
+    return staging;
+  };
   auto place = [&](Part& p) -> bool {
     if (p.placed) return true;
-    const std::string staged = staging + "/" + p.name;
+    const std::string& from_dir = kept_in(p.name);
+    const std::string staged = from_dir + "/" + p.name;
     struct stat ps {};
     if (::lstat(staged.c_str(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
       return false;
@@ -338,8 +406,9 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         }
       } else {
         // One large file of the set: renamed into its place (its path checked as a pack's are).
-        files::Fd from(::open(staging.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-        if (!from) throw TransferError(errc_from_errno(errno), "'" + staging + "': " + std::strerror(errno), false);
+        // (From memory, a copy: the file's bytes are written into DST once all the same.)
+        files::Fd from(::open(from_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+        if (!from) throw TransferError(errc_from_errno(errno), "'" + from_dir + "': " + std::strerror(errno), false);
         pathm::Entry e;
         e.path = p.path;
         e.size = p.size;
@@ -432,11 +501,11 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       }
       p.size = reply.file_size;
       p.mtime = reply.mtime_ns;
-      const std::string partial = staging + "/" + files::partial_name(p.name);
       auto shown_at = Clock::now();
       auto shown = [&] {
         if (place(p) || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
         shown_at = Clock::now();
+        const std::string partial = kept_in(p.name) + "/" + files::partial_name(p.name);
         struct stat ps {};
         const std::uint64_t have = ::stat(partial.c_str(), &ps) == 0 ? static_cast<std::uint64_t>(ps.st_size) : 0;
         p.have = std::min(have, p.size);
@@ -541,6 +610,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       } catch (...) {
         failure = std::current_exception();
       }
+      // Its chain is done with this host: its copy in memory goes now, not with the pull.
+      if (!memory.path.empty())
+        for (const auto& n : {p.name, files::partial_name(p.name), files::record_name(p.name)})
+          ::unlink((memory.path + "/" + n).c_str());
       std::lock_guard lock(plan.m);
       if (!p.placed) --plan.unplaced;
       --plan.running;

@@ -77,8 +77,18 @@ public:
     if (plan.pack && nego_.file_size > relay_detail::max_pack_size)
       return refuse(errc::limit_exceeded, fmt::format("a relay's pack of {} bytes (at most {})", nego_.file_size,
                                                       relay_detail::max_pack_size));
+    // A small place in the memory directory if it has the room now; anything else under the root.
+    files::Fd memory;
+    if (!env_.config.relay_memory_dir.empty() && nego_.file_size <= env_.config.relay_memory_max) {
+      memory = files::Fd(::open(env_.config.relay_memory_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      files::Fd d;
+      if (memory && !(files::open_beneath(memory.get(), dir, O_PATH | O_DIRECTORY, 0, d) &&
+                      files::check_room(d.get(), nego_.file_size, "'" + nego_.remote_path + "'")))
+        memory.reset();
+    }
+    const int base = memory ? memory.get() : env_.root_fd;
     files::Fd dirfd;
-    if (auto st = files::open_beneath(env_.root_fd, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
+    if (auto st = files::open_beneath(base, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
       return refuse(st.code, st.message);
     if (env_.config.max_file_size == 0)
       if (auto st = files::check_room(dirfd.get(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
@@ -100,7 +110,7 @@ public:
     slot->master = env_.client.key;
     slot->master_fingerprint = env_.client.fingerprint;
     slot->next_hops = plan.next;
-    const int root = ::fcntl(env_.root_fd, F_DUPFD_CLOEXEC, 3);
+    const int root = ::fcntl(base, F_DUPFD_CLOEXEC, 3);
     if (root < 0) return refuse(errc_from_errno(errno), std::string("root: ") + std::strerror(errno));
     slot->root = files::Fd(root);
     if (!env_.relays->add(slot)) return refuse(errc::bad_argument, "that relay ticket is in use here");

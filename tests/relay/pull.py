@@ -5,7 +5,7 @@ source, one `xduc get` per host. Run as the test suite does:
 
     scripts/testbed.sh --hosts 8 --rate 200mbit -- tests/relay/pull.py BUILD_DIR [CASE...]
 
-Cases: many, kill, late, corrupt, forge, master, set, parts, parts-slow, parts-changed, set-forge, bad.
+Cases: many, kill, late, corrupt, forge, master, set, parts, parts-slow, parts-changed, set-forge, memory, bad.
 Each starts its own master and checks what arrived byte by byte, and the bytes that left the
 source's link; nothing here judges a timing.
 """
@@ -32,6 +32,9 @@ MiB = 1 << 20
 SRC_ADDR = "10.77.0.1"
 
 work = tempfile.mkdtemp(prefix="xdfs-pull-")
+# Where each host's set parts wait (xduc get --memory-stage): a directory of the test's own on
+# /dev/shm, a memory file system (elsewhere none: the parts wait beside DST).
+shm = tempfile.mkdtemp(prefix="xdfs-pull-test-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
 failures: list[str] = []
 
 
@@ -117,13 +120,17 @@ class Puller:
     """`xduc get` on host i, into a directory of its own."""
 
     def __init__(self, i: int, case: str, path: str, args: list[str] | None = None, key: int | None = None,
-                 extra_env: dict | None = None) -> None:
+                 extra_env: dict | None = None, mem: str | None = None) -> None:
         self.i = i
         self.dir = os.path.join(work, case, f"h{i}")
         os.makedirs(self.dir, exist_ok=True)
+        # (mem "none": parts wait beside DST.)
+        self.mem = mem or (os.path.join(shm, case, f"h{i}") if shm else "none")
+        if self.mem != "none":
+            os.makedirs(self.mem, exist_ok=True)
         env = dict(os.environ, XDFS_CONFIG_DIR=cfg(i if key is None else key), **(extra_env or {}))
         cmd = ["ip", "netns", "exec", os.environ[f"XTB_NS_{i}"], XDUC, "-q", "--json", *(args or []), "get",
-               "--server-log", os.path.join(work, case, f"h{i}.log"),
+               "--server-log", os.path.join(work, case, f"h{i}.log"), "--memory-stage", self.mem,
                f"xdfs://{SRC_ADDR}:7721/{path}", self.dir + "/"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.rc = None
@@ -146,12 +153,16 @@ class Puller:
     def file(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
+    def staged(self, pattern: str) -> list[str]:
+        """What matches in its staging directory beside DST, or in memory (a set's parts)."""
+        import glob
+        dirs = [self.dir] + ([self.mem] if self.mem != "none" else [])
+        return [q for d in dirs for q in glob.glob(os.path.join(d, ".xdfs-pull-*", pattern))]
+
     def have(self, name: str) -> int:
         """Bytes of the file here so far: its partial copy's size in the staging directory beside
-        it, or the whole."""
-        import glob
-        for p in [*glob.glob(os.path.join(self.dir, ".xdfs-pull-*", f".{name}.xdfs-partial")),
-                  *glob.glob(os.path.join(self.dir, ".xdfs-pull-*", name)), os.path.join(self.dir, name)]:
+        it (or, a set's part, in memory), or the whole."""
+        for p in [*self.staged(f".{name}.xdfs-partial"), *self.staged(name), os.path.join(self.dir, name)]:
             if os.path.exists(p):
                 return os.path.getsize(p)
         return 0
@@ -492,11 +503,9 @@ def parts_changed() -> None:
     with open(new, "wb") as f:
         f.write(os.urandom(20 * MiB))
     try:
-        import glob
         p = Puller(1, "parts-changed", "set/")
         # (Part 0 is the pack of the small files, empty here; part 1 is a.bin.)
-        wait_for(lambda: glob.glob(os.path.join(p.dir, ".xdfs-pull-*", "..xdfs-set-1-*.xdfs-partial"))
-                 or p.proc.poll() is not None)
+        wait_for(lambda: p.staged("..xdfs-set-1-*.xdfs-partial") or p.proc.poll() is not None)
         os.rename(new, os.path.join(top, "d.bin"))
         rc = p.wait(120)
         line = p.err.strip()
@@ -564,10 +573,55 @@ def bad() -> None:
         m.stop()
 
 
+def memory() -> None:
+    """A set's parts wait in memory (xduc get --memory-stage, a tmpfs), never beside DST, and
+    go with the pull. A pull killed before its end leaves its directory there, and the next pull
+    there removes it. With --memory-stage none, the parts wait beside DST as before."""
+    if not shm:
+        print("memory: skipped, no /dev/shm here", flush=True)
+        return
+    m = Master("memory", ["--pull-pack-size", "1M"])
+    top = os.path.join(m.root, "set")
+    os.makedirs(os.path.join(top, "d"))
+    for n in range(24):
+        with open(os.path.join(top, "d" if n % 2 else "", f"f{n}.bin"), "wb") as f:
+            f.write(os.urandom(300_000 + n))
+    with open(os.path.join(top, "large.bin"), "wb") as f:  # a part of its own, copied from memory
+        f.write(os.urandom(17 * MiB + 3))
+    want = tree_of(top)
+    mine = lambda mem: sorted(n for n in os.listdir(mem) if n.startswith(".xdfs-pull-"))
+    try:
+        first = Puller(1, "memory", "set/", args=["-r"])
+        parts_in = lambda d: [n for q in mine(d) if os.path.isdir(os.path.join(d, q))
+                              for n in os.listdir(os.path.join(d, q)) if ".xdfs-set" in n]
+        disk = lambda: [n for q in os.listdir(first.dir) if q.startswith(".xdfs-pull-")
+                        for n in os.listdir(os.path.join(first.dir, q)) if ".xdfs-set" in n]
+        seen = wait_for(lambda: parts_in(first.mem) or first.proc.poll() is not None)
+        check(seen and parts_in(first.mem) and not disk(),
+              f"memory: a set's part waits in memory, not beside DST ({parts_in(first.mem)}; {disk()})")
+        first.kill()
+        left = mine(first.mem)
+        check(len(left) == 1, f"memory: a pull killed before its end leaves its directory in memory ({left})")
+        # The next pull there removes it, and its own when it ends.
+        second = Puller(2, "memory", "set/", args=["-r"], mem=first.mem)
+        rc = second.wait()
+        got = tree_of(second.dir)
+        check(rc == 0 and got == want, f"memory: a host has the set, identical (exit {rc}: {second.err.strip()[-300:]}; "
+                                       f"{len(got)} of {len(want)} files)")
+        check(mine(first.mem) == [], f"memory: nothing is left in memory after the next pull ({mine(first.mem)})")
+        third = Puller(3, "memory", "set/", args=["-r"], mem="none")
+        rc = third.wait()
+        got = tree_of(third.dir)
+        check(rc == 0 and got == want, f"memory: with --memory-stage none a host has the set, identical (exit {rc}: "
+                                       f"{third.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
+    finally:
+        m.stop()
+
+
 CASES = {"many": many, "kill": kill, "late": late, "corrupt": corrupt, "forge": lambda: corrupt("forge", "forge"),
          "master": master_restart, "set": set_case, "parts": parts,
          "parts-slow": parts_slow, "parts-changed": parts_changed,
-         "set-forge": lambda: corrupt("forge", "set-forge", set_=True), "bad": bad}
+         "set-forge": lambda: corrupt("forge", "set-forge", set_=True), "memory": memory, "bad": bad}
 try:
     for name in sys.argv[2:] or list(CASES):
         print(f"--- {name}", flush=True)
@@ -577,4 +631,6 @@ finally:
         print(f"{len(failures)} check(s) failed; servers' logs in {work}", flush=True)
     else:
         shutil.rmtree(work, ignore_errors=True)
+    if shm:
+        shutil.rmtree(shm, ignore_errors=True)
 sys.exit(1 if failures else 0)

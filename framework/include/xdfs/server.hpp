@@ -50,6 +50,12 @@ struct ServerConfig {
   /// Hops named by a relay's master are trusted as if they were relay peers: for a pulling
   /// host's own server, which admits only the master it pulls from (xduc get).
   bool relay_trust_master = false;
+  /// A directory beside the root for relay places of at most `relay_memory_max` bytes (a
+  /// pulling host's set parts, on a memory file system: their bytes then reach the root's disk
+  /// once, as the files they hold). A place that does not fit there is written under the root
+  /// as any other. Empty: none.
+  std::string relay_memory_dir;
+  std::uint64_t relay_memory_max = 0;
   /// The server's key itself, instead of <state_dir>/server_x25519 (a pulling host serves with
   /// its client key, which its master pins).
   std::optional<xsec::Key32> key;

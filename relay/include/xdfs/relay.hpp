@@ -116,6 +116,10 @@ struct PullOptions {
   /// each part once it is whole. A set that changes on the master meanwhile fails
   /// the pull (size_mismatch): pulled again, it is the set as it is now.
   bool set = false;
+  /// A memory file system (tmpfs) where a set's parts of up to 128 MiB wait while they arrive
+  /// and feed the hosts after this one (two parts at most at once), so that their bytes reach
+  /// the disk once, as the set's files. Empty, or not a memory file system: beside `local`.
+  std::string memory_stage = "/dev/shm";
 };
 
 struct PullResult {
