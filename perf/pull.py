@@ -299,6 +299,11 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
         except subprocess.TimeoutExpired:
             p.kill()
     reached = sum(1 for i in range(1, k + 1) if os.path.exists(copy(i)) and digest_of(copy(i)) == bed.want)
+    if len(done_at) > 1:
+        # (How the hosts spread: a chain's last hosts held up together, or one straggler.)
+        t = sorted(done_at.values())
+        print(f"#   {tool}: hosts done at {t[0]:.2f} s (first), {statistics.median(t):.2f} s (median), "
+              f"{t[-2]:.2f} s (last but one)", flush=True)
     return seconds, sent, reached, own
 
 
