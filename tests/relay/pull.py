@@ -614,6 +614,21 @@ def memory() -> None:
         got = tree_of(third.dir)
         check(rc == 0 and got == want, f"memory: with --memory-stage none a host has the set, identical (exit {rc}: "
                                        f"{third.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
+        # A memory file system too small for a part (its 17 MiB file): that part waits beside DST.
+        small = os.path.join(shm, "memory", "small")
+        os.makedirs(small)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", small]).returncode == 0:
+            try:
+                fourth = Puller(4, "memory", "set/", args=["-r"], mem=small)
+                rc = fourth.wait()
+                got = tree_of(fourth.dir)
+                check(rc == 0 and got == want, f"memory: a part larger than the memory file system's room waits beside "
+                                               f"DST (exit {rc}: {fourth.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
+                check(mine(small) == [], f"memory: nothing is left in the small one ({mine(small)})")
+            finally:
+                subprocess.run(["umount", small])
+        else:
+            print("memory: the small memory file system skipped, no mount here", flush=True)
     finally:
         m.stop()
 
