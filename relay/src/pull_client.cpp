@@ -161,33 +161,48 @@ struct MemoryStage {
   }
 };
 
-// Empty (none: parts wait beside DST) where `under` is not a memory file system of ours to use.
-MemoryStage memory_stage(const std::string& under) {
+// Empty (none: parts wait beside DST) where `under` is not a tmpfs of ours to use, or has less
+// room than `room` bytes (a small /dev/shm, as containers have, would run out mid-part).
+MemoryStage memory_stage(const std::string& under, std::uint64_t room) {
   MemoryStage m;
   struct statfs fs {};
-  if (under.empty() || ::statfs(under.c_str(), &fs) != 0 || (fs.f_type != TMPFS_MAGIC && fs.f_type != RAMFS_MAGIC))
+  if (under.empty() || ::statfs(under.c_str(), &fs) != 0 || fs.f_type != TMPFS_MAGIC ||
+      static_cast<std::uint64_t>(fs.f_bavail) < room / std::max<std::uint64_t>(fs.f_bsize, 1))
     return m;
+  // A directory is made under a name the sweep passes over, locked, then given its name: so the
+  // sweep never finds one of a live pull unlocked. One left under the first name (a pull killed
+  // in between) is swept once a minute old.
   const std::string prefix = fmt::format(".xdfs-pull-{}-", ::geteuid());
+  const std::string making = fmt::format(".xdfs-pulling-{}-", ::geteuid());
   if (DIR* d = ::opendir(under.c_str())) {
-    std::vector<std::string> left;
+    std::vector<std::pair<std::string, files::Fd>> left;  // locked until removed
+    const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
     while (auto* e = ::readdir(d)) {
       const std::string n = e->d_name;
-      struct stat st {};
-      if (n.rfind(prefix, 0) != 0 || ::fstatat(::dirfd(d), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-          !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+      struct stat st {}, held {};
+      const bool made = n.rfind(prefix, 0) == 0, half = n.rfind(making, 0) == 0;
+      if ((!made && !half) || ::fstatat(::dirfd(d), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+          !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (half && now - st.st_mtime < 60))
         continue;
       files::Fd other(::openat(::dirfd(d), n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-      if (other && ::flock(other.get(), LOCK_EX | LOCK_NB) == 0) left.push_back(under + "/" + n);
+      if (other && ::fstat(other.get(), &held) == 0 && held.st_dev == st.st_dev && held.st_ino == st.st_ino &&
+          ::flock(other.get(), LOCK_EX | LOCK_NB) == 0)
+        left.emplace_back(under + "/" + n, std::move(other));
     }
     ::closedir(d);
     std::error_code ignored;
-    for (const auto& n : left) std::filesystem::remove_all(n, ignored);
+    for (const auto& [n, lock] : left) std::filesystem::remove_all(n, ignored);
   }
-  std::string tmpl = under + "/" + prefix + "XXXXXX";
+  std::string tmpl = under + "/" + making + "XXXXXX";
   if (!::mkdtemp(tmpl.data())) return m;
-  m.path = tmpl;
-  m.lock = files::Fd(::open(tmpl.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-  if (!m.lock || ::flock(m.lock.get(), LOCK_EX | LOCK_NB) != 0) return MemoryStage{};
+  files::Fd lock(::open(tmpl.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  const std::string named = under + "/" + prefix + tmpl.substr(tmpl.size() - 6);
+  if (!lock || ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0 || ::rename(tmpl.c_str(), named.c_str()) != 0) {
+    ::rmdir(tmpl.c_str());
+    return m;
+  }
+  m.path = named;
+  m.lock = std::move(lock);
   return m;
 }
 
@@ -246,7 +261,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     ~Emptied() { ::rmdir(path.c_str()); }  // only if nothing worth keeping is left in it
   } emptied{staging};
   MemoryStage memory;
-  if (po.set) memory = memory_stage(po.memory_stage);
+  // (Room for the two parts a host holds at once, and as much again for the other pulls there.)
+  if (po.set) memory = memory_stage(po.memory_stage, 4 * relay_detail::max_pack_size);
   ServerConfig cfg;
   cfg.root = staging;
   cfg.relay_memory_dir = memory.path;
@@ -368,21 +384,22 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   // Whole in the staging directory means verified against the master's digest (its server keeps
   // nothing else there under the name): it goes to its place in DST at once, while this host
   // still serves the hosts after it from its descriptor.
-  // Where this host's server keeps a part: in memory if it had the room there, else in staging.
-  auto kept_in = [&](const std::string& part_name) -> const std::string& {
-    struct stat ms {};
-    if (!memory.path.empty() && (::lstat((memory.path + "/" + part_name).c_str(), &ms) == 0 ||
-                                 ::lstat((memory.path + "/" + files::partial_name(part_name)).c_str(), &ms) == 0))
-      return memory.path;
-    return staging;
+  // Where this host's server keeps a part: in memory if it had the room there, else in staging;
+  // each try of a part chooses again, so a part whole in either is the one.
+  auto whole_in = [&](const Part& p, struct stat& ps) -> const std::string* {
+    for (const std::string* d : {static_cast<const std::string*>(&memory.path), &staging})
+      if (!d->empty() && ::lstat((*d + "/" + p.name).c_str(), &ps) == 0 && S_ISREG(ps.st_mode) &&
+          static_cast<std::uint64_t>(ps.st_size) == p.size)
+        return d;
+    return nullptr;
   };
   auto place = [&](Part& p) -> bool {
     if (p.placed) return true;
-    const std::string& from_dir = kept_in(p.name);
-    const std::string staged = from_dir + "/" + p.name;
     struct stat ps {};
-    if (::lstat(staged.c_str(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
-      return false;
+    const std::string* in = whole_in(p, ps);
+    if (!in) return false;
+    const std::string& from_dir = *in;
+    const std::string staged = from_dir + "/" + p.name;
     if (po.set) {
       files::Fd root(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
       if (!root) throw TransferError(errc_from_errno(errno), "'" + dir + "': " + std::strerror(errno), false);
@@ -505,9 +522,12 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       auto shown = [&] {
         if (place(p) || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
         shown_at = Clock::now();
-        const std::string partial = kept_in(p.name) + "/" + files::partial_name(p.name);
-        struct stat ps {};
-        const std::uint64_t have = ::stat(partial.c_str(), &ps) == 0 ? static_cast<std::uint64_t>(ps.st_size) : 0;
+        std::uint64_t have = 0;
+        for (const std::string* d : {static_cast<const std::string*>(&memory.path), &staging}) {
+          struct stat ps {};
+          if (!d->empty() && ::stat((*d + "/" + files::partial_name(p.name)).c_str(), &ps) == 0)
+            have = std::max(have, static_cast<std::uint64_t>(ps.st_size));
+        }
         p.have = std::min(have, p.size);
         if (!po.set && po.progress) po.progress(p.have, p.size);
       };

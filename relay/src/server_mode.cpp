@@ -77,13 +77,14 @@ public:
     if (plan.pack && nego_.file_size > relay_detail::max_pack_size)
       return refuse(errc::limit_exceeded, fmt::format("a relay's pack of {} bytes (at most {})", nego_.file_size,
                                                       relay_detail::max_pack_size));
-    // A small place in the memory directory if it has the room now; anything else under the root.
+    // A small place (not a pack, which is unpacked where it is) in the memory directory if it
+    // has the room now, and as much again for another; anything else under the root.
     files::Fd memory;
-    if (!env_.config.relay_memory_dir.empty() && nego_.file_size <= env_.config.relay_memory_max) {
+    if (!env_.config.relay_memory_dir.empty() && !plan.pack && nego_.file_size <= env_.config.relay_memory_max) {
       memory = files::Fd(::open(env_.config.relay_memory_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
       files::Fd d;
       if (memory && !(files::open_beneath(memory.get(), dir, O_PATH | O_DIRECTORY, 0, d) &&
-                      files::check_room(d.get(), nego_.file_size, "'" + nego_.remote_path + "'")))
+                      files::check_room(d.get(), nego_.file_size + env_.config.relay_memory_max, "'" + nego_.remote_path + "'")))
         memory.reset();
     }
     const int base = memory ? memory.get() : env_.root_fd;

@@ -596,9 +596,10 @@ def memory() -> None:
                               for n in os.listdir(os.path.join(d, q)) if ".xdfs-set" in n]
         disk = lambda: [n for q in os.listdir(first.dir) if q.startswith(".xdfs-pull-")
                         for n in os.listdir(os.path.join(first.dir, q)) if ".xdfs-set" in n]
-        seen = wait_for(lambda: parts_in(first.mem) or first.proc.poll() is not None)
-        check(seen and parts_in(first.mem) and not disk(),
-              f"memory: a set's part waits in memory, not beside DST ({parts_in(first.mem)}; {disk()})")
+        seen = []
+        wait_for(lambda: seen.extend(parts_in(first.mem)) or seen or first.proc.poll() is not None)
+        on_disk = disk()
+        check(bool(seen) and not on_disk, f"memory: a set's part waits in memory, not beside DST ({seen}; {on_disk})")
         first.kill()
         left = mine(first.mem)
         check(len(left) == 1, f"memory: a pull killed before its end leaves its directory in memory ({left})")
@@ -614,21 +615,37 @@ def memory() -> None:
         got = tree_of(third.dir)
         check(rc == 0 and got == want, f"memory: with --memory-stage none a host has the set, identical (exit {rc}: "
                                        f"{third.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
-        # A memory file system too small for a part (its 17 MiB file): that part waits beside DST.
+        # A memory file system that fills up while a host pulls: the parts asked for after that
+        # wait beside DST.
         small = os.path.join(shm, "memory", "small")
         os.makedirs(small)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", small]).returncode == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600m", "tmpfs", small]).returncode == 0:
             try:
                 fourth = Puller(4, "memory", "set/", args=["-r"], mem=small)
+                seen = []
+                wait_for(lambda: seen.extend(parts_in(small)) or seen or fourth.proc.poll() is not None)
+                st = os.statvfs(small)
+                with open(os.path.join(small, "fill"), "wb") as f:
+                    f.truncate(0)
+                    left = st.f_bavail * st.f_frsize - 64 * MiB
+                    while left > 0:
+                        n = min(left, 16 * MiB)
+                        f.write(b"\0" * n)
+                        left -= n
+                beside = lambda: [n for q in os.listdir(fourth.dir) if q.startswith(".xdfs-pull-")
+                                  for n in os.listdir(os.path.join(fourth.dir, q)) if ".xdfs-set" in n]
+                later = []
+                wait_for(lambda: later.extend(beside()) or later or fourth.proc.poll() is not None)
                 rc = fourth.wait()
                 got = tree_of(fourth.dir)
-                check(rc == 0 and got == want, f"memory: a part larger than the memory file system's room waits beside "
-                                               f"DST (exit {rc}: {fourth.err.strip()[-300:]}; {len(got)} of {len(want)} files)")
-                check(mine(small) == [], f"memory: nothing is left in the small one ({mine(small)})")
+                check(rc == 0 and got == want and bool(seen) and bool(later),
+                      f"memory: once the memory file system is full, the parts after wait beside DST (exit {rc}: "
+                      f"{fourth.err.strip()[-300:]}; {len(got)} of {len(want)} files; in memory {seen}, beside {later})")
+                check(mine(small) == [], f"memory: nothing is left in the full one ({mine(small)})")
             finally:
                 subprocess.run(["umount", small])
         else:
-            print("memory: the small memory file system skipped, no mount here", flush=True)
+            print("memory: the filling memory file system skipped, no mount here", flush=True)
     finally:
         m.stop()
 

@@ -118,7 +118,8 @@ struct PullOptions {
   bool set = false;
   /// A memory file system (tmpfs) where a set's parts of up to 128 MiB wait while they arrive
   /// and feed the hosts after this one (two parts at most at once), so that their bytes reach
-  /// the disk once, as the set's files. Empty, or not a memory file system: beside `local`.
+  /// the disk once, as the set's files. Empty, not a tmpfs, or with less than 512 MiB free at
+  /// the start: beside `local`; a part that would leave less than 128 MiB there: beside `local`.
   std::string memory_stage = "/dev/shm";
 };
 
