@@ -302,6 +302,19 @@ xdfs::errc ask_set(std::uint16_t port, const xdfs::SessionOptions& so, const std
 
 TEST_SUITE("badinput") {
 
+using PackedFiles = std::vector<std::tuple<std::string, std::string, std::uint32_t>>;
+
+// Packs SRC's files (from, path in the pack, mode), each with the same mtime, into `pack`.
+void pack_files(int pack, const xt::TempDir& src, const PackedFiles& files) {
+  bool first = true;
+  for (const auto& [from, to, mode] : files) {
+    xdfs::files::Fd in(::open((src / from).c_str(), O_RDONLY | O_CLOEXEC));
+    const auto size = std::filesystem::file_size(src / from);
+    REQUIRE(xdfs::relay_detail::pack_append(pack, first, {to, mode, 1'500'000'000'000'000'123, size}, in.get()));
+    first = false;
+  }
+}
+
 TEST_CASE("relay packs: what a master packs is written out whole, with modes and mtimes") {
   xt::TempDir src, root;
   xt::write_random_file(src / "a", 70000, 1);
@@ -309,15 +322,8 @@ TEST_CASE("relay packs: what a master packs is written out whole, with modes and
   xt::write_random_file(src / "c", 12, 2);
   xt::TempDir scratch;
   xdfs::files::Fd pack(::open((scratch / "pack").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  const std::vector<std::tuple<std::string, std::string, std::uint32_t>> files{
-      {"a", "x/y/a", 0640}, {"b", "b", 0600}, {"c", "x/c", 0755}};
-  bool first = true;
-  for (const auto& [from, to, mode] : files) {
-    xdfs::files::Fd in(::open((src / from).c_str(), O_RDONLY | O_CLOEXEC));
-    const auto size = std::filesystem::file_size(src / from);
-    REQUIRE(xdfs::relay_detail::pack_append(pack.get(), first, {to, mode, 1'500'000'000'000'000'123, size}, in.get()));
-    first = false;
-  }
+  const PackedFiles files{{"a", "x/y/a", 0640}, {"b", "b", 0600}, {"c", "x/c", 0755}};
+  pack_files(pack.get(), src, files);
   pack.reset();
   std::filesystem::create_directory(root / "in");
   const auto u = unpack_bytes(root.path(), xt::read_file(scratch / "pack"));
@@ -330,6 +336,56 @@ TEST_CASE("relay packs: what a master packs is written out whole, with modes and
     REQUIRE(::stat((root / ("in/" + to)).c_str(), &st) == 0);
     CHECK((st.st_mode & 0777) == (mode & ~022u));
     CHECK(st.st_mtim.tv_sec == 1'500'000'000);
+  }
+}
+
+TEST_CASE("relay packs: the files a host copied out while the pack arrived are renamed into place, the others "
+          "copied") {
+  xt::TempDir src, root, scratch, early;
+  xt::write_random_file(src / "a", 70000, 1);
+  xt::write_random_file(src / "c", 12, 2);
+  xdfs::files::Fd pack(::open((scratch / "pack").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  const PackedFiles files{{"a", "x/y/a", 0640}, {"c", "x/c", 0755}};
+  pack_files(pack.get(), src, files);
+  // a's bytes start after the magic and its entry's header; its copy is told apart from the
+  // pack's by its bytes (as the master's digest would not let happen: here it shows which went).
+  const std::uint64_t a_at = xdfs::relay_detail::pack_magic.size() + xdfs::relay_detail::pack_entry_size(5, 0);
+  const auto pack_size = static_cast<std::uint64_t>(::lseek(pack.get(), 0, SEEK_END));
+  xt::write_random_file(early / std::to_string(a_at), 70000, 9);
+  const std::string copied = xt::read_file(early / std::to_string(a_at));
+  xdfs::files::Fd r(::open(root.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  xdfs::files::Fd e(::open(early.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  SUBCASE("renamed, up to where it got") {
+    xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
+    const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 70000};
+    const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+    REQUIRE_MESSAGE(u.code == xdfs::errc::ok, u.message);
+    CHECK(u.files == 2);
+    CHECK(u.prestaged == 1);
+    CHECK(xt::read_file(root / "in/x/y/a") == copied);
+    CHECK(!std::filesystem::exists(early / std::to_string(a_at)));
+    CHECK(xt::files_equal(src / "c", root / "in/x/c"));
+    struct stat st {};
+    REQUIRE(::stat((root / "in/x/y/a").c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == 0640);
+    CHECK(st.st_mtim.tv_sec == 1'500'000'000);
+  }
+  SUBCASE("not past where it got") {
+    xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
+    const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 69999};
+    const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+    REQUIRE_MESSAGE(u.code == xdfs::errc::ok, u.message);
+    CHECK(u.prestaged == 0);
+    CHECK(xt::files_equal(src / "a", root / "in/x/y/a"));
+  }
+  SUBCASE("a copy of another size fails, naming it") {
+    ::truncate((early / std::to_string(a_at)).c_str(), 100);
+    xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
+    const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 70000};
+    const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+    CHECK(u.code == xdfs::errc::size_mismatch);
+    CHECK_MESSAGE(u.message.find("70000-byte file") != std::string::npos, u.message);
+    CHECK(!std::filesystem::exists(root / "in/x/y/a"));
   }
 }
 

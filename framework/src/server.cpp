@@ -514,6 +514,8 @@ void Server::Impl::reload(ServerConfig next) {
 }
 const xsec::Key32& Server::public_key() const noexcept { return impl_->key.public_key; }
 
+runtime::RelayRegistry& Server::relays() noexcept { return *impl_->relays; }
+
 void Server::stop() {
   asio::post(impl_->io, [impl = impl_.get()] { impl->begin_stop(); });
 }

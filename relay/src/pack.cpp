@@ -103,7 +103,8 @@ files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd, u
 }
 
 Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer, const std::string& dir,
-                std::uint64_t max_file_size, const std::atomic<bool>* cancel, unsigned max_version) {
+                std::uint64_t max_file_size, const std::atomic<bool>* cancel, unsigned max_version,
+                const Prestaged* pre) {
   Unpacked u;
   auto failed = [&](errc code, std::string why) {
     u.code = code;
@@ -207,8 +208,12 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
         else ++u.links;
         continue;
       }
-      // Straight from the pack (e.size is within it), in the kernel where it can.
-      if (auto s = writer.put_copy(e, pack_fd, at, "the pack"); !s) return failed(s.code, text::escape(s.message));
+      // Copied out already (renamed into place), or straight from the pack (e.size is within
+      // it), in the kernel where it can.
+      const bool copied = pre && pre->dir >= 0 && e.size <= pre->upto && at <= pre->upto - e.size;
+      const auto s = copied ? writer.put_move(e, pre->dir, std::to_string(at)) : writer.put_copy(e, pack_fd, at, "the pack");
+      if (!s) return failed(s.code, text::escape(s.message));
+      u.prestaged += copied ? 1 : 0;
       at += e.size;
       ++u.files;
       u.bytes += e.size;

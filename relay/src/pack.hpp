@@ -60,9 +60,18 @@ struct Unpacked {
   errc code = errc::ok;
   std::string message;   ///< the first failure, naming the entry
   std::uint64_t files = 0, bytes = 0, links = 0;
+  std::uint64_t prestaged = 0;  ///< of the files: renamed from a Prestaged copy
   /// Version 2: the directories made (or found), in the pack's order: their modes and mtimes
   /// are the caller's to set (TreeWriter::set_attrs) once what they hold is in place.
   std::vector<pathm::Entry> dirs{};
+};
+
+/// A pack's files copied out of it already (a host copies them while the pack arrives): each
+/// file entry whose bytes end at or below `upto` is a file in `dir`, named by the decimal offset
+/// of its bytes in the pack, that unpack renames into place instead of copying.
+struct Prestaged {
+  int dir = -1;
+  std::uint64_t upto = 0;
 };
 
 /// Writes the pack's files (pack_fd, pack_size bytes; and, in a pack of version 2, its
@@ -72,6 +81,7 @@ struct Unpacked {
 /// version past `max_version` is refused. The whole pack is checked before its first entry is
 /// written; a failure while writing stops there.
 Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer, const std::string& dir,
-                std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr, unsigned max_version = 1);
+                std::uint64_t max_file_size, const std::atomic<bool>* cancel = nullptr, unsigned max_version = 1,
+                const Prestaged* pre = nullptr);
 
 }  // namespace xdfs::relay_detail

@@ -113,6 +113,7 @@ public:
         // (the forwarder, reading this one, starts over with that).
         pending_.discard();
         relay_->file = files::Fd();
+        ++relay_->feeds;
         relay_->written.store(0);
         ++relay_->relinks;
         relay_->hop_cancel.store(true);
@@ -353,6 +354,7 @@ private:
       slot->file = files::Fd(fd);
     }
     slot->feeding = true;
+    ++slot->feeds;
     slot->upstream.assign(env_.client.key.begin(), env_.client.key.end());
     slot->upstream_code = errc::ok;
     slot->upstream_message.clear();

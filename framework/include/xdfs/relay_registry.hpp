@@ -92,6 +92,10 @@ struct RelaySlot {
   RelayDigests digests;
 
   std::mutex m;
+  /// Uploads that fed it, and files it was given, so far: a reader of `file` may take what it
+  /// read below `written` as the file's for good only while this stays the same (a later upload
+  /// into the same file writes again from its own resume point).
+  std::uint64_t feeds = 0;
   bool feeding = false;          ///< an upload writes it now
   bool whole = false;            ///< committed under its name, the digest agreed
   bool forward_done = false;     ///< the forwarder ended (delivered, or every hop skipped)
@@ -168,6 +172,13 @@ public:
     std::lock_guard lock(m_);
     auto it = slots_.find(t);
     return it == slots_.end() ? nullptr : it->second;
+  }
+  /// The place registered for `path` (relative to the root) that is still running, if any.
+  std::shared_ptr<RelaySlot> find_path(const std::string& path) const {
+    std::lock_guard lock(m_);
+    for (const auto& [t, s] : slots_)
+      if (s->path == path && !s->cancel.load()) return s;
+    return nullptr;
   }
   std::size_t size() const {
     std::lock_guard lock(m_);

@@ -285,6 +285,8 @@ public:
   const MemoryBudget& memory() const noexcept;
   /// The server's public key.
   const xsec::Key32& public_key() const noexcept;
+  /// Its places in relay chains (thread-safe).
+  runtime::RelayRegistry& relays() noexcept;
 
   /// Where run() reports its state to a service manager (systemd's sd_notify): "READY=1" once
   /// listening, "RELOADING=1" then "READY=1" around a reload, "STOPPING=1" when it stops.
