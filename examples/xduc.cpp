@@ -1119,9 +1119,9 @@ int main(int argc, char** argv) {
       report.finish(ProgressReport::Counts{pull_opt.set ? r.files : 1, pull_opt.set ? r.files : 1, r.size, r.size, true});
       if (json)
         fmt::print("{{\"pulled\":\"{}\",\"local\":\"{}\",\"set\":{},\"files\":{},\"bytes\":{},\"seconds\":{:.3f},"
-                   "\"tries\":{}}}\n",
+                   "\"tries\":{},\"early_files\":{}}}\n",
                    json_escape(shown(url->path)), json_escape(shown(r.local)), pull_opt.set, pull_opt.set ? r.files : 1,
-                   r.size, r.seconds, r.tries);
+                   r.size, r.seconds, r.tries, r.early_files);
       else if (!quiet)
         fmt::print(stderr, "xduc: {} ({}{}) in {:.2f} s{}\n", shown(r.local),
                    pull_opt.set ? fmt::format("{} files, ", r.files) : std::string(), xdfs::cli::human_bytes(double(r.size)),

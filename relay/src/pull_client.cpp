@@ -9,6 +9,7 @@
 // (".xdfs-pull-" and the name): what the master or an upstream sends lands there, and only the
 // file, whole and with the digest the master gave, is renamed to its name in DST.
 #include <fcntl.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -35,6 +36,7 @@
 #include "xdfs/files.hpp"
 #include "xdfs/manifest.hpp"
 #include "xdfs/relay.hpp"
+#include "xdfs/relay_registry.hpp"
 #include "xdfs/session.hpp"
 #include "xdfs/text.hpp"
 #include "xdfs/xftsm/server_mode.hpp"
@@ -52,6 +54,126 @@ bool lasting(errc c) {
   return c == errc::no_such_file || c == errc::permission_denied || c == errc::path_escape || c == errc::is_directory ||
          c == errc::not_regular_file || c == errc::bad_argument || c == errc::auth_failed || c == errc::not_supported ||
          c == errc::disk_full || c == errc::bad_version || c == errc::insecure_key_file;
+}
+
+// A set's pack, its files copied out while it arrives, so that writing them out overlaps the
+// transfer instead of following it (on a machine whose cores the chain leaves idle now and
+// then). Each file is copied once the prefix of the pack whose every block this host's server
+// verified (RelaySlot::written) holds it, from the file the uploads write, into a directory of
+// the staging directory, named by the offset of its bytes in the pack; and only while no other
+// upload or file came (RelaySlot::feeds), so the bytes copied are the pack's for good. Once the
+// pack is whole with the master's digest, unpack (which checks the whole pack first) renames
+// them into place (relay_detail::Prestaged); whatever else happens, they go with the staging
+// directory, never named in DST. The thread runs at the idle priority: it takes only what the
+// chain leaves, and a copy it did not make is made at the end as before.
+struct EarlyUnpack {
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  std::string dir;  // staging/.xdfs-unpacking-N
+  // Written by the thread; read once it is joined.
+  std::shared_ptr<runtime::RelaySlot> slot;  // the place whose file it reads
+  std::uint64_t feeds = 0;       // the slot's feeds when it began reading that file
+  std::uint64_t upto = 0;        // every file entry ending at or below is copied (0: none)
+  dev_t dev = 0;                 // the pack's file they came from
+  ino_t ino = 0;
+  void end() {
+    stop.store(true);
+    if (thread.joinable()) thread.join();
+  }
+  // Once ended: are its copies those of the whole pack at pack_fd?
+  bool holds(int pack_fd) const {
+    struct stat st {};
+    if (!slot || upto == 0 || ::fstat(pack_fd, &st) != 0 || st.st_dev != dev || st.st_ino != ino) return false;
+    std::lock_guard lock(slot->m);
+    return slot->feeds == feeds;
+  }
+  ~EarlyUnpack() { end(); }
+};
+
+void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::uint64_t size, EarlyUnpack& u) {
+  sched_param idle{};
+  (void)::sched_setscheduler(0, SCHED_IDLE, &idle);  // (this thread's alone)
+  files::Fd out, pack;
+  std::uint64_t at = 0, entries = 0;
+  bool v2 = false;
+  // Starts over with the file the slot's uploads write now: nothing copied so far counts.
+  auto restart = [&]() -> bool {
+    u.upto = 0;
+    at = entries = 0;
+    pack.reset();
+    out.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(u.dir, ignored);  // (and a killed pull's)
+    if (::mkdir(u.dir.c_str(), 0700) != 0) return false;
+    out = files::Fd(::open(u.dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    std::lock_guard lock(u.slot->m);
+    u.feeds = u.slot->feeds;
+    if (!out || !u.slot->file) return static_cast<bool>(out);
+    pack = files::Fd(::fcntl(u.slot->file.get(), F_DUPFD_CLOEXEC, 3));
+    struct stat st {};
+    if (!pack || ::fstat(pack.get(), &st) != 0) return false;
+    u.dev = st.st_dev;
+    u.ino = st.st_ino;
+    return true;
+  };
+  auto same_feed = [&] {
+    std::lock_guard lock(u.slot->m);
+    return u.slot->feeds == u.feeds;
+  };
+  constexpr std::size_t before = relay_detail::pack_head_before_path, after = relay_detail::pack_head_after_path;
+  std::array<std::uint8_t, before + relay_detail::max_pack_path + after> head{};
+  auto le = [&](std::size_t i, std::size_t n) {
+    std::uint64_t v = 0;
+    for (std::size_t k = 0; k < n; ++k) v |= static_cast<std::uint64_t>(head[i + k]) << (8 * k);
+    return v;
+  };
+  while (!u.stop.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!u.slot && !(u.slot = relays.find_path(name))) continue;
+    if (!out || !same_feed()) {  // (the first upload to attach is a new feed too)
+      if (!restart()) return;
+      if (!pack) continue;
+    }
+    const std::uint64_t verified = std::min(u.slot->written.load(), size);
+    if (verified < at) continue;  // (another feed began just now: the next round starts over)
+    if (at == 0) {
+      if (verified < relay_detail::pack_magic.size()) continue;
+      if (::pread(pack.get(), head.data(), relay_detail::pack_magic.size(), 0) !=
+          static_cast<ssize_t>(relay_detail::pack_magic.size()))
+        return;
+      v2 = std::memcmp(head.data(), relay_detail::pack_magic_2.data(), relay_detail::pack_magic.size()) == 0;
+      if (!v2 && std::memcmp(head.data(), relay_detail::pack_magic.data(), relay_detail::pack_magic.size()) != 0)
+        return;  // (unpack names what is wrong)
+      at = relay_detail::pack_magic.size();
+    }
+    // Every number is the pack's, not yet checked against the master's digest: bounded before
+    // it is used; one out of bounds ends the copying here (unpack refuses the pack).
+    std::uint64_t upto = u.upto;
+    while (!u.stop.load() && verified - at >= before + after) {
+      if (::pread(pack.get(), head.data(), before, static_cast<off_t>(at)) != static_cast<ssize_t>(before)) return;
+      const std::size_t path_len = le(0, 2);
+      if (path_len == 0 || path_len > relay_detail::max_pack_path || entries >= relay_detail::max_pack_files) return;
+      if (verified - at < before + path_len + after) break;
+      if (::pread(pack.get(), head.data() + before, path_len + after, static_cast<off_t>(at + before)) !=
+          static_cast<ssize_t>(path_len + after))
+        return;
+      const auto mode = static_cast<std::uint32_t>(le(before + path_len, 4));
+      const std::uint64_t bytes = le(before + path_len + 12, 8);
+      const std::uint64_t data = at + before + path_len + after;
+      if (bytes > relay_detail::max_pack_file || bytes > size - data) return;
+      if (bytes > verified - data) break;
+      if (!v2 || (mode & S_IFMT) == S_IFREG) {  // (directories and symlinks: unpack's)
+        const std::string copy = std::to_string(data);
+        files::Fd f(::openat(out.get(), copy.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+        if (!f || !pathm::copy_exact(pack.get(), data, f.get(), 0, bytes, "the pack", copy)) return;
+      }
+      ++entries;
+      at = data + bytes;
+      upto = at;
+    }
+    // (What was copied counts only if no other upload or file came meanwhile.)
+    if (same_feed()) u.upto = upto;
+  }
 }
 
 // How a pull session ended.
@@ -333,9 +455,11 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
     bool placed = false;
     double placed_after = 0;
     std::uint64_t files = 0;
+    std::uint64_t early_files = 0;  // of those: copied out of the pack while it arrived
     unsigned tries = 0;
     std::atomic<std::uint64_t> have{0};
     std::atomic<bool> ended{false};  // its thread is done with it
+    std::unique_ptr<EarlyUnpack> early;  // a pack's files copied out while it arrives (this try's)
   };
   // A set's parts, as part 0's answer named them.
   struct Plan {
@@ -413,10 +537,27 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         if (!pack) throw TransferError(errc_from_errno(errno), "the set's pack: " + std::string(std::strerror(errno)), false);
         if (::fstat(pack.get(), &ps) != 0 || !S_ISREG(ps.st_mode) || static_cast<std::uint64_t>(ps.st_size) != p.size)
           return false;
+        // Those of its files copied out while it arrived are renamed into place instead.
+        relay_detail::Prestaged pre;
+        files::Fd pre_dir;
+        if (p.early) {
+          p.early->end();
+          if (p.early->holds(pack.get())) {
+            pre_dir = files::Fd(::open(p.early->dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+            pre.dir = pre_dir.get();
+            pre.upto = p.early->upto;
+          }
+        }
         // (Directories and symlinks only in part 0: a set's others are packs of files.)
-        auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag, p.index == 0 ? 2 : 1);
+        auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag, p.index == 0 ? 2 : 1, &pre);
+        if (p.early) {
+          std::error_code ignored;
+          std::filesystem::remove_all(p.early->dir, ignored);
+          p.early.reset();
+        }
         if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
         p.files = u.files;
+        p.early_files = u.prestaged;
         if (!u.dirs.empty()) {
           std::lock_guard lock(plan.m);
           plan.dirs.insert(plan.dirs.end(), std::make_move_iterator(u.dirs.begin()), std::make_move_iterator(u.dirs.end()));
@@ -531,6 +672,23 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         p.have = std::min(have, p.size);
         if (!po.set && po.progress) po.progress(p.have, p.size);
       };
+      // A pack of the set: its files copied out while it arrives (ended with this try).
+      struct EndEarly {
+        Part& p;
+        ~EndEarly() {
+          if (p.early) p.early->end();
+        }
+      } end_early{p};
+      if (po.set && p.path.empty() && p.size > 0 && !p.placed) {
+        p.early = std::make_unique<EarlyUnpack>();
+        p.early->dir = staging + "/.xdfs-unpacking-" + std::to_string(p.index);
+        p.early->thread = std::thread([&relays = server->relays(), &p, e = p.early.get()] {
+          try {
+            unpack_early(relays, p.name, p.size, *e);
+          } catch (...) {  // (only a speed-up: the pack is unpacked whole at the end as ever)
+          }
+        });
+      }
       // This side's table (relay_fsm, pull-host): answered, then the master's EOFR or EXCEPTION.
       relay_fsm::RelayMachine machine(relay_fsm::RelaySide::pull_host);
       (void)machine.fire(relay_fsm::RelayEvent::accepted);
@@ -684,6 +842,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   for (const auto& p : parts) {
     result.tries = std::max(result.tries, p.tries);
     result.files += p.files;
+    result.early_files += p.early_files;
   }
   if (plan.failed) std::rethrow_exception(plan.failed);
   // (Every part in place: a cancel then only ended their serving, as for one file.)

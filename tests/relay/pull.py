@@ -390,6 +390,10 @@ def set_case() -> None:
         check(sent <= 1.2 * total + MiB, f"set: the source's link carried {sent} bytes for a {total}-byte set")
         s = pullers[0].summary()
         check(s.get("set") is True and s.get("files") == len(want), f"set: the JSON line names the set's files ({s})")
+        # The pack's files were copied out while it arrived (by some host at least: a thread at
+        # the idle priority does it), and those are in the trees checked above.
+        early = [p.summary().get("early_files") for p in pullers]
+        check(sum(e or 0 for e in early) > 0, f"set: files copied out of the pack while it arrived, by host ({early})")
         part = Puller(5, "set", "set/a/b/")
         rc = part.wait()
         sub = {k[len("a/b/"):]: v for k, v in want.items() if k.startswith("a/b/")}

@@ -129,6 +129,7 @@ struct PullResult {
   double seconds = 0;       ///< from the first session until the master let this host go
   unsigned tries = 0;       ///< sessions to the master
   std::uint64_t files = 0;  ///< a set's files written
+  std::uint64_t early_files = 0;  ///< of those: copied out of their pack while it arrived
 };
 
 /// Asks the xdfsd `master` for its file `remote` and takes part in that file's chain until
