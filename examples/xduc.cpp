@@ -8,7 +8,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -961,7 +963,22 @@ void define(CLI::App& app, Command& c, Help& help) {
         "a memory file system where a set's parts (up to 128M, two at\n"
         "once) wait while they arrive and feed later hosts, so that they reach\n"
         "the disk once, as files (default /dev/shm; none: beside DST)",
-        [&c](const std::string& v) { c.pull_opt.memory_stage = v == "none" ? std::string() : v; })
+        [&c](const std::string& v) {
+          // The default is taken where it is a tmpfs with room; a DIR given is one, or a mistake.
+          if (v != "none") {
+            struct stat st {};
+            struct statfs fs {};
+            const std::string why = ::stat(v.c_str(), &st) != 0   ? std::strerror(errno)
+                                    : !S_ISDIR(st.st_mode)          ? "not a directory"
+                                    : ::statfs(v.c_str(), &fs) != 0 ? std::strerror(errno)
+                                    : fs.f_type != TMPFS_MAGIC      ? "not on a tmpfs"
+                                                                    : "";
+            if (!why.empty())
+              reject("--memory-stage takes a directory on a memory file system, or none ('" + xdfs::text::escape(v) +
+                     "': " + why + ")");
+          }
+          c.pull_opt.memory_stage = v == "none" ? std::string() : v;
+        })
       ->group(flags);
   file(get, "--server-log", c.server_log, "append this host's server's log lines to FILE")->group(flags);
   const char* key_text =

@@ -7,7 +7,9 @@
 #include <functional>
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 
 #include <chrono>
 #include <random>
@@ -186,6 +188,8 @@ TEST_CASE("pull: xduc get's bad arguments exit 2 with one line naming the cause,
            {{"get", "--server-log", dir / "no/such/dir/log", url, dir.path()}, "--server-log"},
            {{"--listen", "0.0.0.0:0", dir / "keep", url}, "--listen goes with get"},
            {{"--server-log", dir / "log", dir / "keep", url}, "--server-log goes with get"},
+           {{"get", "--memory-stage", dir / "no/such", url, dir.path()}, "--memory-stage takes"},
+           {{"get", "--memory-stage", dir / "keep", url, dir.path()}, "--memory-stage takes"},
            {{"get", url}, "get takes"},
            {{"get", dir / "keep", dir.path()}, "get takes"},
            {{"get", url, "xdfs://127.0.0.1:2/x"}, "get takes"},
@@ -195,6 +199,12 @@ TEST_CASE("pull: xduc get's bad arguments exit 2 with one line naming the cause,
     CHECK(r.status == 2);
     CHECK(r.err.find(c.says) != std::string::npos);
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+  // A directory given for the memory stage that is not on a tmpfs (where DIR is not on one).
+  if (struct statfs fs {}; ::statfs(dir.path().c_str(), &fs) == 0 && fs.f_type != TMPFS_MAGIC) {
+    auto r = xt::xduc({"get", "--memory-stage", dir.path(), url, dir.path()});
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.err.find("not on a tmpfs") != std::string::npos, r.err);
   }
   CHECK(xt::read_file(dir / "keep") == "kept");
   CHECK(!std::filesystem::exists(dir / "log"));

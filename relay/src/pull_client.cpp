@@ -22,6 +22,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -385,6 +386,8 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   MemoryStage memory;
   // (Room for the two parts a host holds at once, and as much again for the other pulls there.)
   if (po.set) memory = memory_stage(po.memory_stage, 4 * relay_detail::max_pack_size);
+  // Where this host's server may keep a part (an empty one: none).
+  const std::array<const std::string*, 2> stages{&memory.path, &staging};
   ServerConfig cfg;
   cfg.root = staging;
   cfg.relay_memory_dir = memory.path;
@@ -511,7 +514,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   // Where this host's server keeps a part: in memory if it had the room there, else in staging;
   // each try of a part chooses again, so a part whole in either is the one.
   auto whole_in = [&](const Part& p, struct stat& ps) -> const std::string* {
-    for (const std::string* d : {static_cast<const std::string*>(&memory.path), &staging})
+    for (const std::string* d : stages)
       if (!d->empty() && ::lstat((*d + "/" + p.name).c_str(), &ps) == 0 && S_ISREG(ps.st_mode) &&
           static_cast<std::uint64_t>(ps.st_size) == p.size)
         return d;
@@ -664,7 +667,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         if (place(p) || Clock::now() - shown_at < std::chrono::milliseconds(200)) return;
         shown_at = Clock::now();
         std::uint64_t have = 0;
-        for (const std::string* d : {static_cast<const std::string*>(&memory.path), &staging}) {
+        for (const std::string* d : stages) {
           struct stat ps {};
           if (!d->empty() && ::stat((*d + "/" + files::partial_name(p.name)).c_str(), &ps) == 0)
             have = std::max(have, static_cast<std::uint64_t>(ps.st_size));

@@ -91,7 +91,7 @@ public:
     files::Fd dirfd;
     if (auto st = files::open_beneath(base, dir, O_PATH | O_DIRECTORY, 0, dirfd); !st)
       return refuse(st.code, st.message);
-    if (env_.config.max_file_size == 0)
+    if (env_.config.max_file_size == 0 && !memory)  // (in memory: its room was checked above)
       if (auto st = files::check_room(dirfd.get(), nego_.file_size, "'" + nego_.remote_path + "'"); !st)
         return refuse(st.code, st.message);
     // The digests of the blocks it receives stay while the place does (32 bytes a block).
