@@ -1,5 +1,6 @@
 #include "pack.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,7 +211,11 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
       }
       // Copied out already (renamed into place), or straight from the pack (e.size is within
       // it), in the kernel where it can.
-      const bool copied = pre && pre->dir >= 0 && e.size <= pre->upto && at <= pre->upto - e.size;
+      // (A copy that is not there as a file of its size is made again from the pack.)
+      struct stat cs {};
+      const bool copied = pre && pre->dir >= 0 && e.size <= pre->upto && at <= pre->upto - e.size &&
+                          ::fstatat(pre->dir, std::to_string(at).c_str(), &cs, AT_SYMLINK_NOFOLLOW) == 0 &&
+                          S_ISREG(cs.st_mode) && static_cast<std::uint64_t>(cs.st_size) == e.size;
       const auto s = copied ? writer.put_move(e, pre->dir, std::to_string(at)) : writer.put_copy(e, pack_fd, at, "the pack");
       if (!s) return failed(s.code, text::escape(s.message));
       u.prestaged += copied ? 1 : 0;

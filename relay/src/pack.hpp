@@ -68,7 +68,8 @@ struct Unpacked {
 
 /// A pack's files copied out of it already (a host copies them while the pack arrives): each
 /// file entry whose bytes end at or below `upto` is a file in `dir`, named by the decimal offset
-/// of its bytes in the pack, that unpack renames into place instead of copying.
+/// of its bytes in the pack, that unpack renames into place instead of copying (one that is not
+/// there as a file of the entry's size is copied from the pack instead).
 struct Prestaged {
   int dir = -1;
   std::uint64_t upto = 0;

@@ -9,7 +9,7 @@
 // (".xdfs-pull-" and the name): what the master or an upstream sends lands there, and only the
 // file, whole and with the digest the master gave, is renamed to its name in DST.
 #include <fcntl.h>
-#include <sched.h>
+#include <sys/resource.h>
 #include <stdlib.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -61,12 +61,13 @@ bool lasting(errc c) {
 // transfer instead of following it (on a machine whose cores the chain leaves idle now and
 // then). Each file is copied once the prefix of the pack whose every block this host's server
 // verified (RelaySlot::written) holds it, from the file the uploads write, into a directory of
-// the staging directory, named by the offset of its bytes in the pack; and only while no other
-// upload or file came (RelaySlot::feeds), so the bytes copied are the pack's for good. Once the
-// pack is whole with the master's digest, unpack (which checks the whole pack first) renames
-// them into place (relay_detail::Prestaged); whatever else happens, they go with the staging
-// directory, never named in DST. The thread runs at the idle priority: it takes only what the
-// chain leaves, and a copy it did not make is made at the end as before.
+// the staging directory, named by the offset of its bytes in the pack; and only while the
+// place has had one upload (RelaySlot::feeds), so the bytes copied are the pack's for good. The
+// copies count only if that place made the pack whole (with the master's digest) and had no
+// other upload: then unpack (which checks the whole pack first) renames them into place
+// (relay_detail::Prestaged). Otherwise, and whenever the part fails, they are removed, never
+// named in DST. The thread runs at a low priority (nice 10): it takes little from the chain,
+// and a copy it did not make is made at the end as before.
 struct EarlyUnpack {
   std::thread thread;
   std::atomic<bool> stop{false};
@@ -81,23 +82,32 @@ struct EarlyUnpack {
     stop.store(true);
     if (thread.joinable()) thread.join();
   }
-  // Once ended: are its copies those of the whole pack at pack_fd?
+  // Once ended: are its copies those of the whole pack at pack_fd? (Its place made it whole,
+  // with one upload, the one it read from.)
   bool holds(int pack_fd) const {
     struct stat st {};
-    if (!slot || upto == 0 || ::fstat(pack_fd, &st) != 0 || st.st_dev != dev || st.st_ino != ino) return false;
+    if (!slot || upto == 0 || feeds != 1 || ::fstat(pack_fd, &st) != 0 || st.st_dev != dev || st.st_ino != ino)
+      return false;
     std::lock_guard lock(slot->m);
-    return slot->feeds == feeds;
+    return slot->committed && slot->feeds.load() == 1;
+  }
+  // Ends it and removes its copies.
+  void drop() {
+    end();
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
   }
   ~EarlyUnpack() { end(); }
 };
 
 void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::uint64_t size, EarlyUnpack& u) {
-  sched_param idle{};
-  (void)::sched_setscheduler(0, SCHED_IDLE, &idle);  // (this thread's alone)
+  // (Not SCHED_IDLE: it takes the place's lock now and then, which the server's threads wait for.)
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);  // (this thread's alone)
   files::Fd out, pack;
   std::uint64_t at = 0, entries = 0;
   bool v2 = false;
-  // Starts over with the file the slot's uploads write now: nothing copied so far counts.
+  // Starts over with the file the slot's upload writes now: nothing copied so far counts. False:
+  // no more copying (a second upload came: its resume point may be below `written`).
   auto restart = [&]() -> bool {
     u.upto = 0;
     at = entries = 0;
@@ -108,7 +118,8 @@ void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::
     if (::mkdir(u.dir.c_str(), 0700) != 0) return false;
     out = files::Fd(::open(u.dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     std::lock_guard lock(u.slot->m);
-    u.feeds = u.slot->feeds;
+    u.feeds = u.slot->feeds.load();
+    if (u.feeds > 1) return false;
     if (!out || !u.slot->file) return static_cast<bool>(out);
     pack = files::Fd(::fcntl(u.slot->file.get(), F_DUPFD_CLOEXEC, 3));
     struct stat st {};
@@ -117,10 +128,7 @@ void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::
     u.ino = st.st_ino;
     return true;
   };
-  auto same_feed = [&] {
-    std::lock_guard lock(u.slot->m);
-    return u.slot->feeds == u.feeds;
-  };
+  auto same_feed = [&] { return u.slot->feeds.load() == u.feeds; };
   constexpr std::size_t before = relay_detail::pack_head_before_path, after = relay_detail::pack_head_after_path;
   std::array<std::uint8_t, before + relay_detail::max_pack_path + after> head{};
   auto le = [&](std::size_t i, std::size_t n) {
@@ -434,6 +442,10 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       while (auto* e = ::readdir(d)) {
         const std::string n = e->d_name;
         if (n.rfind(name + "-", 0) == 0 || n == name) (void)::unlinkat(::dirfd(d), n.c_str(), 0);
+        if (n.rfind(".xdfs-unpacking-", 0) == 0) {  // (a killed pull's copies out of a pack)
+          std::error_code ignored;
+          std::filesystem::remove_all(staging + "/" + n, ignored);
+        }
       }
       ::closedir(d);
     }
@@ -554,8 +566,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
         // (Directories and symlinks only in part 0: a set's others are packs of files.)
         auto u = relay_detail::unpack(pack.get(), p.size, writer, "", 0, stop_flag, p.index == 0 ? 2 : 1, &pre);
         if (p.early) {
-          std::error_code ignored;
-          std::filesystem::remove_all(p.early->dir, ignored);
+          p.early->drop();
           p.early.reset();
         }
         if (u.code != errc::ok) throw TransferError(u.code, "the set: " + u.message, false);
@@ -679,18 +690,22 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
       struct EndEarly {
         Part& p;
         ~EndEarly() {
-          if (p.early) p.early->end();
+          if (p.early) p.early->drop();
         }
       } end_early{p};
       if (po.set && p.path.empty() && p.size > 0 && !p.placed) {
         p.early = std::make_unique<EarlyUnpack>();
         p.early->dir = staging + "/.xdfs-unpacking-" + std::to_string(p.index);
-        p.early->thread = std::thread([&relays = server->relays(), &p, e = p.early.get()] {
-          try {
-            unpack_early(relays, p.name, p.size, *e);
-          } catch (...) {  // (only a speed-up: the pack is unpacked whole at the end as ever)
-          }
-        });
+        try {
+          p.early->thread = std::thread([&relays = server->relays(), &p, e = p.early.get()] {
+            try {
+              unpack_early(relays, p.name, p.size, *e);
+            } catch (...) {  // (only a speed-up: the pack is unpacked whole at the end as ever)
+            }
+          });
+        } catch (const std::system_error&) {  // (no thread now: likewise)
+          p.early.reset();
+        }
       }
       // This side's table (relay_fsm, pull-host): answered, then the master's EOFR or EXCEPTION.
       relay_fsm::RelayMachine machine(relay_fsm::RelaySide::pull_host);

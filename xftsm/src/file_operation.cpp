@@ -90,6 +90,10 @@ public:
     // The session made it: its client may set its mode later (a tree copy does, after its
     // large files went).
     if (s && known && env_.made) env_.made->add(st, files::Made::key(nego_.remote_path));
+    if (s && relay_ && !relay_->plan.digest.empty()) {
+      std::lock_guard lock(relay_->m);
+      relay_->committed = true;
+    }
     return s;
   }
 

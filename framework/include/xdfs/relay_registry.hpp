@@ -92,12 +92,13 @@ struct RelaySlot {
   RelayDigests digests;
 
   std::mutex m;
-  /// Uploads that fed it, and files it was given, so far: a reader of `file` may take what it
-  /// read below `written` as the file's for good only while this stays the same (a later upload
-  /// into the same file writes again from its own resume point).
-  std::uint64_t feeds = 0;
+  /// Uploads that fed it, and files it was given, so far (changed under m): while it is 1, what
+  /// is below `written` is the file's for good (a later upload into the same file writes again
+  /// from its own resume point, which may be below `written`).
+  std::atomic<std::uint64_t> feeds{0};
   bool feeding = false;          ///< an upload writes it now
   bool whole = false;            ///< committed under its name, the digest agreed
+  bool committed = false;        ///< an upload into it made it whole under its name, with the plan's digest
   bool forward_done = false;     ///< the forwarder ended (delivered, or every hop skipped)
   bool delivered = false;        ///< a hop downstream has the whole file
   std::vector<std::uint8_t> digest;
