@@ -61,6 +61,35 @@ constexpr std::size_t after_path = pack_head_after_path;  // mode, mtime, size
 
 }  // namespace
 
+PackHead read_pack_head(int fd, std::uint64_t at, std::uint64_t end, PackHeadBuffer& buf) {
+  PackHead h;
+  // Every length is the peer's: checked against what the pack still holds before it is used.
+  if (end - at < fixed + after_path || !read_at(fd, buf.data(), fixed, at)) {
+    h.read = PackHead::short_head;
+    return h;
+  }
+  h.path_len = get_le<std::uint16_t>(buf.data());
+  if (h.path_len == 0 || h.path_len > max_pack_path) {
+    h.read = PackHead::bad_path;
+    return h;
+  }
+  if (end - at < fixed + h.path_len + after_path) {
+    h.read = PackHead::short_path;
+    return h;
+  }
+  if (!read_at(fd, buf.data() + fixed, h.path_len + after_path, at + fixed)) {
+    h.read = PackHead::io;
+    return h;
+  }
+  h.path = std::string_view(reinterpret_cast<const char*>(buf.data() + fixed), h.path_len);
+  const std::uint8_t* p = buf.data() + fixed + h.path_len;
+  h.mode = get_le<std::uint32_t>(p);
+  h.mtime_ns = get_le<std::int64_t>(p + 4);
+  h.size = get_le<std::uint64_t>(p + 12);
+  h.data = at + fixed + h.path_len + after_path;
+  return h;
+}
+
 files::Status pack_append(int fd, bool first, const PackEntry& e, int data_fd, unsigned version) {
   if (e.path.empty() || e.path.size() > max_pack_path)
     return {errc::bad_argument, "'" + e.path + "': a pack's path is 1 to 4096 bytes"};
@@ -149,25 +178,22 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
       if (cancel && cancel->load()) return failed(errc::cancelled, "cancelled");
       if (++files > max_pack_files)
         return failed(errc::limit_exceeded, "more than " + std::to_string(max_pack_files) + (v2 ? " entries" : " files"));
-      // Every length is the peer's: checked against what the pack still holds before it is used.
-      std::array<std::uint8_t, fixed + max_pack_path + after_path> head{};
-      if (pack_size - at < fixed + after_path || !read_at(pack_fd, head.data(), fixed, at))
+      PackHeadBuffer head{};
+      const PackHead h = read_pack_head(pack_fd, at, pack_size, head);
+      if (h.read == PackHead::short_head)
         return failed(errc::protocol_error, "an entry cut short at byte " + std::to_string(at));
-      const std::size_t path_len = get_le<std::uint16_t>(head.data());
-      if (path_len == 0 || path_len > max_pack_path || pack_size - at < fixed + path_len + after_path)
-        return failed(errc::protocol_error, "an entry's path of " + std::to_string(path_len) + " bytes at byte " +
+      if (h.read == PackHead::bad_path || h.read == PackHead::short_path)
+        return failed(errc::protocol_error, "an entry's path of " + std::to_string(h.path_len) + " bytes at byte " +
                                                 std::to_string(at));
-      if (!read_at(pack_fd, head.data() + fixed, path_len + after_path, at + fixed))
-        return failed(errc::io_error, "read at byte " + std::to_string(at));
-      std::string path(reinterpret_cast<const char*>(head.data() + fixed), path_len);
+      if (h.read == PackHead::io) return failed(errc::io_error, "read at byte " + std::to_string(at));
+      std::string path(h.path);
       const std::string named = "'" + text::escape(path) + "'";  // the peer's bytes, shown escaped
-      const std::uint8_t* p = head.data() + fixed + path_len;
       pathm::Entry e;
       e.type = pathm::Type::file;
-      e.mode = get_le<std::uint32_t>(p);
-      e.mtime_ns = get_le<std::int64_t>(p + 4);
-      e.size = get_le<std::uint64_t>(p + 12);
-      at += fixed + path_len + after_path;
+      e.mode = h.mode;
+      e.mtime_ns = h.mtime_ns;
+      e.size = h.size;
+      at = h.data;
       // Version 2: the kind in the mode's file-type bits (version 1: none, a file).
       const std::uint32_t kind = v2 ? e.mode & S_IFMT : S_IFREG;
       e.mode &= v2 ? ~static_cast<std::uint32_t>(S_IFMT) : ~0u;
@@ -213,10 +239,11 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
       // it), in the kernel where it can.
       // (A copy that is not there as a file of its size is made again from the pack.)
       struct stat cs {};
+      const std::string copy = pre ? std::to_string(at) : std::string();
       const bool copied = pre && pre->dir >= 0 && e.size <= pre->upto && at <= pre->upto - e.size &&
-                          ::fstatat(pre->dir, std::to_string(at).c_str(), &cs, AT_SYMLINK_NOFOLLOW) == 0 &&
-                          S_ISREG(cs.st_mode) && static_cast<std::uint64_t>(cs.st_size) == e.size;
-      const auto s = copied ? writer.put_move(e, pre->dir, std::to_string(at)) : writer.put_copy(e, pack_fd, at, "the pack");
+                          ::fstatat(pre->dir, copy.c_str(), &cs, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(cs.st_mode) &&
+                          static_cast<std::uint64_t>(cs.st_size) == e.size;
+      const auto s = copied ? writer.put_move(e, pre->dir, copy) : writer.put_copy(e, pack_fd, at, "the pack");
       if (!s) return failed(s.code, text::escape(s.message));
       u.prestaged += copied ? 1 : 0;
       at += e.size;

@@ -13,6 +13,7 @@
 //   path twice, nothing beneath a file or a symlink of the pack.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -41,6 +42,27 @@ inline constexpr std::size_t pack_head_after_path = 4 + 8 + 8;
 constexpr std::uint64_t pack_entry_size(std::size_t path_len, std::uint64_t size) {
   return pack_head_before_path + path_len + pack_head_after_path + size;
 }
+
+/// An entry's header as a pack holds it, read by read_pack_head.
+struct PackHead {
+  enum Read {
+    ok,
+    short_head,  ///< fewer bytes before the end than any header takes (or not read)
+    bad_path,    ///< a path length of 0 or more than max_pack_path
+    short_path,  ///< a path that runs past the end with its header
+    io,          ///< the path and what follows it could not be read
+  } read = ok;
+  std::size_t path_len = 0;
+  std::string_view path{};   ///< in the caller's buffer
+  std::uint32_t mode = 0;    ///< as packed (version 2: with the kind in its file-type bits)
+  std::int64_t mtime_ns = 0;
+  std::uint64_t size = 0;    ///< as packed: not checked against anything
+  std::uint64_t data = 0;    ///< where its bytes begin
+};
+using PackHeadBuffer = std::array<std::uint8_t, pack_head_before_path + max_pack_path + pack_head_after_path>;
+
+/// Reads the header of the entry at `at` (at <= end) from fd, no byte at or past `end`, into buf.
+PackHead read_pack_head(int fd, std::uint64_t at, std::uint64_t end, PackHeadBuffer& buf);
 
 struct PackEntry {
   std::string path;  ///< relative to the pack's directory

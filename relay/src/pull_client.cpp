@@ -129,13 +129,7 @@ void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::
     return true;
   };
   auto same_feed = [&] { return u.slot->feeds.load() == u.feeds; };
-  constexpr std::size_t before = relay_detail::pack_head_before_path, after = relay_detail::pack_head_after_path;
-  std::array<std::uint8_t, before + relay_detail::max_pack_path + after> head{};
-  auto le = [&](std::size_t i, std::size_t n) {
-    std::uint64_t v = 0;
-    for (std::size_t k = 0; k < n; ++k) v |= static_cast<std::uint64_t>(head[i + k]) << (8 * k);
-    return v;
-  };
+  relay_detail::PackHeadBuffer head{};
   while (!u.stop.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (!u.slot && !(u.slot = relays.find_path(name))) continue;
@@ -158,20 +152,14 @@ void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::
     // Every number is the pack's, not yet checked against the master's digest: bounded before
     // it is used; one out of bounds ends the copying here (unpack refuses the pack).
     std::uint64_t upto = u.upto;
-    while (!u.stop.load() && verified - at >= before + after) {
-      if (::pread(pack.get(), head.data(), before, static_cast<off_t>(at)) != static_cast<ssize_t>(before)) return;
-      const std::size_t path_len = le(0, 2);
-      if (path_len == 0 || path_len > relay_detail::max_pack_path || entries >= relay_detail::max_pack_files) return;
-      if (verified - at < before + path_len + after) break;
-      if (::pread(pack.get(), head.data() + before, path_len + after, static_cast<off_t>(at + before)) !=
-          static_cast<ssize_t>(path_len + after))
-        return;
-      const auto mode = static_cast<std::uint32_t>(le(before + path_len, 4));
-      const std::uint64_t bytes = le(before + path_len + 12, 8);
-      const std::uint64_t data = at + before + path_len + after;
+    while (!u.stop.load() && entries < relay_detail::max_pack_files) {
+      const auto h = relay_detail::read_pack_head(pack.get(), at, verified, head);
+      if (h.read == relay_detail::PackHead::short_head || h.read == relay_detail::PackHead::short_path) break;  // (not yet)
+      if (h.read != relay_detail::PackHead::ok) return;
+      const std::uint64_t bytes = h.size, data = h.data;
       if (bytes > relay_detail::max_pack_file || bytes > size - data) return;
       if (bytes > verified - data) break;
-      if (!v2 || (mode & S_IFMT) == S_IFREG) {  // (directories and symlinks: unpack's)
+      if (!v2 || (h.mode & S_IFMT) == S_IFREG) {  // (directories and symlinks: unpack's)
         const std::string copy = std::to_string(data);
         files::Fd f(::openat(out.get(), copy.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
         if (!f || !pathm::copy_exact(pack.get(), data, f.get(), 0, bytes, "the pack", copy)) return;
