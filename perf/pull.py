@@ -42,7 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from relay import BED, addr, bars, digest, netns, parse_size, src_tx  # noqa: E402  (the same bed, the same measures)
+from relay import BED, addr, bars, digest, netns, parse_size, spread_dirs, src_tx  # noqa: E402  (the same bed, the same measures)
 
 SRC = "10.77.0.1"
 NAME = "data.bin"
@@ -309,6 +309,7 @@ def run_tool(bed: Bed, tool: str) -> tuple[float, int, int, float]:
 
 def inside(a: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="xdfs-pull-perf-", dir=a.dir)
+    spread_dirs(work)
     bed = Bed(a, work)
     tools = a.tools.split(",")
     size = parse_size(a.size)
