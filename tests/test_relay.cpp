@@ -349,6 +349,32 @@ TEST_CASE("relay packs: what a master packs is written out whole, with modes and
   }
 }
 
+TEST_CASE("relay packs: an entry's header is read between its offset and the end given, and nowhere else") {
+  namespace rd = xdfs::relay_detail;
+  xt::TempDir src, scratch;
+  xt::write_random_file(src / "a", 12, 1);
+  xt::write_random_file(src / "b", 5, 2);
+  xdfs::files::Fd pack(::open((scratch / "pack").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  pack_files(pack.get(), src, {{"a", "a", 0644}, {"b", "b", 0644}});
+  const std::uint64_t size = std::filesystem::file_size(scratch / "pack");
+  rd::PackHeadBuffer buf{};
+  const auto first = rd::read_pack_head(pack.get(), rd::pack_magic.size(), size, buf);
+  REQUIRE(first.read == rd::PackHead::ok);
+  CHECK(first.path == "a");
+  CHECK(first.size == 12);
+  const std::uint64_t second = first.data + first.size;
+  const auto b = rd::read_pack_head(pack.get(), second, size, buf);
+  REQUIRE(b.read == rd::PackHead::ok);
+  CHECK(b.path == "b");
+  CHECK(b.data + b.size == size);
+  // Fewer bytes than a header, a path past the end, an offset past the end: nothing read there.
+  CHECK(rd::read_pack_head(pack.get(), second, second + 10, buf).read == rd::PackHead::short_head);
+  CHECK(rd::read_pack_head(pack.get(), second, b.data - 1, buf).read == rd::PackHead::short_path);
+  CHECK(rd::read_pack_head(pack.get(), second, second - 1, buf).read == rd::PackHead::short_head);
+  // A file shorter than the end it was given: a read that failed, not a header cut short.
+  CHECK(rd::read_pack_head(pack.get(), size, size + 100, buf).read == rd::PackHead::io);
+}
+
 TEST_CASE("relay packs: the files a host copied out while the pack arrived are renamed into place, the others "
           "copied") {
   xt::TempDir src, root, scratch, early;

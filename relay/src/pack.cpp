@@ -64,8 +64,12 @@ constexpr std::size_t after_path = pack_head_after_path;  // mode, mtime, size
 PackHead read_pack_head(int fd, std::uint64_t at, std::uint64_t end, PackHeadBuffer& buf) {
   PackHead h;
   // Every length is the peer's: checked against what the pack still holds before it is used.
-  if (end - at < fixed + after_path || !read_at(fd, buf.data(), fixed, at)) {
+  if (at > end || end - at < fixed + after_path) {
     h.read = PackHead::short_head;
+    return h;
+  }
+  if (!read_at(fd, buf.data(), fixed, at)) {
+    h.read = PackHead::io;
     return h;
   }
   h.path_len = get_le<std::uint16_t>(buf.data());
@@ -174,11 +178,11 @@ Unpacked unpack(int pack_fd, std::uint64_t pack_size, pathm::TreeWriter& writer,
       }
       paths = {};
     }
+    PackHeadBuffer head{};
     while (at < pack_size) {
       if (cancel && cancel->load()) return failed(errc::cancelled, "cancelled");
       if (++files > max_pack_files)
         return failed(errc::limit_exceeded, "more than " + std::to_string(max_pack_files) + (v2 ? " entries" : " files"));
-      PackHeadBuffer head{};
       const PackHead h = read_pack_head(pack_fd, at, pack_size, head);
       if (h.read == PackHead::short_head)
         return failed(errc::protocol_error, "an entry cut short at byte " + std::to_string(at));

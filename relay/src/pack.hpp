@@ -47,10 +47,10 @@ constexpr std::uint64_t pack_entry_size(std::size_t path_len, std::uint64_t size
 struct PackHead {
   enum Read {
     ok,
-    short_head,  ///< fewer bytes before the end than any header takes (or not read)
+    short_head,  ///< fewer bytes before the end than any header takes (or `at` past it)
     bad_path,    ///< a path length of 0 or more than max_pack_path
     short_path,  ///< a path that runs past the end with its header
-    io,          ///< the path and what follows it could not be read
+    io,          ///< the header could not be read (an error, or a file shorter than `end`)
   } read = ok;
   std::size_t path_len = 0;
   std::string_view path{};   ///< in the caller's buffer
@@ -61,7 +61,7 @@ struct PackHead {
 };
 using PackHeadBuffer = std::array<std::uint8_t, pack_head_before_path + max_pack_path + pack_head_after_path>;
 
-/// Reads the header of the entry at `at` (at <= end) from fd, no byte at or past `end`, into buf.
+/// Reads the header of the entry at `at` from fd, no byte at or past `end`, into buf.
 PackHead read_pack_head(int fd, std::uint64_t at, std::uint64_t end, PackHeadBuffer& buf);
 
 struct PackEntry {

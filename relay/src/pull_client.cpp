@@ -170,6 +170,7 @@ void unpack_early(runtime::RelayRegistry& relays, const std::string& name, std::
     }
     // (What was copied counts only if no other upload or file came meanwhile.)
     if (same_feed()) u.upto = upto;
+    if (entries >= relay_detail::max_pack_files) return;  // (unpack refuses more)
   }
 }
 
