@@ -391,10 +391,14 @@ TEST_CASE("relay packs: the files a host copied out while the pack arrived are r
   const std::string copied = xt::read_file(early / std::to_string(a_at));
   xdfs::files::Fd r(::open(root.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   xdfs::files::Fd e(::open(early.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  SUBCASE("renamed, up to where it got") {
+  // The pack unpacked into root/in, with the copies in `early` that end at or below `upto`.
+  auto unpack_upto = [&](std::uint64_t upto) {
     xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
-    const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 70000};
-    const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+    const xdfs::relay_detail::Prestaged pre{e.get(), upto};
+    return xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+  };
+  SUBCASE("renamed, up to where it got") {
+    const auto u = unpack_upto(a_at + 70000);
     REQUIRE_MESSAGE(u.code == xdfs::errc::ok, u.message);
     CHECK(u.files == 2);
     CHECK(u.prestaged == 1);
@@ -407,9 +411,7 @@ TEST_CASE("relay packs: the files a host copied out while the pack arrived are r
     CHECK(st.st_mtim.tv_sec == 1'500'000'000);
   }
   SUBCASE("not past where it got") {
-    xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
-    const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 69999};
-    const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+    const auto u = unpack_upto(a_at + 69999);
     REQUIRE_MESSAGE(u.code == xdfs::errc::ok, u.message);
     CHECK(u.prestaged == 0);
     CHECK(xt::files_equal(src / "a", root / "in/x/y/a"));
@@ -419,9 +421,7 @@ TEST_CASE("relay packs: the files a host copied out while the pack arrived are r
     for (int round = 0; round < 2; ++round) {
       CAPTURE(round);
       if (round == 1) std::filesystem::remove(early / std::to_string(a_at));
-      xdfs::pathm::TreeWriter writer(r.get(), "test", false, 65536, 1, 022);
-      const xdfs::relay_detail::Prestaged pre{e.get(), a_at + 70000};
-      const auto u = xdfs::relay_detail::unpack(pack.get(), pack_size, writer, "in", 0, nullptr, 1, &pre);
+      const auto u = unpack_upto(a_at + 70000);
       REQUIRE_MESSAGE(u.code == xdfs::errc::ok, u.message);
       CHECK(u.prestaged == 0);
       CHECK(xt::files_equal(src / "a", root / "in/x/y/a"));
