@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/sendfile.h>
@@ -558,6 +559,29 @@ void Channel::send_control(wire::ChannelEvent ev, std::vector<std::uint8_t> payl
   hdr.event = ev;
   hdr.length = static_cast<std::uint32_t>(payload.size());
   send(hdr, std::move(payload), std::move(h));
+}
+
+namespace {
+// wire::max_block_size of address space, read-only and never written: each page read maps the
+// kernel's one shared zero page, so a block of any size sent from here reads the same 4 KiB.
+// Empty if it cannot be mapped.
+std::span<std::uint8_t> zero_pages() noexcept {
+  static const std::span<std::uint8_t> region = []() -> std::span<std::uint8_t> {
+    void* p = ::mmap(nullptr, wire::max_block_size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return {};
+    (void)::madvise(p, wire::max_block_size, MADV_NOHUGEPAGE);  // 4 KiB, not a 2 MiB zero page
+    return {static_cast<std::uint8_t*>(p), wire::max_block_size};
+  }();
+  return region;
+}
+}  // namespace
+
+void Channel::send_zeros(const wire::FrameHeader& hdr, Handler h) {
+  if (!clear_frames(hdr.event)) throw std::logic_error("send_zeros: frames of this event are sealed");
+  const auto zeros = zero_pages();
+  if (hdr.length > zeros.size()) return send(hdr, std::vector<std::uint8_t>(hdr.length), std::move(h));
+  zero_page_bytes_ += hdr.length;
+  enqueue(Out{wire::encode(hdr), false, {}, zeros.first(hdr.length), std::move(h)});
 }
 
 void Channel::send_file(const wire::FrameHeader& hdr, int fd, std::uint64_t offset, std::uint32_t length,

@@ -499,6 +499,9 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
     const auto trailer =
         std::span<std::uint8_t>(pipe_.slot_data(b.slot) + b.length.value(), frame.value() - b.length.value());
     ch.send_file(h, source_.fd, b.offset.value(), b.length.value(), trailer, std::move(sent));
+  } else if (source_.zero && frame.value() == b.length.value() && ch.clear_frames(h.event)) {
+    // A memory source's block, zeros with nothing after them: from the zero page, not the slot.
+    ch.send_zeros(h, std::move(sent));
   } else {
     ch.send(h, std::span<std::uint8_t>(pipe_.slot_data(b.slot), frame.value()), std::move(sent));
   }

@@ -188,6 +188,13 @@ public:
   /// before offset + length fails the write with source_failure (size_mismatch).
   void send_file(const wire::FrameHeader& hdr, int fd, std::uint64_t offset, std::uint32_t length,
                  std::span<std::uint8_t> trailer, Handler h);
+  /// Queues a frame of hdr.length zero bytes (a memory source's block), sent from one read-only
+  /// mapping whose pages are all the kernel's zero page: what the socket copies stays in cache,
+  /// as a benchmark sender's one buffer does, and the block's slot is never touched. Only for
+  /// an event whose frames go without a tag (clear_frames()).
+  void send_zeros(const wire::FrameHeader& hdr, Handler h);
+  /// Payload bytes this channel has queued by send_zeros() so far.
+  std::uint64_t zero_page_bytes() const noexcept { return zero_page_bytes_; }
   /// Whether frames of event e leave as they are, with no tag (no guard, or one that passes
   /// them, as xSec's clear mode does data frames).
   bool clear_frames(wire::ChannelEvent e) const noexcept { return !guard_ || guard_->tag_bytes(e) == 0; }
@@ -288,6 +295,7 @@ private:
   std::unique_ptr<FrameGuard> guard_;
   std::uint64_t zero_copy_bytes_ = 0;
   std::uint64_t zero_copy_in_bytes_ = 0;
+  std::uint64_t zero_page_bytes_ = 0;
   std::string skip_fallback_;
   bool corked_ = false;
   errc source_code_ = errc::ok;  // what source_failure stands for, and why
