@@ -31,6 +31,7 @@
 #include "xdfs/xdfs.hpp"
 #include "xdfs/pathm/messages.hpp"
 #include "xdfs/detail/xftsm_engine.hpp"
+#include "xdfs/xsec.hpp"
 
 namespace {
 
@@ -798,6 +799,94 @@ TEST_CASE("memory-to-memory mode moves bytes without touching a file, only where
   CHECK(down.bytes == opt.memory_size);
   CHECK(xt::list_dir(root.path()).empty());
   CHECK(srv.wait_for_log("mode=download path=m channels=4 bytes=50331653"));
+}
+
+TEST_CASE("a memory source sends clear blocks from the zero page, not from its slots; sealed blocks from their slots") {
+  xt::TempDir root;
+  auto cfg = config_for(root);
+  cfg.debug = true;
+  cfg.allow_memory_mode = true;
+  xt::InProcessServer srv(cfg);
+  // How many of the server's lines hold text, once there are at least `want` (bounded wait: its
+  // sender says it after the client has all it needs).
+  auto server_lines = [&](const std::string& text, std::size_t want) {
+    std::size_t got = 0;
+    for (int i = 0; i < 500; ++i) {
+      const auto lines = srv.log_lines();
+      got = static_cast<std::size_t>(
+          std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; }));
+      if (got >= want) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return got;
+  };
+  const std::uint32_t bs = 64 * 1024;
+  DebugLines dbg;
+  xdfs::TransferOptions opt;
+  opt.block_size = bs;
+  opt.ring_bytes = 8 * bs;
+  opt.memory = true;
+  opt.debug = dbg.sink();
+  for (auto protect : {xdfs::xsec::Protect::clear, xdfs::xsec::Protect::integrity, xdfs::xsec::Protect::private_}) {
+    for (std::uint64_t size : {std::uint64_t(1), std::uint64_t(bs), std::uint64_t(7 * bs + 3), std::uint64_t(3u << 20)}) {
+      for (unsigned n : {1u, 4u}) {
+        CAPTURE(xdfs::xsec::to_string(protect));
+        CAPTURE(size);
+        CAPTURE(n);
+        opt.protect = protect;
+        opt.channels = n;
+        opt.memory_size = size;
+        // Sealed blocks are sealed in their slots: none from the zero page.
+        const std::string said =
+            fmt::format("memory source: {} bytes from the zero page", protect == xdfs::xsec::Protect::clear ? size : 0);
+        dbg.clear();
+        CHECK(xdfs::upload("/dev/zero", {"127.0.0.1", srv.port()}, "m", opt).bytes == size);
+        CHECK_MESSAGE(dbg.has(said), said);
+        const std::size_t before = server_lines(said, 0);
+        CHECK(xdfs::download({"127.0.0.1", srv.port()}, "m", "/dev/null", opt).bytes == size);
+        CHECK_MESSAGE(server_lines(said, before + 1) == before + 1, said);
+      }
+    }
+  }
+}
+
+TEST_CASE("XDSI: send_zeros puts the header and that many zero bytes on the wire; a sealed event is refused") {
+  namespace asio = boost::asio;
+  Loopback lb;
+  auto& ch = *lb.channels[0];
+  xdfs::wire::FrameHeader h;
+  h.event = xdfs::wire::ChannelEvent::xftsmu;
+  for (std::uint32_t len : {0u, 1u, 4096u, (3u << 20) + 5}) {
+    CAPTURE(len);
+    h.length = len;
+    h.offset = 7ull * len;
+    // Filled with something else first: what is read must be the header, then len zeros.
+    std::vector<std::uint8_t> got(xdfs::wire::frame_header_size + len, 0xa5);
+    boost::system::error_code sent = asio::error::would_block, arrived = asio::error::would_block;
+    asio::async_read(lb.peer, asio::buffer(got), [&](const boost::system::error_code& ec, std::size_t) { arrived = ec; });
+    const auto before = ch.zero_page_bytes();
+    REQUIRE(xdfs::xdsi::Channel::zeros_available(len));
+    ch.send_zeros(h, [&](const boost::system::error_code& ec) { sent = ec; });
+    lb.ctx.restart();
+    lb.ctx.run_for(std::chrono::seconds(30));
+    REQUIRE_FALSE(arrived);
+    CHECK_FALSE(sent);
+    CHECK(ch.zero_page_bytes() - before == len);
+    const auto head = xdfs::wire::decode(std::span<const std::uint8_t, xdfs::wire::frame_header_size>(got.data(), xdfs::wire::frame_header_size));
+    REQUIRE(head.has_value());
+    CHECK(head->event == h.event);
+    CHECK(head->length == len);
+    CHECK(head->offset == h.offset);
+    CHECK(std::all_of(got.begin() + xdfs::wire::frame_header_size, got.end(), [](std::uint8_t b) { return b == 0; }));
+  }
+  // On a channel whose data frames are sealed the zero page cannot be encrypted in place.
+  xdfs::xsec::Key32 a{}, b{};
+  a[0] = 1;
+  b[0] = 2;
+  ch.protect(std::make_unique<xdfs::xsec::FrameProtector>(xdfs::xsec::Protect::private_, xdfs::xsec::Cipher::aes256gcm, a, b));
+  h.length = 16;
+  CHECK_THROWS_AS(ch.send_zeros(h, [](const boost::system::error_code&) {}), std::logic_error);
+  CHECK_FALSE(ch.sending());
 }
 
 TEST_CASE("a failing receiver's disk thread is stopped before its host closes the file") {

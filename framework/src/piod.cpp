@@ -71,7 +71,7 @@ BlockPipe::BlockPipe(std::uint32_t block_size, std::uint32_t slots, PoolCache* c
     memory_ = cache_->take(bytes);
     if (memory_) return;
   }
-  // Anonymous pages: page-aligned, zero-filled (memory sources send defined bytes) and faulted
+  // Anonymous pages: page-aligned, zero-filled (memory sources seal defined bytes) and faulted
   // in only when a slot is first used, so a small transfer never pays for the whole pool.
   // A pool of 2 MiB or more is aligned to 2 MiB and asks for transparent huge pages: every
   // transfer starts on fresh memory, and faulting it in 4 KiB at a time cost more than reading

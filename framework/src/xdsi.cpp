@@ -576,10 +576,12 @@ std::span<std::uint8_t> zero_pages() noexcept {
 }
 }  // namespace
 
+bool Channel::zeros_available(std::uint32_t length) noexcept { return length <= zero_pages().size(); }
+
 void Channel::send_zeros(const wire::FrameHeader& hdr, Handler h) {
   if (!clear_frames(hdr.event)) throw std::logic_error("send_zeros: frames of this event are sealed");
   const auto zeros = zero_pages();
-  if (hdr.length > zeros.size()) return send(hdr, std::vector<std::uint8_t>(hdr.length), std::move(h));
+  if (hdr.length > zeros.size()) throw std::logic_error("send_zeros: more bytes than the zero mapping holds");
   zero_page_bytes_ += hdr.length;
   enqueue(Out{wire::encode(hdr), false, {}, zeros.first(hdr.length), std::move(h)});
 }

@@ -303,7 +303,8 @@ private:
       limit_ = std::make_unique<RateLimiter>(opt_.limit_rate);
       p.limits.push_back(limit_.get());
     }
-    if (!memory_) p.pools = &session_.pool_cache();  // a memory source sends a slot's bytes as they are
+    // A memory source seals (integrity, private) a slot's bytes as they are: a fresh pool's zeros.
+    if (!memory_) p.pools = &session_.pool_cache();
     auto& io = session_.io();
     auto& channels = session_.channels();
     if (action == TransferAction::start_sending) {

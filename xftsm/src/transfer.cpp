@@ -297,6 +297,7 @@ Sender::Sender(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
   // The slots hold the blocks' digests alone (the data goes from the file).
   if (source_.zero_copy && source_.manifest) pipe_.sparse();
   zero_copy_from_ = channel_total(&xdsi::Channel::zero_copy_bytes);
+  zero_page_from_ = channel_total(&xdsi::Channel::zero_page_bytes);
   host_.debug(source_.zero_copy ? "zero copy: file data goes to the sockets by sendfile"
                                 : "zero copy off: " + refusal);
   // A resumed transfer: what the receiver has counts as sent and acknowledged.
@@ -499,7 +500,8 @@ void Sender::send_on(std::size_t pick, const piod::Block& b) {
     const auto trailer =
         std::span<std::uint8_t>(pipe_.slot_data(b.slot) + b.length.value(), frame.value() - b.length.value());
     ch.send_file(h, source_.fd, b.offset.value(), b.length.value(), trailer, std::move(sent));
-  } else if (source_.zero && frame.value() == b.length.value() && ch.clear_frames(h.event)) {
+  } else if (source_.zero && frame.value() == b.length.value() && ch.clear_frames(h.event) &&
+             xdsi::Channel::zeros_available(frame.value())) {
     // A memory source's block, zeros with nothing after them: from the zero page, not the slot.
     ch.send_zeros(h, std::move(sent));
   } else {
@@ -624,6 +626,8 @@ void Sender::maybe_finish() {
   if (!digests_agree()) return;
   if (source_.zero_copy) host_.debug(fmt::format("zero copy: {} bytes by sendfile",
                                                   channel_total(&xdsi::Channel::zero_copy_bytes) - zero_copy_from_));
+  if (source_.zero) host_.debug(fmt::format("memory source: {} bytes from the zero page",
+                                             channel_total(&xdsi::Channel::zero_page_bytes) - zero_page_from_));
   on(TransferEvent::committed);
 }
 

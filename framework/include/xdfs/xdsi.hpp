@@ -77,6 +77,7 @@ public:
   /// Tag bytes that follow the payload of a frame of this event (0 when it is not protected).
   virtual std::size_t tag_bytes(wire::ChannelEvent e) const noexcept = 0;
   /// Protects an outgoing frame: may encrypt the payload in place; writes tag_bytes() bytes.
+  /// A frame with no tag (tag_bytes() == 0) may have a read-only payload: it is not written.
   virtual void seal(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, std::uint8_t* tag) = 0;
   /// Checks (and decrypts in place) an incoming frame; false if it fails.
   virtual bool open(const wire::HeaderBytes& header, std::span<std::uint8_t> payload, const std::uint8_t* tag) = 0;
@@ -191,8 +192,11 @@ public:
   /// Queues a frame of hdr.length zero bytes (a memory source's block), sent from one read-only
   /// mapping whose pages are all the kernel's zero page: what the socket copies stays in cache,
   /// as a benchmark sender's one buffer does, and the block's slot is never touched. Only for
-  /// an event whose frames go without a tag (clear_frames()).
+  /// an event whose frames go without a tag (clear_frames()), and hdr.length at most what
+  /// zeros_available() says.
   void send_zeros(const wire::FrameHeader& hdr, Handler h);
+  /// Whether send_zeros() can send `length` bytes (false if the mapping could not be made).
+  static bool zeros_available(std::uint32_t length) noexcept;
   /// Payload bytes this channel has queued by send_zeros() so far.
   std::uint64_t zero_page_bytes() const noexcept { return zero_page_bytes_; }
   /// Whether frames of event e leave as they are, with no tag (no guard, or one that passes

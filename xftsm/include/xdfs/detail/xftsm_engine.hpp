@@ -250,6 +250,7 @@ private:
 
   piod::Source source_;
   std::uint64_t zero_copy_from_ = 0;     // the channels' sendfile bytes when the transfer began
+  std::uint64_t zero_page_from_ = 0;     // the channels' zero-page bytes when the transfer began
   std::optional<piod::DiskReader> reader_;
   std::vector<piod::Block> ready_;       // filled blocks in offset order, consumed from ready_head_
   std::size_t ready_head_ = 0;
