@@ -135,12 +135,17 @@ InProcessServer::~InProcessServer() {
 }
 
 bool InProcessServer::wait_for_log(const std::string& text, int timeout_ms) {
+  return wait_for_log_lines(text, 1, timeout_ms) >= 1;
+}
+
+std::size_t InProcessServer::wait_for_log_lines(const std::string& text, std::size_t want, int timeout_ms) {
   std::unique_lock<std::mutex> g(mu_);
-  return grew_.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] {
-    for (auto& l : log_)
-      if (l.find(text) != std::string::npos) return true;
-    return false;
-  });
+  auto count = [&] {
+    return static_cast<std::size_t>(
+        std::count_if(log_.begin(), log_.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; }));
+  };
+  grew_.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] { return count() >= want; });
+  return count();
 }
 
 std::vector<std::string> InProcessServer::log_lines() {

@@ -53,6 +53,8 @@ public:
   std::vector<std::string> log_lines();
   /// Waits (bounded) until a log line contains `text`.
   bool wait_for_log(const std::string& text, int timeout_ms = 10000);
+  /// Waits (bounded) until at least `want` log lines contain `text`; how many do then.
+  std::size_t wait_for_log_lines(const std::string& text, std::size_t want, int timeout_ms = 10000);
 
 private:
   std::mutex mu_;

@@ -372,17 +372,12 @@ TEST_CASE("a source file that shrinks while it is sent: the upload fails, naming
     // it shrinks before a frame begins, and the server hears why.
     const bool mid_frame_possible = c.protect == xdfs::xsec::Protect::clear && !c.verify;
     const std::string reason = mid_frame_possible ? "status=error: " : "status=error: size mismatch";
-    auto told = [&] {
-      const auto lines = srv.log_lines();
-      return std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(reason) != std::string::npos; });
-    };
-    const auto told_before = told();
+    const auto told_before = srv.wait_for_log_lines(reason, 0);
     std::string what;
     CHECK(xt::error_of([&] { xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt); }, nullptr, &what) ==
           xdfs::errc::size_mismatch);
     CHECK_MESSAGE(what.find("source file shrank to") != std::string::npos, what);
-    for (int i = 0; i < 200 && told() < told_before + 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    CHECK(told() == told_before + 1);
+    CHECK(srv.wait_for_log_lines(reason, told_before + 1) == told_before + 1);
     CHECK(dbg.has(c.protect != xdfs::xsec::Protect::clear ? "zero copy off: blocks are sealed"
                   : c.verify                                ? "zero copy off: each block is read to make its digest"
                                                             : "zero copy: file data goes to the sockets by sendfile"));
@@ -807,19 +802,6 @@ TEST_CASE("a memory source sends clear blocks from the zero page, not from its s
   cfg.debug = true;
   cfg.allow_memory_mode = true;
   xt::InProcessServer srv(cfg);
-  // How many of the server's lines hold text, once there are at least `want` (bounded wait: its
-  // sender says it after the client has all it needs).
-  auto server_lines = [&](const std::string& text, std::size_t want) {
-    std::size_t got = 0;
-    for (int i = 0; i < 500; ++i) {
-      const auto lines = srv.log_lines();
-      got = static_cast<std::size_t>(
-          std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; }));
-      if (got >= want) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return got;
-  };
   const std::uint32_t bs = 64 * 1024;
   DebugLines dbg;
   xdfs::TransferOptions opt;
@@ -842,9 +824,10 @@ TEST_CASE("a memory source sends clear blocks from the zero page, not from its s
         dbg.clear();
         CHECK(xdfs::upload("/dev/zero", {"127.0.0.1", srv.port()}, "m", opt).bytes == size);
         CHECK_MESSAGE(dbg.has(said), said);
-        const std::size_t before = server_lines(said, 0);
+        // The server's sender says it after the client has all it needs: a bounded wait.
+        const std::size_t before = srv.wait_for_log_lines(said, 0);
         CHECK(xdfs::download({"127.0.0.1", srv.port()}, "m", "/dev/null", opt).bytes == size);
-        CHECK_MESSAGE(server_lines(said, before + 1) == before + 1, said);
+        CHECK_MESSAGE(srv.wait_for_log_lines(said, before + 1) == before + 1, said);
       }
     }
   }
