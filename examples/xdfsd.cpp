@@ -256,6 +256,9 @@ void define(CLI::App& app, Options& o) {
                "every block goes through memory: a download or relay reads it first\n"
                "instead of sending it from the page cache by sendfile, an upload\n"
                "writes it from there instead of splicing it into the file");
+  app.add_flag("--loopback-sendfile", cfg.loopback_sendfile,
+               "a download or relay to a peer on this host goes by sendfile too (by\n"
+               "default it is read first: over loopback that costs less CPU)");
   app.add_flag("--debug", cfg.debug, "debug lines in the log too (zero copy, or why not)");
   text("metrics", o.metrics,
        "serve counters in Prometheus' text format at http://HOST:PORT/metrics\n"

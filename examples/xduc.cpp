@@ -835,6 +835,10 @@ void define(CLI::App& app, Command& c, Help& help) {
                         "of sending it from the page cache by sendfile, a download writes\n"
                         "it from there instead of splicing it into the file (clear mode)")
       ->group(transfers);
+  app.add_flag_callback("--loopback-sendfile", [&opt] { opt.loopback_sendfile = true; },
+                        "an upload to a server on this host goes by sendfile too (by default\n"
+                        "it is read first: over loopback that costs less CPU)")
+      ->group(transfers);
   app.add_flag_callback("--debug", [&opt] {
        opt.debug = [](const std::string& line) { fmt::print(stderr, "xduc: debug: {}\n", xdfs::text::escape(line)); };
      }, "debug lines on standard error (zero copy, or why not)")

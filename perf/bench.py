@@ -63,8 +63,9 @@ TOOLS = {
 # verification costs (clear against clear/no-verify). iperf3-z is iperf3 -Z: its sender moves the
 # bytes by sendfile(2).
 # Scenario (e), cached, is a download of a file in the server's page cache to /dev/null: xDFS
-# and GridFTP send the file itself (xdfsd by sendfile), against iperf3 -Z -R, which sends one
-# small buffer file over and over by sendfile.
+# and GridFTP send the file itself (xdfsd reads it first: to a client on this host it sends by
+# sendfile only with --loopback-sendfile, perf/zerocopy.py), against iperf3 -Z -R, which sends
+# one small buffer file over and over by sendfile.
 
 # System calls are counted (perf stat; perf/syscalls.py) in one extra run of every point and tool
 # after the timed repetitions: perf around a process costs tens of milliseconds of its own and

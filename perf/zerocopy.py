@@ -4,10 +4,12 @@
     perf/zerocopy.py [--xdfs-bin DIR] [--size 2G] [--streams 1] [--reps 5] [--verify] [--smoke]
 
 Cases, taking turns, REPS each, all in --protect clear:
-  download zc     xdfsd sends a file in a RAM-backed directory by sendfile (its default); xduc
+  download zc     xdfsd sends a file in a RAM-backed directory by sendfile (--loopback-sendfile:
+                  by default a peer on this host is sent blocks read first, as copy); xduc
                   writes it to /dev/null
   download copy   the same from a second xdfsd run with --no-zero-copy (every block read first)
-  upload zc       xduc sends the file by sendfile; xdfsd writes it into its RAM-backed root
+  upload zc       xduc sends the file by sendfile (--loopback-sendfile); xdfsd writes it into
+                  its RAM-backed root
   upload copy     the same with xduc --no-zero-copy
   iperf3 -Z -R    iperf3's server sends SIZE by sendfile, its client discards it
   iperf3 -R       the same with send(2) from a buffer
@@ -92,7 +94,10 @@ def main() -> None:
         xsec.write_random(os.path.join(root, "f"), size)
         os.makedirs(os.path.join(work, "a"))
         os.makedirs(os.path.join(work, "b"))
-        zc = xsec.Server(a.xdfs_bin, root, os.path.join(work, "a"))
+        # Over loopback sendfile is no longer the default: ask for it where the build knows how.
+        helptext = subprocess.run([os.path.join(a.xdfs_bin, "xduc"), "--help"], capture_output=True, text=True).stdout
+        loop = ["--loopback-sendfile"] if "--loopback-sendfile" in helptext else []
+        zc = xsec.Server(a.xdfs_bin, root, os.path.join(work, "a"), tuple(loop))
         copy = xsec.Server(a.xdfs_bin, root, os.path.join(work, "b"), ("--no-zero-copy",))
         ip = None
         if iperf:
@@ -108,7 +113,7 @@ def main() -> None:
         cases = {
             "download zc": (zc, lambda: xdfs(zc, [f"{zc.url}/f", "/dev/null"])),
             "download copy": (copy, lambda: xdfs(copy, [f"{copy.url}/f", "/dev/null"])),
-            "upload zc": (zc, lambda: xdfs(zc, [os.path.join(root, "f"), f"{zc.url}/up"])),
+            "upload zc": (zc, lambda: xdfs(zc, [*loop, os.path.join(root, "f"), f"{zc.url}/up"])),
             "upload copy": (zc, lambda: xdfs(zc, ["--no-zero-copy", os.path.join(root, "f"), f"{zc.url}/up"])),
         }
         if ip:

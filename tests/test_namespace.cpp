@@ -192,7 +192,8 @@ TEST_CASE("permission denied partway through a tree: the rest is copied, each on
 
 namespace {
 
-// Brings this network namespace's loopback up and gives it fd00::1 .. fd00::count, /64.
+// Brings this network namespace's loopback up and gives it fd00::1 .. fd00::count, /64 (those
+// it has already stay).
 void loopback_with_v6(int count) {
   const int s4 = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   REQUIRE(s4 >= 0);
@@ -213,7 +214,8 @@ void loopback_with_v6(int count) {
     REQUIRE(::inet_pton(AF_INET6, fmt::format("fd00::{:x}", i).c_str(), &req.addr) == 1);
     req.prefixlen = 64;
     req.ifindex = static_cast<int>(::if_nametoindex("lo"));
-    REQUIRE_MESSAGE(::ioctl(s6, SIOCSIFADDR, &req) == 0, "add fd00::" << i << ": " << std::strerror(errno));
+    // An earlier case in this namespace may have added it already.
+    REQUIRE_MESSAGE((::ioctl(s6, SIOCSIFADDR, &req) == 0 || errno == EEXIST), "add fd00::" << i << ": " << std::strerror(errno));
   }
   ::close(s6);
 }
@@ -263,6 +265,37 @@ TEST_CASE("pending connections from one IPv6 /64 count as one source, whatever a
   auto ok = xt::xduc({"-q", "-p", "4", local / "g", "xdfs://[fd00::1]:" + std::to_string(d.port()) + "/g"}, 60000);
   CHECK_MESSAGE(ok.status == 0, ok.err);
   CHECK(xt::files_equal(local / "g", root / "g"));
+}
+
+TEST_CASE("a peer at another of this host's addresses (not loopback, not this end's own) is on this host" *
+          doctest::skip(!in_namespace("net"))) {
+  loopback_with_v6(3);
+  namespace asio = boost::asio;
+  using tcp = asio::ip::tcp;
+  asio::io_context io;
+  tcp::acceptor acc(io, tcp::endpoint(asio::ip::make_address("fd00::1"), 0));
+  const int fd = stalled_from("fd00::3", acc.local_endpoint().port());
+  tcp::socket near(io, tcp::v6(), fd);
+  xdfs::xdsi::Channel a(std::move(near), 0), b(acc.accept(), 1);
+  REQUIRE(a.socket().local_endpoint().address() != a.socket().remote_endpoint().address());
+  CHECK(a.peer_on_this_host());
+  CHECK(b.peer_on_this_host());
+  // Such an address, once gone, is another host's as far as this one can tell.
+  {
+    const int s6 = ::socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    REQUIRE(s6 >= 0);
+    struct {
+      in6_addr addr;
+      std::uint32_t prefixlen;
+      int ifindex;
+    } req{};
+    REQUIRE(::inet_pton(AF_INET6, "fd00::3", &req.addr) == 1);
+    req.prefixlen = 64;
+    req.ifindex = static_cast<int>(::if_nametoindex("lo"));
+    REQUIRE_MESSAGE(::ioctl(s6, SIOCDIFADDR, &req) == 0, "remove fd00::3: " << std::strerror(errno));
+    ::close(s6);
+  }
+  CHECK_FALSE(b.peer_on_this_host());
 }
 
 }  // TEST_SUITE

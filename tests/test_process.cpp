@@ -159,7 +159,7 @@ TEST_CASE("--block-workers: digests, seals and opening spread over that many hel
   CHECK(one_line(xt::xduc({"--block-workers", "many", local / "data", "xdfs://127.0.0.1:1/x"}), "--block-workers"));
 }
 
-TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --no-zero-copy on either side turns it off") {
+TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile: to a peer on this host only with --loopback-sendfile; --no-zero-copy on either side turns it off") {
   xt::TempDir root, local;
   xt::write_random_file(local / "data", (4 << 20) + 9, 17);
   const std::vector<std::string> clear = {"--protect", "clear", "--no-verify"};
@@ -168,8 +168,22 @@ TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --n
     return xt::xduc(args);
   };
   {
+    // By default a peer on this host is sent blocks read first, both ways.
     xt::XdfsdProcess d(root.path(), {"--debug"});
-    auto up = with({"--debug", "-p", "2", local / "data", url(d, "data")});
+    auto up = with({"--debug", local / "data", url(d, "plain")});
+    REQUIRE_MESSAGE(up.status == 0, up.err);
+    CHECK(xt::files_equal(local / "data", root / "plain"));
+    CHECK_MESSAGE(up.err.find("xduc: debug: zero copy off: the peer is on this host") != std::string::npos, up.err);
+    CHECK(up.err.find("by sendfile") == std::string::npos);
+    auto down = with({"-q", url(d, "plain"), local / "plain"});
+    REQUIRE_MESSAGE(down.status == 0, down.err);
+    CHECK(xt::files_equal(local / "data", local / "plain"));
+    CHECK(d.wait_for_log("debug: zero copy off: the peer is on this host"));
+    CHECK(d.log().find("by sendfile") == std::string::npos);
+  }
+  {
+    xt::XdfsdProcess d(root.path(), {"--debug", "--loopback-sendfile"});
+    auto up = with({"--debug", "--loopback-sendfile", "-p", "2", local / "data", url(d, "data")});
     REQUIRE_MESSAGE(up.status == 0, up.err);
     CHECK(xt::files_equal(local / "data", root / "data"));
     CHECK_MESSAGE(up.err.find("xduc: debug: zero copy: 4194313 bytes by sendfile") != std::string::npos, up.err);
@@ -177,13 +191,13 @@ TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --n
     REQUIRE_MESSAGE(down.status == 0, down.err);
     CHECK(xt::files_equal(local / "data", local / "back"));
     CHECK(d.wait_for_log("debug: zero copy: 4194313 bytes by sendfile"));
-    up = with({"--debug", "--no-zero-copy", local / "data", url(d, "again")});
+    up = with({"--debug", "--loopback-sendfile", "--no-zero-copy", local / "data", url(d, "again")});
     REQUIRE_MESSAGE(up.status == 0, up.err);
     CHECK(xt::files_equal(local / "data", root / "again"));
     CHECK(up.err.find("xduc: debug: zero copy off: switched off by a setting") != std::string::npos);
     CHECK(up.err.find("by sendfile") == std::string::npos);
   }
-  xt::XdfsdProcess d(root.path(), {"--debug", "--no-zero-copy"});
+  xt::XdfsdProcess d(root.path(), {"--debug", "--loopback-sendfile", "--no-zero-copy"});
   ::unlink((local / "back").c_str());
   auto down = with({"-q", url(d, "data"), local / "back"});
   REQUIRE_MESSAGE(down.status == 0, down.err);
@@ -195,7 +209,7 @@ TEST_CASE("xduc --debug and xdfsd --debug say whether blocks go by sendfile; --n
 TEST_CASE("a client killed while xdfsd sends to it by sendfile fails its session only: no SIGPIPE ends the server") {
   xt::TempDir root, local;
   xt::write_random_file(root / "big", 256ull << 20, 5);
-  xt::XdfsdProcess d(root.path(), {"--debug"});
+  xt::XdfsdProcess d(root.path(), {"--debug", "--loopback-sendfile"});
   for (int round = 0; round < 3; ++round) {
     CAPTURE(round);
     // A slow reader: the server's socket buffers fill, and its sends wait for room.

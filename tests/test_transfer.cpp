@@ -358,6 +358,7 @@ TEST_CASE("a source file that shrinks while it is sent: the upload fails, naming
     opt.verify = c.verify;
     opt.block_size = 64 * 1024;
     opt.ring_bytes = 256 * 1024;  // the reader stays close behind the network
+    opt.loopback_sendfile = true;
     opt.progress_interval = std::chrono::milliseconds(1);
     opt.debug = dbg.sink();
     bool cut = false;
@@ -390,6 +391,7 @@ TEST_CASE("zero copy: clear-mode blocks without digests go from the page cache b
   xt::TempDir root, local;
   auto cfg = config_for(root);
   cfg.debug = true;
+  cfg.loopback_sendfile = true;
   xt::InProcessServer srv(cfg);
   const std::uint32_t bs = 64 * 1024;
   DebugLines dbg;
@@ -408,6 +410,7 @@ TEST_CASE("zero copy: clear-mode blocks without digests go from the page cache b
         opt.channels = n;
         opt.block_size = bs;
         opt.ring_bytes = 8 * bs;
+        opt.loopback_sendfile = true;
         opt.debug = dbg.sink();
         dbg.clear();
         const auto [up, down] = round_trip(srv, root, local, name, size, opt);
@@ -430,6 +433,68 @@ TEST_CASE("zero copy: clear-mode blocks without digests go from the page cache b
   }
   xt::check_no_partials(root.path());
   xt::check_no_partials(local.path());
+}
+
+TEST_CASE("zero copy: a peer on this host is sent blocks read first, both ways, unless loopback_sendfile says otherwise; splice still takes them in") {
+  xt::TempDir root, local;
+  auto cfg = config_for(root);
+  cfg.debug = true;
+  xt::InProcessServer srv(cfg);
+  const std::uint64_t size = (5u << 20) + 77;
+  xt::write_random_file(local / "f", size, 31);
+  DebugLines dbg;
+  xdfs::TransferOptions opt;
+  opt.protect = xdfs::xsec::Protect::clear;
+  opt.verify = false;
+  opt.channels = 2;
+  opt.block_size = 256 * 1024;
+  opt.debug = dbg.sink();
+  const std::string why = "zero copy off: the peer is on this host";
+  xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f", opt);
+  CHECK(xt::files_equal(local / "f", root / "f"));
+  CHECK(dbg.has(why));
+  CHECK_FALSE(dbg.has("bytes by sendfile"));
+  CHECK(srv.wait_for_log(fmt::format("debug: zero copy in: {} bytes by splice", size)));
+  dbg.clear();
+  xdfs::download({"127.0.0.1", srv.port()}, "f", local / "back", opt);
+  CHECK(xt::files_equal(local / "f", local / "back"));
+  CHECK(srv.wait_for_log(why));
+  CHECK(srv.wait_for_log_lines("bytes by sendfile", 0) == 0);
+  CHECK(dbg.has(fmt::format("zero copy in: {} bytes by splice", size)));
+  // The client's own setting sends its upload by sendfile; the server's stays as it was.
+  opt.loopback_sendfile = true;
+  dbg.clear();
+  xdfs::upload(local / "f", {"127.0.0.1", srv.port()}, "f2", opt);
+  CHECK(xt::files_equal(local / "f", root / "f2"));
+  CHECK(dbg.has(fmt::format("zero copy: {} bytes by sendfile", size)));
+  CHECK_FALSE(dbg.has(why));
+  xt::check_no_partials(root.path());
+  xt::check_no_partials(local.path());
+}
+
+TEST_CASE("XDSI: peer_on_this_host is true over loopback (IPv4, IPv6 where there is one) and false unconnected") {
+  namespace asio = boost::asio;
+  using tcp = asio::ip::tcp;
+  asio::io_context io;
+  for (const char* host : {"127.0.0.1", "127.0.0.2", "::1"}) {
+    CAPTURE(host);
+    boost::system::error_code ec;
+    tcp::acceptor acc(io);
+    const tcp::endpoint at(asio::ip::make_address(host), 0);
+    acc.open(at.protocol(), ec);
+    if (!ec) acc.bind(at, ec);
+    if (ec && at.address().is_v6()) continue;  // no IPv6 loopback here
+    REQUIRE_FALSE(ec);
+    acc.listen();
+    tcp::socket near(io);
+    near.connect(acc.local_endpoint());
+    tcp::socket far = acc.accept();
+    xdfs::xdsi::Channel a(std::move(near), 0), b(std::move(far), 1);
+    CHECK(a.peer_on_this_host());
+    CHECK(b.peer_on_this_host());
+  }
+  xdfs::xdsi::Channel unconnected(tcp::socket(io), 0);
+  CHECK_FALSE(unconnected.peer_on_this_host());
 }
 
 TEST_CASE("zero copy falls back to reading blocks, saying why: a setting, sealed blocks, a FIFO") {

@@ -489,6 +489,7 @@ void Server::Impl::reload(ServerConfig next) {
   take("allow-fifo", c.allow_fifo, next.allow_fifo, yes);
   take("path-workers", c.path_workers, next.path_workers, num);
   take("zero-copy", c.zero_copy, next.zero_copy, yes);
+  take("loopback-sendfile", c.loopback_sendfile, next.loopback_sendfile, yes);
   take("pull-pack-size", c.pull_pack_size, next.pull_pack_size, num);
   take("debug", c.debug, next.debug, yes);
   take("authorized-keys", c.authorized_keys, next.authorized_keys, str);

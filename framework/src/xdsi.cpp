@@ -576,6 +576,28 @@ std::span<std::uint8_t> zero_pages() noexcept {
 }
 }  // namespace
 
+bool Channel::peer_on_this_host() const noexcept {
+  ErrorCode ec;
+  const auto remote = socket_.remote_endpoint(ec);
+  if (ec) return false;
+  const auto local = socket_.local_endpoint(ec);
+  if (ec) return false;
+  const auto plain = [](asio::ip::address a) {
+    if (a.is_v6() && a.to_v6().is_v4_mapped()) return asio::ip::address(asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6()));
+    return a;
+  };
+  const auto peer = plain(remote.address());
+  if (peer.is_loopback() || peer == plain(local.address())) return true;
+  // Another address of this host's (a second one on lo, an interface's own): binding to it
+  // works only here. A datagram socket: nothing is sent, no port is held past the call.
+  const tcp::endpoint at(peer, 0);
+  const int fd = ::socket(at.protocol().family(), SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool here = ::bind(fd, at.data(), static_cast<socklen_t>(at.size())) == 0;
+  ::close(fd);
+  return here;
+}
+
 bool Channel::zeros_available(std::uint32_t length) noexcept { return length <= zero_pages().size(); }
 
 void Channel::send_zeros(const wire::FrameHeader& hdr, Handler h) {

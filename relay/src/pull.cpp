@@ -671,6 +671,7 @@ public:
     o.verify = true;
     o.limit_rate = env_.config.max_rate;  // the source's feed, as any one session's transfers
     o.zero_copy = env_.config.zero_copy;
+    o.loopback_sendfile = env_.config.loopback_sendfile;
     if (env_.config.debug)
       o.debug = [log = env_.log, path = nego_.remote_path](const std::string& line) {
         log(fmt::format("pull of '{}' debug: {}", path, line));

@@ -402,6 +402,7 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   cfg.log = po.log ? po.log : [](const std::string&) {};
   // This host forwards as it uploads: by sendfile, or not, as the user said (xduc --no-zero-copy).
   cfg.zero_copy = options.zero_copy;
+  cfg.loopback_sendfile = options.loopback_sendfile;
   cfg.debug = static_cast<bool>(options.debug) && static_cast<bool>(po.log);
   // Relay places and the uploads that feed them; nothing here is for reading.
   auto modes = xftsm::server_modes();

@@ -162,6 +162,7 @@ private:
     base.identity_secret = env_.relays->server_key().secret;
     base.idle_timeout = env_.config.idle_timeout;
     base.zero_copy = env_.config.zero_copy;
+    base.loopback_sendfile = env_.config.loopback_sendfile;
     if (env_.config.debug)
       base.debug = [log = env_.log, path = slot->path](const std::string& line) {
         log(fmt::format("relay of '{}' debug: {}", path, line));

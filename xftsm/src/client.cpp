@@ -299,6 +299,7 @@ private:
     p.idle_timeout = session_.options().idle_timeout;
     p.manifest = session_.manifest();
     p.zero_copy = session_.options().zero_copy;
+    p.loopback_sendfile = session_.options().loopback_sendfile;
     if (opt_.limit_rate) {
       limit_ = std::make_unique<RateLimiter>(opt_.limit_rate);
       p.limits.push_back(limit_.get());

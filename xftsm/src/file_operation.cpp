@@ -216,6 +216,7 @@ private:
     p.manifest = (nego_.extended_flags & wire::flag_manifest) != 0;
     p.limits = {env_.session_rate, env_.total_rate};
     p.zero_copy = env_.config.zero_copy;
+    p.loopback_sendfile = env_.config.loopback_sendfile;
     const bool memory = (nego_.extended_flags & wire::flag_memory) != 0;
     // A stream may grow to this server's file size limit; without one, to what its file system
     // had free when it began (a file's size is checked against that before it starts).

@@ -85,6 +85,9 @@ struct SessionOptions {
   /// Uploads send file data to the sockets by sendfile(2) where they can (clear mode, a regular
   /// file); false (xduc --no-zero-copy) reads every block into user space first.
   bool zero_copy = true;
+  /// Uploads to a server on this host go by sendfile too (xduc --loopback-sendfile); by
+  /// default they are read first: over loopback, sendfile's packets of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
+  bool loopback_sendfile = false;
 };
 
 class Session {

@@ -87,6 +87,9 @@ struct TransferParams {
   /// copy through user space, where it can (clear data frames, a regular file whose file
   /// system supports it); false: always read into the pool (a setting switched it off).
   bool zero_copy = true;
+  /// Sender: sendfile to a peer on this host too (xdsi::Channel::peer_on_this_host); false:
+  /// such a peer gets blocks read into the pool, as over loopback, sendfile's packets of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
+  bool loopback_sendfile = false;
 };
 
 /// Where a resumed transfer starts, given the prefix a receiver recorded: whole blocks, and
