@@ -267,7 +267,7 @@ TEST_CASE("pending connections from one IPv6 /64 count as one source, whatever a
   CHECK(xt::files_equal(local / "g", root / "g"));
 }
 
-TEST_CASE("a peer at another of this host's addresses (not loopback, not this end's own) is on this host" *
+TEST_CASE("a peer at another of this host's interfaces' addresses (not loopback, not this end's own) is on this host; once removed, it is not" *
           doctest::skip(!in_namespace("net"))) {
   loopback_with_v6(3);
   namespace asio = boost::asio;

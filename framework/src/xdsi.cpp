@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/ioctl.h>
+#include <ifaddrs.h>
 #include <sys/mman.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -588,13 +589,24 @@ bool Channel::peer_on_this_host() const noexcept {
   };
   const auto peer = plain(remote.address());
   if (peer.is_loopback() || peer == plain(local.address())) return true;
-  // Another address of this host's (a second one on lo, an interface's own): binding to it
-  // works only here. A datagram socket: nothing is sent, no port is held past the call.
-  const tcp::endpoint at(peer, 0);
-  const int fd = ::socket(at.protocol().family(), SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  const bool here = ::bind(fd, at.data(), static_cast<socklen_t>(at.size())) == 0;
-  ::close(fd);
+  // Another address of this host's (a second one on lo, an interface's own). Its interfaces'
+  // addresses, not whether a socket could bind it: with ip_nonlocal_bind any address can be.
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return false;
+  bool here = false;
+  for (const ifaddrs* i = list; i && !here; i = i->ifa_next) {
+    if (!i->ifa_addr) continue;
+    if (i->ifa_addr->sa_family == AF_INET && peer.is_v4()) {
+      const auto& a = *reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+      here = ntohl(a.sin_addr.s_addr) == peer.to_v4().to_uint();
+    } else if (i->ifa_addr->sa_family == AF_INET6 && peer.is_v6()) {
+      const auto& a = *reinterpret_cast<const sockaddr_in6*>(i->ifa_addr);
+      const auto bytes = peer.to_v6().to_bytes();
+      here = std::memcmp(a.sin6_addr.s6_addr, bytes.data(), bytes.size()) == 0 &&
+             (peer.to_v6().scope_id() == 0 || a.sin6_scope_id == 0 || a.sin6_scope_id == peer.to_v6().scope_id());
+    }
+  }
+  ::freeifaddrs(list);
   return here;
 }
 

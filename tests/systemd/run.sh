@@ -145,7 +145,7 @@ with open(sys.argv[2], "w") as out:
   config=()
   [ -f "$pkg/xdfsd.toml" ] && config=(--config "$pkg/xdfsd.toml")
   NOTIFY_SOCKET="$run/notify" strace -f -qq -o "$run/trace" "$xdfsd" "${config[@]}" --root "$run/root" \
-    --state-dir "$run/state" --listen 127.0.0.1:0 --port-file "$run/port" 2>"$run/server.log" &
+    --state-dir "$run/state" --listen 127.0.0.1:0 --port-file "$run/port" --loopback-sendfile 2>"$run/server.log" &
   tracer=$!
   for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.1; done
   server="$(ps -o pid= --ppid $tracer | tr -d ' ')"

@@ -317,11 +317,10 @@ std::string Sender::zero_copy_refusal() const {
   if (source_.manifest && !source_.digests) return "each block is read to make its digest (the manifest)";
   for (const auto& ch : channels_)
     if (!ch->clear_frames(params_.data_event)) return "data frames are protected";
-  if (!params_.loopback_sendfile)
-    for (const auto& ch : channels_)
-      if (ch->peer_on_this_host())
-        return "the peer is on this host, where a copy costs less than sendfile's small packets "
-               "(--loopback-sendfile)";
+  // A session's channels all go to one peer: the first one tells.
+  if (!params_.loopback_sendfile && !channels_.empty() && channels_.front()->peer_on_this_host())
+    return "the peer is on this host, where a copy costs less than sendfile's small packets "
+           "(--loopback-sendfile)";
   struct stat sb {};
   if (::fstat(source_.fd, &sb) != 0) return std::string("fstat: ") + std::strerror(errno);
   if (!S_ISREG(sb.st_mode)) return "not a regular file";

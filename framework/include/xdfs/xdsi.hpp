@@ -205,8 +205,8 @@ public:
   /// Payload bytes this channel has moved by sendfile(2) so far.
   std::uint64_t zero_copy_bytes() const noexcept { return zero_copy_bytes_; }
   /// Whether the peer is on this host: its address is a loopback one, this end's own, or one
-  /// a socket here can bind (any address of this host's; a v4-mapped one counts as the IPv4
-  /// one). False when either address is unknown.
+  /// of this host's interfaces' (getifaddrs; a v4-mapped one counts as the IPv4 one). False
+  /// when either address is unknown. A few system calls: ask once per peer, not per block.
   bool peer_on_this_host() const noexcept;
   /// Queues bytes that are not a frame (the channel preamble).
   void send_raw(std::vector<std::uint8_t> bytes, Handler h = {});
