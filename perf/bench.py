@@ -316,9 +316,43 @@ class Harness:
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         self.dirs.clear()
+        if self.page_reporting:
+            try:
+                with open(PAGE_REPORTING, "w") as f:
+                    f.write(self.page_reporting)
+            except OSError:
+                pass
+            self.page_reporting = ""
 
 
 H = Harness()
+H.page_reporting = ""  # page_reporting_order to put back at exit
+
+# Free page reporting (virtio-balloon's): the guest hands memory it freed back to the host, and
+# the next first touch of it is slow again (on the development VM 2 s a GiB against 0.18). A run
+# frees and refills gigabytes of page cache, so which tool got the returned pages would decide
+# its disk results. Pages of this order and above are reported; no free page is of order 11.
+PAGE_REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
+
+
+def hold_page_reporting() -> dict:
+    """Stops free page reporting for the run where this host does it and may be told (root); the
+    order it had goes back at exit (Harness.cleanup). What was done, for meta.json."""
+    try:
+        with open(PAGE_REPORTING) as f:
+            was = f.read().strip()
+    except OSError:
+        return {}
+    if was == "11":
+        return dict(order=was, held="already")
+    try:
+        with open(PAGE_REPORTING, "w") as f:
+            f.write("11")
+    except OSError as e:
+        return dict(order=was, held=f"no: {e.strerror}")
+    H.page_reporting = was
+    log(f"bench: free page reporting held off for the run (page_reporting_order {was} -> 11)")
+    return dict(order=was, held="yes")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1429,7 +1463,8 @@ def warm_memory(nbytes: int) -> None:
     is expensive: on the development VM, writing 1 GiB into the page cache costs 2.8 s of system
     time in never-touched memory and 0.18 s in memory the guest has used and freed before. Which
     tool happens to get fresh pages would otherwise decide disk results. Freed pages go back to
-    the guest kernel, which hands them out again to the page cache and to the next processes.
+    the guest kernel, which hands them out again to the page cache and to the next processes
+    (and keeps them while free page reporting is held off: hold_page_reporting).
     """
     import mmap
     nbytes = min(nbytes, mem_available() // 3)
@@ -1589,7 +1624,9 @@ def main(argv=None) -> int:
 
     plan = build_plan(args)
     started = time.time()
-    write_meta(ctx, args, dict(started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")))
+    reporting = hold_page_reporting()
+    write_meta(ctx, args, dict(started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                               page_reporting=reporting))
     ctx.count = not args.no_syscalls and syscalls.works()
     if not args.no_syscalls and not ctx.count:
         log("bench: perf cannot count system calls here (perf stat -e raw_syscalls:sys_enter): none counted")

@@ -633,6 +633,11 @@ def main(argv=None) -> int:
         out.append(f"* re-run since: {', '.join(rr.get('scenarios', []))} at commit `{rr.get('commit_short', '?')}`"
                    f"{' with uncommitted changes' if rr.get('dirty') else ''}, {rr.get('started_at', '?')} → "
                    f"{rr.get('finished_at', '?')}, {rr.get('runs', '?')} runs (its records replace the earlier ones)")
+    pr = meta.get("page_reporting") or {}
+    if pr:
+        said = {"yes": "held off for the run", "already": "already off"}.get(pr.get("held", ""), pr.get("held", "?"))
+        out.append(f"* free page reporting to the hypervisor (page_reporting_order {pr.get('order', '?')}): {said}, "
+                   "so freed memory stays with this guest and no tool meets slow first touches of returned pages")
     if meta.get("scenario_seconds"):
         out.append("* time per scenario: " + ", ".join(f"{k} {v:.0f} s" for k, v in meta["scenario_seconds"].items()))
     out.append(f"* peers: {v.get('gridftp_server', '?')}; {v.get('globus_url_copy', '?')}; {v.get('iperf3', '?')}; "
