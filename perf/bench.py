@@ -228,6 +228,7 @@ class Harness:
         self.dirs: list[str] = []
         self.lock = threading.Lock()
         self.xrun = ""  # perf/xrun.c, compiled at startup
+        self.page_reporting = ""  # page_reporting_order to put back at exit (hold_page_reporting)
 
     def spawn(self, argv, *, stdout=None, stderr=None, cwd=None, env=None, netns=None, usage=None) -> int:
         """Starts argv (inside netns if given); with usage=PATH it runs under xrun, which writes
@@ -326,13 +327,13 @@ class Harness:
 
 
 H = Harness()
-H.page_reporting = ""  # page_reporting_order to put back at exit
 
 # Free page reporting (virtio-balloon's): the guest hands memory it freed back to the host, and
 # the next first touch of it is slow again (on the development VM 2 s a GiB against 0.18). A run
 # frees and refills gigabytes of page cache, so which tool got the returned pages would decide
 # its disk results. Pages of this order and above are reported; no free page is of order 11.
 PAGE_REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
+NO_REPORTING = "11"
 
 
 def hold_page_reporting() -> dict:
@@ -343,15 +344,15 @@ def hold_page_reporting() -> dict:
             was = f.read().strip()
     except OSError:
         return {}
-    if was == "11":
+    if was == NO_REPORTING:
         return dict(order=was, held="already")
     try:
         with open(PAGE_REPORTING, "w") as f:
-            f.write("11")
+            f.write(NO_REPORTING)
     except OSError as e:
         return dict(order=was, held=f"no: {e.strerror}")
     H.page_reporting = was
-    log(f"bench: free page reporting held off for the run (page_reporting_order {was} -> 11)")
+    log(f"bench: free page reporting held off for the run (page_reporting_order {was} -> {NO_REPORTING})")
     return dict(order=was, held="yes")
 
 

@@ -106,7 +106,8 @@ struct ServerConfig {
   /// regular file); false (xdfsd --no-zero-copy) reads every block into user space first.
   bool zero_copy = true;
   /// Downloads (and relays) to a peer on this host go by sendfile too (xdfsd
-  /// --loopback-sendfile); by default they are read first: over loopback, sendfile's packets of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
+  /// --loopback-sendfile); by default they are read first: over loopback, sendfile's packets
+  /// of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
   bool loopback_sendfile = false;
   /// A pulled set travels in parts (xduc get -r): packs of its small files of at most this many
   /// bytes, and each file over 16 MiB on its own (xdfsd --pull-pack-size; 64K to 128M).

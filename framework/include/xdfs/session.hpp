@@ -86,7 +86,8 @@ struct SessionOptions {
   /// file); false (xduc --no-zero-copy) reads every block into user space first.
   bool zero_copy = true;
   /// Uploads to a server on this host go by sendfile too (xduc --loopback-sendfile); by
-  /// default they are read first: over loopback, sendfile's packets of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
+  /// default they are read first: over loopback, sendfile's packets of at most 17 pages cost
+  /// the host more than the copy they save (perf/zerocopy.py).
   bool loopback_sendfile = false;
 };
 

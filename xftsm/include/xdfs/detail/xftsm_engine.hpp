@@ -88,7 +88,8 @@ struct TransferParams {
   /// system supports it); false: always read into the pool (a setting switched it off).
   bool zero_copy = true;
   /// Sender: sendfile to a peer on this host too (xdsi::Channel::peer_on_this_host); false:
-  /// such a peer gets blocks read into the pool, as over loopback, sendfile's packets of at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
+  /// such a peer gets blocks read into the pool, because over loopback sendfile's packets of
+  /// at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
   bool loopback_sendfile = false;
 };
 
