@@ -472,6 +472,17 @@ TEST_CASE("zero copy: a peer on this host is sent blocks read first, both ways, 
   xt::check_no_partials(local.path());
 }
 
+TEST_CASE("XDSI: unmapped gives an IPv4 address mapped into IPv6 as the IPv4 one, and any other as it is") {
+  namespace asio = boost::asio;
+  const auto u = xdfs::xdsi::unmapped(asio::ip::make_address("::ffff:10.1.2.3"));
+  CHECK(u.is_v4());
+  CHECK(u == asio::ip::make_address("10.1.2.3"));
+  for (const char* a : {"10.1.2.3", "::1", "fd00::ffff:a01:203", "::a01:203"}) {
+    CAPTURE(a);
+    CHECK(xdfs::xdsi::unmapped(asio::ip::make_address(a)) == asio::ip::make_address(a));
+  }
+}
+
 TEST_CASE("XDSI: peer_on_this_host is true over loopback (IPv4, IPv6 where there is one) and false unconnected") {
   namespace asio = boost::asio;
   using tcp = asio::ip::tcp;

@@ -48,10 +48,9 @@ namespace {
 // an IPv4 address (also when it arrives mapped into IPv6), or an IPv6 /64. A host is usually
 // given a whole /64 and could otherwise use a new source address for every connection.
 std::string source_of(const asio::ip::address& a) {
-  if (!a.is_v6()) return a.to_string();
-  const auto v6 = a.to_v6();
-  if (v6.is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, v6).to_string();
-  auto bytes = v6.to_bytes();
+  const auto u = xdsi::unmapped(a);
+  if (!u.is_v6()) return u.to_string();
+  auto bytes = u.to_v6().to_bytes();
   std::fill(bytes.begin() + 8, bytes.end(), 0);
   return asio::ip::address_v6(bytes).to_string() + "/64";
 }

@@ -577,18 +577,19 @@ std::span<std::uint8_t> zero_pages() noexcept {
 }
 }  // namespace
 
+asio::ip::address unmapped(const asio::ip::address& a) {
+  if (a.is_v6() && a.to_v6().is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6());
+  return a;
+}
+
 bool Channel::peer_on_this_host() const noexcept {
   ErrorCode ec;
   const auto remote = socket_.remote_endpoint(ec);
   if (ec) return false;
   const auto local = socket_.local_endpoint(ec);
   if (ec) return false;
-  const auto plain = [](asio::ip::address a) {
-    if (a.is_v6() && a.to_v6().is_v4_mapped()) return asio::ip::address(asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6()));
-    return a;
-  };
-  const auto peer = plain(remote.address());
-  if (peer.is_loopback() || peer == plain(local.address())) return true;
+  const auto peer = unmapped(remote.address());
+  if (peer.is_loopback() || peer == unmapped(local.address())) return true;
   // Another address of this host's (a second one on lo, an interface's own). Its interfaces'
   // addresses, not whether a socket could bind it: with ip_nonlocal_bind any address can be.
   ifaddrs* list = nullptr;

@@ -35,6 +35,9 @@ struct SocketOptions {
 /// Applies options; returns the first failure.
 ErrorCode apply(tcp::socket& s, const SocketOptions& o);
 
+/// An IPv4 address arriving mapped into IPv6 (::ffff:a.b.c.d) as the IPv4 one; others as they are.
+asio::ip::address unmapped(const asio::ip::address& a);
+
 namespace detail {
 /// A channel's receive low-water mark (SO_RCVLOWAT). While a payload read waits it is raised to
 /// what that read still needs, up to wake() bytes, so that the event loop wakes the read once
