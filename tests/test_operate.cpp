@@ -111,6 +111,7 @@ TEST_CASE("xdfsd --check-config: a valid file passes; a bad value, an unknown ke
            Bad{"max-rate = \"1K\"\n", "--max-rate of 1024 bytes per second takes more than 15 s per block"},
            Bad{"pull-pack-size = \"129M\"\n", "--pull-pack-size takes a size from 64K to 128M"},
            Bad{"pull-pack-size = \"32K\"\n", "--pull-pack-size takes a size from 64K to 128M"},
+           Bad{"loopback-sendfile = \"maybe\"\n", "--loopback-sendfile = maybe"},
        }) {
     CAPTURE(b.file);
     xt::write_file(dir / "bad.toml", "root = \"" + dir.path() + "\"\n" + b.file);
