@@ -560,6 +560,47 @@ def section_micro(micro, out):
         out.append(f"| {name} | {b['real_time']:.3g} {unit} | {b['cpu_time']:.3g} {unit} | {by} | {it} |")
 
 
+def aead_pass_seconds_per_gib(micro) -> float | None:
+    """Seconds one core takes for one pass of xDFS's own block sealing over a GiB: half of
+    BM_BlockSealOpen's seal and open of 1 MiB blocks (private, AES-256-GCM), its median."""
+    for b in (micro or {}).get("benchmarks", []):
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        name = b.get("run_name", b.get("name", ""))
+        if (name.startswith("BM_BlockSealOpen/") and name.split("/")[3:4] == ["bytes:1048576"]
+                and b.get("label") == "private, AES-256/GCM" and b.get("bytes_per_second")):
+            return GiB / b["bytes_per_second"] / 2
+    return None
+
+
+def section_private_cost(agg: Agg, micro, out):
+    """What private mode costs per byte beyond clear mode, memory to memory, against one pass of
+    the cipher on each side (the floor item 3 of the ZxDFS issue holds it to)."""
+    aead = aead_pass_seconds_per_gib(micro)
+    pts = [p for p in agg.points("mem", None) if p[2] == "xdfs-private"]
+    if aead is None or not pts:
+        return
+    rows = []
+    for p in sorted(pts, key=lambda p: (p[3] != "upload", p[4], p[5])):
+        direction, n, size = p[3], p[4], p[5]
+        clear, private = agg.get("mem", "xdfs", direction, n, size), agg.get("mem", "xdfs-private", direction, n, size)
+        cells = []
+        for side in ("client", "server"):
+            c, q = cpu_per_gib(clear, side).med, cpu_per_gib(private, side).med
+            cells.append("–" if c is None or q is None else f"{q - c:.2f} ({(q - c) / aead:.2f}x)")
+        rows.append(f"| {direction} | {n} | {human(size)} | {cells[0]} | {cells[1]} |")
+    out.append("\n## What private mode costs per byte\n")
+    out.append("CPU seconds per GiB that xDFS private uses beyond xDFS clear, memory to memory (medians; memory "
+               "sessions never hash), and that as a multiple of one pass of xDFS's own block sealing on one core "
+               f"({aead:.3f} s/GiB: half of BM_BlockSealOpen's seal and open of 1 MiB, below). Besides that pass, "
+               "the difference holds what clear mode does not do at all here: a clear sender sends from the zero "
+               "page and a clear receiver discards by splice, where a private sender sends each block from a slot it "
+               "sealed in place and a private receiver reads each block into memory to open it.\n")
+    out.append("| direction | streams | size | client: private − clear s/GiB (× one pass) | server |")
+    out.append("|---|---:|---:|---:|---:|")
+    out.extend(rows)
+
+
 def behind(agg: Agg, out):
     """Points where xDFS's median is below a peer's, and memory runs far below iperf3."""
     rows = []
@@ -674,6 +715,7 @@ def main(argv=None) -> int:
             section_link(agg, plt, args.plots, rel, out, recs)
 
     behind(agg, out)
+    section_private_cost(agg, micro, out)
     section_micro(micro, out)
 
     failed = [r for r in agg.other if r["status"] == "failed"]
