@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <fstream>
+#include <latch>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -481,6 +482,54 @@ TEST_CASE("XDSI: unmapped gives an IPv4 address mapped into IPv6 as the IPv4 one
     CAPTURE(a);
     CHECK(xdfs::xdsi::unmapped(asio::ip::make_address(a)) == asio::ip::make_address(a));
   }
+}
+
+TEST_CASE("XDSI: splice pipes hold a whole 1 MiB block while the process's stay within a quarter of the per-user pipe page limit; then 256 KiB") {
+  std::size_t max = 0, soft = 0;
+  std::ifstream("/proc/sys/fs/pipe-max-size") >> max;
+  std::ifstream("/proc/sys/fs/pipe-user-pages-soft") >> soft;
+  CAPTURE(max);
+  CAPTURE(soft);
+  const bool privileged = ::geteuid() == 0;
+  const std::size_t budget = soft == 0 ? SIZE_MAX : soft * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) / 4;
+  const std::size_t before = xdfs::xdsi::splice_pipe_bytes_held();
+  // Threads that each make their pipe and keep it until all have one: more 1 MiB ones than the
+  // budget has room for, where it is finite and not too large to try here.
+  const std::size_t n = budget / (1u << 20) + 4 <= 256 ? budget / (1u << 20) + 4 : 8;
+  std::vector<std::size_t> got(n);
+  {
+    std::latch all(static_cast<std::ptrdiff_t>(n));
+    std::vector<std::thread> ts;
+    for (std::size_t i = 0; i < n; ++i)
+      ts.emplace_back([&, i] {
+        got[i] = xdfs::xdsi::splice_pipe_bytes();
+        CHECK(xdfs::xdsi::splice_pipe_bytes() == got[i]);  // one a thread: the same pipe again
+        all.arrive_and_wait();
+      });
+    for (auto& t : ts) t.join();
+  }
+  std::size_t large = 0, held = before;
+  for (const auto g : got) {
+    CAPTURE(g);
+    if (privileged || max >= (1u << 20)) {
+      // In order of making, unknown: count instead. A large one only within the budget.
+      CHECK((g == (1u << 20) || g == (256u << 10)));
+    } else {
+      CHECK(g >= 64u * 1024);
+      CHECK(g <= (256u << 10));
+    }
+    large += g == (1u << 20);
+    held += g;
+  }
+  if (privileged || max >= (1u << 20)) {
+    // Every thread that found room took 1 MiB, and no more did: a pipe only adds to what is
+    // held, so once the room is gone it stays gone until they end.
+    const std::size_t room = budget == SIZE_MAX ? n : (budget - std::min(budget, before)) / (1u << 20);
+    CHECK(large == std::min(n, room));
+  }
+  // Each pipe went with its thread.
+  CHECK(xdfs::xdsi::splice_pipe_bytes_held() == before);
+  CHECK(held > before);
 }
 
 TEST_CASE("XDSI: peer_on_this_host is true over loopback (IPv4, IPv6 where there is one) and false unconnected") {

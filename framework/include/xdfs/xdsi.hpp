@@ -38,6 +38,14 @@ ErrorCode apply(tcp::socket& s, const SocketOptions& o);
 /// An IPv4 address arriving mapped into IPv6 (::ffff:a.b.c.d) as the IPv4 one; others as they are.
 asio::ip::address unmapped(const asio::ip::address& a);
 
+/// The capacity in bytes of the pipe this thread splices received payloads through (made now if
+/// it has none; 0 if none can be made): 1 MiB while this process's splice pipes together stay
+/// within a quarter of fs.pipe-user-pages-soft, else 256 KiB, or the kernel's default where it
+/// refuses more.
+std::size_t splice_pipe_bytes();
+/// The bytes of every thread's splice pipe in this process now.
+std::size_t splice_pipe_bytes_held() noexcept;
+
 namespace detail {
 /// A channel's receive low-water mark (SO_RCVLOWAT). While a payload read waits it is raised to
 /// what that read still needs, up to wake() bytes, so that the event loop wakes the read once
