@@ -1097,6 +1097,9 @@ int main(int argc, char** argv) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  // Past the file size limit (ulimit -f) a write fails with EFBIG, which names the cause,
+  // instead of ending xduc by SIGXFSZ with nothing said.
+  std::signal(SIGXFSZ, SIG_IGN);
   opt.cancel = &g_cancel;
   // Progress on standard error: by default a line on a terminal, but not over a download that
   // goes to standard output on the same terminal.

@@ -232,6 +232,46 @@ TEST_CASE("a client killed while xdfsd sends to it by sendfile fails its session
   CHECK(xt::files_equal(root / "big", local / "whole"));
 }
 
+TEST_CASE("past the file size limit (RLIMIT_FSIZE) a transfer fails with one line naming it; no SIGXFSZ ends xdfsd or xduc") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "big", 4u << 20, 61);
+  xt::write_random_file(root / "big", 4u << 20, 62);
+  xt::write_random_file(local / "small", 256u << 10, 63);
+  const std::string limit = "--fsize=" + std::to_string(1u << 20);
+  xt::XdfsdProcess d(root.path(), {}, {"prlimit", limit, "--"});
+  // By splice (clear, no digests) and by the disk writer (private), each into a file the limit
+  // stops at 1 MiB.
+  for (const bool splice : {true, false}) {
+    CAPTURE(splice);
+    std::vector<std::string> args{"-q", "--retries", "0"};
+    if (splice) args.insert(args.end(), {"--protect", "clear", "--no-verify"});
+    args.insert(args.end(), {local / "big", url(d, "big" + std::to_string(splice))});
+    auto r = xt::xduc(args, 60000);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("File too large") != std::string::npos, r.err);
+    CHECK(one_line(r.err));
+    REQUIRE(d.alive());
+    CHECK(!xt::exists(root / ("big" + std::to_string(splice))));
+  }
+  // The server goes on serving: a file within the limit arrives whole.
+  auto ok = xt::xduc({"-q", local / "small", url(d, "small")});
+  REQUIRE_MESSAGE(ok.status == 0, ok.err);
+  CHECK(xt::files_equal(local / "small", root / "small"));
+  // xduc under the limit, downloading: the same one line, an exit status, no signal; nothing
+  // under the final name.
+  for (const bool splice : {true, false}) {
+    CAPTURE(splice);
+    std::vector<std::string> args{limit, "--", XDUC_PATH, "-q", "--retries", "0"};
+    if (splice) args.insert(args.end(), {"--protect", "clear", "--no-verify"});
+    args.insert(args.end(), {url(d, "big"), local / "down"});
+    auto r = xt::run("/usr/bin/prlimit", args, 60000);
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.err.find("File too large") != std::string::npos, r.err);
+    CHECK(one_line(r.err));
+    CHECK(!xt::exists(local / "down"));
+  }
+}
+
 TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

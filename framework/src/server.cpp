@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -523,6 +524,10 @@ void Server::stop() {
 void Server::run(bool handle_signals) {
   auto& d = *impl_;
   if (handle_signals) {
+    // A write past the file size limit (RLIMIT_FSIZE: ulimit -f, systemd's LimitFSIZE=) would
+    // end the process by SIGXFSZ, and every session with it; ignored, the write fails with
+    // EFBIG, and so does only the session that made it.
+    std::signal(SIGXFSZ, SIG_IGN);
     d.signals.add(SIGINT);
     d.signals.add(SIGTERM);
     if (d.next_config) d.signals.add(SIGHUP);
