@@ -609,6 +609,30 @@ TEST_CASE("BlockPipe slots are distinct and hold a block plus room for its tag")
   CHECK(pipe.stopping());
 }
 
+TEST_CASE("BlockPipe: slots handed over lazily wake the disk thread once a batch waits, at once when asked, or at a flush") {
+  BlockPipe pipe(4096, 16);
+  const auto seq = pipe.disk_seq();
+  pipe.to_disk_lazily(xdfs::piod::Block{0}, 3, false);
+  pipe.to_disk_lazily(xdfs::piod::Block{1}, 3, false);
+  CHECK(pipe.disk_seq() == seq);  // two of three: not woken
+  pipe.flush_to_disk();
+  CHECK(pipe.disk_seq() == seq + 1);  // the flush wakes it for them
+  pipe.flush_to_disk();
+  CHECK(pipe.disk_seq() == seq + 1);  // nothing left unwoken: no wake
+  pipe.to_disk_lazily(xdfs::piod::Block{2}, 3, false);
+  pipe.to_disk_lazily(xdfs::piod::Block{3}, 3, false);
+  pipe.to_disk_lazily(xdfs::piod::Block{4}, 3, false);
+  CHECK(pipe.disk_seq() == seq + 2);  // the third of a batch
+  pipe.to_disk_lazily(xdfs::piod::Block{5}, 3, true);
+  CHECK(pipe.disk_seq() == seq + 3);  // now
+  xdfs::piod::Block b;
+  for (std::uint32_t s = 0; s < 6; ++s) {
+    REQUIRE(pipe.disk_pop(b));
+    CHECK(b.slot == s);
+  }
+  CHECK_FALSE(pipe.disk_pop(b));
+}
+
 TEST_CASE("DiskWriter writes out-of-order blocks to a seekable file") {
   constexpr std::uint32_t bs = 4096;
   constexpr std::uint64_t blocks = 64;

@@ -436,6 +436,32 @@ TEST_CASE("zero copy: clear-mode blocks without digests go from the page cache b
   xt::check_no_partials(local.path());
 }
 
+TEST_CASE("zero copy in: blocks spliced whole reach the disk thread in batches without a stall, at every pool size, channel count and both ways") {
+  xt::TempDir root, local;
+  auto cfg = config_for(root);
+  xt::InProcessServer srv(cfg);
+  const std::uint32_t bs = 64 * 1024;
+  const std::uint64_t size = 40ull * bs + 5;
+  for (const std::uint32_t slots : {7u, 8u, 9u, 12u, 33u}) {
+    for (const unsigned n : {1u, 3u, 8u}) {
+      CAPTURE(slots);
+      CAPTURE(n);
+      const std::string name = fmt::format("b{}_{}", slots, n);
+      xt::write_random_file(local / name, size, slots * 10 + n);
+      xdfs::TransferOptions opt;
+      opt.protect = xdfs::xsec::Protect::clear;
+      opt.verify = false;
+      opt.channels = n;
+      opt.block_size = bs;
+      opt.ring_bytes = std::uint64_t(slots) * bs;
+      const auto [up, down] = round_trip(srv, root, local, name, size, opt);
+      CHECK(up.digest == down.digest);
+    }
+  }
+  xt::check_no_partials(root.path());
+  xt::check_no_partials(local.path());
+}
+
 TEST_CASE("zero copy: a peer on this host is sent blocks read first, both ways, unless loopback_sendfile says otherwise; splice still takes them in") {
   xt::TempDir root, local;
   auto cfg = config_for(root);

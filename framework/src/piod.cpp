@@ -136,6 +136,12 @@ void BlockPipe::to_disk(const Block& b) noexcept {
   wake_disk();
 }
 
+void BlockPipe::flush_to_disk() noexcept {
+  if (unwoken_ == 0) return;
+  unwoken_ = 0;
+  wake_disk();
+}
+
 void BlockPipe::to_disk_lazily(const Block& b, std::uint32_t batch, bool now) noexcept {
   [[maybe_unused]] bool ok = forth_.try_push(b);
   if (now || ++unwoken_ >= batch) {

@@ -348,6 +348,8 @@ public:
   /// thread for each one cost a futex wake, its wait, and an eventfd round trip back per block.
   /// Whoever calls this must call it with `now` before the blocks it can send run out.
   void to_disk_lazily(const Block& b, std::uint32_t batch, bool now) noexcept;
+  /// Wakes the disk thread for the slots to_disk_lazily left unwoken, if any.
+  void flush_to_disk() noexcept;
   bool from_disk(Block& out) noexcept { return back_.try_pop(out); }
   EventFd& net_wake() noexcept { return net_wake_; }
 
