@@ -333,7 +333,8 @@ void write_log(const std::string& line) noexcept try {
   }
   std::fflush(stderr);
 } catch (...) {
-  // A log that cannot be written (a full disk, a closed pipe) loses the line, never a thread.
+  // A log that cannot be written (a full disk, a pipe whose reader has gone: SIGPIPE is ignored
+  // by Server::run) loses the line, never a thread.
 }
 
 }  // namespace

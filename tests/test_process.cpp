@@ -272,6 +272,22 @@ TEST_CASE("past the file size limit (RLIMIT_FSIZE) a transfer fails with one lin
   }
 }
 
+TEST_CASE("xdfsd whose log reader has gone (stderr a pipe nobody reads) goes on serving: no SIGPIPE ends it") {
+  xt::TempDir root, local;
+  xt::write_random_file(local / "f", 100000, 64);
+  // Its stderr goes through dd, which passes on the first 400 bytes (the listening line
+  // among them) and exits: every line after that is written to a pipe with no reader.
+  xt::XdfsdProcess d(root.path(), {}, {"bash", "-c", "exec \"$@\" 2> >(dd bs=1 count=400 status=none >&2)", "bash"});
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    auto r = xt::xduc({"-q", local / "f", url(d, "f" + std::to_string(i))});
+    CHECK_MESSAGE(r.status == 0, r.err);
+    CHECK(xt::files_equal(local / "f", root / ("f" + std::to_string(i))));
+    REQUIRE(d.alive());
+  }
+  CHECK(d.stop(SIGTERM) == 0);
+}
+
 TEST_CASE("xduc failures exit non-zero with one line naming the cause") {
   xt::TempDir root, local;
   xt::XdfsdProcess d(root.path());

@@ -526,8 +526,11 @@ void Server::run(bool handle_signals) {
   if (handle_signals) {
     // A write past the file size limit (RLIMIT_FSIZE: ulimit -f, systemd's LimitFSIZE=) would
     // end the process by SIGXFSZ, and every session with it; ignored, the write fails with
-    // EFBIG, and so does only the session that made it.
+    // EFBIG, and so does only the session that made it. So would a log line written to a pipe
+    // whose reader has gone (xdfsd 2>&1 | tee, a log shipper restarting): SIGPIPE, ignored,
+    // leaves EPIPE, and the line is lost.
     std::signal(SIGXFSZ, SIG_IGN);
+    std::signal(SIGPIPE, SIG_IGN);
     d.signals.add(SIGINT);
     d.signals.add(SIGTERM);
     if (d.next_config) d.signals.add(SIGHUP);

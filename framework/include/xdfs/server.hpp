@@ -275,9 +275,10 @@ public:
   /// The bound port (useful with port 0).
   std::uint16_t port() const noexcept;
   /// Serves until stop() or, if handle_signals, SIGINT/SIGTERM; then ends every session
-  /// (partial files removed) and returns. handle_signals also ignores SIGXFSZ, so that a write
-  /// past the process's file size limit fails its session only (a process that serves without
-  /// it and sets such a limit should ignore SIGXFSZ itself).
+  /// (partial files removed) and returns. handle_signals also ignores SIGXFSZ and SIGPIPE, so
+  /// that a write past the process's file size limit fails its session only, and a log written
+  /// to a pipe nobody reads any more loses its lines, not the process (one that serves without
+  /// handle_signals should ignore both itself).
   void run(bool handle_signals = false);
   /// Thread-safe request to stop.
   void stop();
