@@ -374,7 +374,11 @@ private:
 
   relay_detail::Unpacked unpack_here() {
     files::Fd fd;
-    if (auto s = files::open_beneath(slot_->root.get(), slot_->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0, fd); !s)
+    // Not blocking: a FIFO moved to the pack's name meanwhile would hold this session's thread
+    // in open(2) for good; it fails the check below instead.
+    if (auto s = files::open_beneath(slot_->root.get(), slot_->path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC,
+                                     0, fd);
+        !s)
       return {s.code, "pack: " + s.message};
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != slot_->size)
