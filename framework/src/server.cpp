@@ -645,12 +645,16 @@ void Server::Impl::sweep_dead_instances() {
   if (dead.empty()) return;
   try {
     sweeper = std::thread([this, dir, dead] {
-      for (const auto& [name, lock] : dead) {
-        const std::size_t n = files::sweep_temp_files(root.get(), name + "-", &sweep_stop);
-        if (sweep_stop) return;
-        ::unlink((dir + "/" + name).c_str());
-        log(fmt::format("removed {} partial file{} left by an earlier run ({}) that ended without cleaning up", n,
-                        n == 1 ? "" : "s", name));
+      try {
+        for (const auto& [name, lock] : dead) {
+          const std::size_t n = files::sweep_temp_files(root.get(), name + "-", &sweep_stop);
+          if (sweep_stop) return;
+          ::unlink((dir + "/" + name).c_str());
+          log(fmt::format("removed {} partial file{} left by an earlier run ({}) that ended without cleaning up", n,
+                          n == 1 ? "" : "s", name));
+        }
+      } catch (...) {
+        // Out of memory, most likely: the sweep stops, the server goes on (the next run sweeps).
       }
     });
   } catch (const std::system_error& e) {
@@ -665,10 +669,14 @@ void Server::Impl::sweep_partials() {
       std::unique_lock lk(partial_mu);
       while (!partial_stop) {
         lk.unlock();
-        const std::size_t n = files::sweep_partials(root.get(), config.partial_expiry, &sweep_stop);
-        if (n)
-          log(fmt::format("removed {} partial upload{} not resumed for {} s", n, n == 1 ? "" : "s",
-                          config.partial_expiry.count()));
+        try {
+          const std::size_t n = files::sweep_partials(root.get(), config.partial_expiry, &sweep_stop);
+          if (n)
+            log(fmt::format("removed {} partial upload{} not resumed for {} s", n, n == 1 ? "" : "s",
+                            config.partial_expiry.count()));
+        } catch (...) {
+          // Out of memory, most likely: this sweep ends early, the next one in an hour.
+        }
         lk.lock();
         partial_cv.wait_for(lk, std::chrono::hours(1), [this] { return partial_stop; });
       }
