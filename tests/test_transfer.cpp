@@ -1105,6 +1105,59 @@ TEST_CASE("a failing receiver's disk thread is stopped before its host closes th
   CHECK(io.late == 0);
 }
 
+TEST_CASE("a receiver without digests fails a peer that spreads its blocks into more runs apart than a manifest lets wait") {
+  // Every other block of a large file, without a manifest: each is a run of its own. The
+  // receiver keeps as many runs as a manifest lets blocks wait (64Ki for a small pool), and
+  // fails the transfer at the next, naming it, instead of growing its record of them.
+  namespace asio = boost::asio;
+  using asio::ip::tcp;
+  using namespace xdfs::xftsm;
+  constexpr std::uint32_t bs = xdfs::wire::min_block_size;
+  constexpr std::uint64_t allowed = 65536;
+  struct Host final : TransferHost {
+    std::atomic<bool> told{false};
+    xdfs::Failure failure;
+    void finished(const xdfs::Failure& f) override {
+      failure = f;
+      told = true;
+    }
+  } host;
+  Loopback lb;
+  auto& peer = lb.peer;
+  Machine machine = joined_upload(table(Role::server_upload));
+  TransferParams p;
+  p.block_size = bs;
+  p.file_size = 2 * (allowed + 4) * bs;
+  p.slots = 8;
+  Receiver receiver(lb.ctx, machine, lb.channels, host, p, xdfs::piod::Sink{-1, true, true});
+  receiver.start();
+  std::atomic<std::uint64_t> sent{0};
+  std::thread sender([&] {
+    const std::vector<std::uint8_t> payload(bs, 0x5a);
+    for (std::uint64_t i = 0; i < allowed + 4; ++i) {
+      xdfs::wire::FrameHeader h;
+      h.event = xdfs::wire::ChannelEvent::xftsmu;
+      h.length = bs;
+      h.offset = 2 * i * bs;
+      const auto head = xdfs::wire::encode(h);
+      boost::system::error_code ec;
+      asio::write(peer, std::array{asio::buffer(head), asio::buffer(payload)}, ec);
+      if (ec) return;
+      ++sent;
+    }
+  });
+  for (int i = 0; i < 6000 && !host.told; ++i) lb.ctx.run_for(std::chrono::milliseconds(10));
+  ::shutdown(peer.native_handle(), SHUT_RDWR);  // the sender's writes end, whatever the receiver does
+  sender.join();
+  REQUIRE(host.told);
+  CHECK(host.failure.code == xdfs::errc::protocol_error);
+  CHECK_MESSAGE(host.failure.message.find(fmt::format("blocks arrive in more than {} runs apart", allowed)) != std::string::npos,
+                host.failure.message);
+  CHECK(host.failure.offset == xdfs::FileOffset(2 * allowed * bs));  // the first block past them
+  CHECK(sent.load() >= allowed + 1);
+  CHECK(machine.state() == State::failed);
+}
+
 TEST_CASE("XDSI names what ended a read in one place: the code, the channel, whether the peer is gone") {
   using xdfs::errc;
   namespace asio = boost::asio;

@@ -53,13 +53,13 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       watchdog_(io),
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()),
-      end_(p.open_ended ? piod::BlockPipe::no_end : p.file_size) {
-  // Digests wait for a missing block. The sender's window counts bytes written, not a prefix,
-  // so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki blocks) is far
-  // beyond any stall that ends; more means a block the peer withholds.
-  const std::size_t max_waiting = std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p)));
-  if (p.manifest && p.open_ended) manifest_.emplace(manifest::FileDigest::OpenEnded{}, p.block_size, max_waiting);
-  else if (p.manifest) manifest_.emplace(p.file_size, p.block_size, max_waiting);
+      end_(p.open_ended ? piod::BlockPipe::no_end : p.file_size),
+      // Digests wait for a missing block. The sender's window counts bytes written, not a
+      // prefix, so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki
+      // blocks) is far beyond any stall that ends; more means a block the peer withholds.
+      max_apart_(std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p)))) {
+  if (p.manifest && p.open_ended) manifest_.emplace(manifest::FileDigest::OpenEnded{}, p.block_size, max_apart_);
+  else if (p.manifest) manifest_.emplace(p.file_size, p.block_size, max_apart_);
   std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });
   arm_watchdog();
 }
@@ -814,6 +814,13 @@ std::optional<DataLength> Receiver::judge(xdsi::Channel& ch, const FrameHeader& 
   }
   if (!seen_.insert(at.value(), after(at, *expect)->value())) {
     bad_block(ch, h, "block at offset " + std::to_string(h.offset) + " received twice");
+    return std::nullopt;
+  }
+  // Each run of received bytes apart from the others costs a node: as many as the manifest lets
+  // wait for a missing block, with or without one (a peer spreading blocks over a large file
+  // would otherwise grow this without bound, outside the memory budget).
+  if (seen_.runs() > max_apart_) {
+    bad_block(ch, h, fmt::format("blocks arrive in more than {} runs apart", max_apart_));
     return std::nullopt;
   }
   return expect;

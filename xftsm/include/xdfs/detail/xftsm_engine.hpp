@@ -204,6 +204,9 @@ protected:
   std::chrono::steady_clock::time_point last_activity_;
   std::uint64_t done_bytes_ = 0;
   std::uint64_t end_;  // the file's size; a stream's once known, no_end until then
+  /// How far apart arrivals may be: blocks waiting for a missing one before their digests
+  /// (manifest), or separate runs of received bytes (a receiver's seen_).
+  std::size_t max_apart_;
   /// With a manifest: this side's whole-file digest, built by the disk thread (which outlives
   /// no engine: the derived class stops it first).
   std::optional<manifest::FileDigest> manifest_;
