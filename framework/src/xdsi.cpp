@@ -273,8 +273,9 @@ struct SkipPipe {
     // A whole block of the default size in one splice each way, within the budget above: a
     // third of the splices of a 256 KiB pipe on a clear upload (perf stat of xdfsd, 2 GiB at
     // one stream: 5,481 against 16,991), fewer of the ACKs each splice from the socket may
-    // send, and 5% less time for a 2 GiB file either way at one stream here. Else 256 KiB, or the default 64 KiB where the kernel refuses more (fs.pipe-max-size
-    // for an unprivileged user). The pipe holds page references between two splices, not copies.
+    // send, and 5% less time for a 2 GiB file either way at one stream here. Else 256 KiB, or
+    // the default 64 KiB where the kernel refuses more (fs.pipe-max-size for an unprivileged
+    // user). The pipe holds page references between two splices, not copies.
     // The room for a large one is taken before it is made, so that threads making theirs at
     // once cannot all take the last of it; what the pipe holds in the end replaces it.
     constexpr std::size_t mib = std::size_t{1} << 20;
@@ -284,8 +285,7 @@ struct SkipPipe {
     while (held <= budget && budget - held >= mib &&
            !(large = pipe_bytes_held.compare_exchange_weak(held, held + mib, std::memory_order_relaxed))) {
     }
-    for (const int want : {large ? 1 << 20 : 256 << 10, 256 << 10})
-      if (::fcntl(w, F_SETPIPE_SZ, want) >= 0) break;
+    if (!large || ::fcntl(w, F_SETPIPE_SZ, static_cast<int>(mib)) < 0) (void)::fcntl(w, F_SETPIPE_SZ, 256 << 10);
     const int got = ::fcntl(w, F_GETPIPE_SZ);
     bytes = got > 0 ? static_cast<std::size_t>(got) : 0;
     pipe_bytes_held.fetch_add(bytes, std::memory_order_relaxed);
