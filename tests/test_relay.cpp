@@ -6,8 +6,12 @@
 #include <filesystem>
 #include <functional>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 
@@ -19,6 +23,7 @@
 #include "pack.hpp"
 #include "support.hpp"
 #include "xdfs/relay.hpp"
+#include "xdfs/relay_registry.hpp"
 #include "xdfs/xdfs.hpp"
 
 namespace w = xdfs::wire;
@@ -749,6 +754,134 @@ TEST_CASE("pull sets with their directories and symlinks: in part 0, within a pa
   CHECK(what.find("directories and symlinks take") != std::string::npos);
   CHECK(what.find("--pull-pack-size") != std::string::npos);
   CHECK(ask(false, &files, &what) == xdfs::errc::ok);  // (to a host that takes only files, it is as before)
+}
+
+TEST_CASE("relay places keep their blocks' digests in the room taken once for the place, and past it none") {
+  // The room is what the memory budget counted for the place; growing by doubling would take up
+  // to three times that. A block past it is not kept (its forwarder hashes it itself).
+  xdfs::runtime::RelayDigests digests;
+  REQUIRE(digests.size_for(5));
+  xdfs::manifest::Digest d{}, got{};
+  for (std::uint64_t b = 0; b < 5; ++b) {
+    d[0] = static_cast<std::uint8_t>(b + 1);
+    digests.put(b, d);
+  }
+  digests.put(5, d);
+  digests.put(std::uint64_t(1) << 40, d);
+  for (std::uint64_t b = 0; b < 5; ++b) {
+    REQUIRE(digests.get(b, got));
+    CHECK(got[0] == b + 1);
+  }
+  CHECK_FALSE(digests.get(5, got));
+  CHECK_FALSE(digests.get(std::uint64_t(1) << 40, got));
+  // A place with no room taken keeps nothing, and asking for more than memory holds says so.
+  xdfs::runtime::RelayDigests none;
+  none.put(0, d);
+  CHECK_FALSE(none.get(0, got));
+  CHECK_FALSE(none.size_for(std::uint64_t(1) << 60));
+}
+
+TEST_CASE("pull: chains running at once are capped, a key's by its sessions and a server's by its max_sessions; "
+          "one that ends makes room") {
+  using namespace std::chrono_literals;
+  xt::TempDir root;
+  for (const char* name : {"a", "b", "c"}) xt::write_random_file(root / name, 1 << 20, 7);
+  // Where each host's own server should be: a socket that takes the master's registrations and
+  // never answers, so that each chain waits out its host's registration (3 s) after the session
+  // that started it has ended.
+  struct Silent {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    std::uint16_t port = 0;
+    std::vector<xdfs::files::Fd> held;
+    Silent() {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof a;
+      REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+      REQUIRE(::listen(fd, 64) == 0);
+      REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+      port = ntohs(a.sin_port);
+    }
+    ~Silent() { ::close(fd); }
+    bool registered(int timeout_ms) {  // one more registration arrived
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, timeout_ms) <= 0) return false;
+      held.emplace_back(::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC));
+      return static_cast<bool>(held.back());
+    }
+  } silent;
+  auto ask = [&](std::uint16_t port, const std::string& path, std::uint32_t block, bool registers, std::string* what) {
+    return xt::error_of(
+        [&] {
+          xdfs::SessionOptions so;
+          so.channels = 1;
+          so.block_size = block;
+          so.protect = xdfs::xsec::Protect::clear;
+          xdfs::Session s({"127.0.0.1", port}, so);
+          w::Negotiation n;
+          n.mode = xdfs::Mode::pull;
+          n.remote_path = path;
+          n.pull_port = silent.port;
+          n.pull_name = path;
+          (void)s.begin(n);
+          // (Closed once its chain has taken it: a host whose session ends first is not registered.)
+          if (registers) REQUIRE(silent.registered(10000));
+          s.close();
+        },
+        nullptr, what);
+  };
+  // (Sessions that ended are gone before the next asks: the cap is on chains, not sessions.)
+  auto settled = [](xt::InProcessServer& srv) {
+    for (int i = 0; i < 500 && srv.server().active_sessions() > 0; ++i) std::this_thread::sleep_for(10ms);
+    return srv.server().active_sessions() == 0;
+  };
+  auto cfg = relay_config(root);
+  std::string scope;
+  SUBCASE("per key") {
+    cfg.max_sessions_per_key = 2;
+    scope = "of this key";
+  }
+  SUBCASE("per server") {
+    cfg.max_sessions = 2;
+    scope = "are running on this server";
+  }
+  xt::InProcessServer srv(cfg);
+  // Two chains, each outliving its session: another file, or the same with another block size
+  // (another chain), is refused while they run, saying why; the same file joins its chain. All
+  // within the 3 s the first chain outlives its session by (tried again if the machine stalled).
+  bool judged = false;
+  for (int attempt = 0; attempt < 3 && !judged; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(4s);  // (the chains of the last attempt end)
+    std::string what, other, again;
+    REQUIRE(ask(srv.port(), "a", 1 << 18, true, &what) == xdfs::errc::ok);
+    const auto t0 = std::chrono::steady_clock::now();
+    REQUIRE(settled(srv));
+    REQUIRE(ask(srv.port(), "b", 1 << 18, true, &what) == xdfs::errc::ok);
+    REQUIRE(settled(srv));
+    const auto c = ask(srv.port(), "c", 1 << 18, false, &what);
+    REQUIRE(settled(srv));
+    const auto a_other = ask(srv.port(), "a", 1 << 17, false, &other);
+    REQUIRE(settled(srv));
+    const auto a_again = ask(srv.port(), "a", 1 << 18, false, &again);
+    REQUIRE(settled(srv));
+    if (std::chrono::steady_clock::now() - t0 > 2500ms) continue;
+    judged = true;
+    CHECK(c == xdfs::errc::limit_exceeded);
+    CHECK_MESSAGE(what.find("2 pull chains " + scope) != std::string::npos, what);
+    CHECK(a_other == xdfs::errc::limit_exceeded);
+    CHECK(a_again == xdfs::errc::ok);
+  }
+  REQUIRE(judged);
+  // Once their hosts' registrations have timed out, the chains end and make room.
+  bool room = false;
+  std::string what;
+  for (int i = 0; i < 100 && !room; ++i) {
+    std::this_thread::sleep_for(200ms);
+    REQUIRE(settled(srv));
+    room = ask(srv.port(), "c", 1 << 18, false, &what) == xdfs::errc::ok;
+  }
+  CHECK_MESSAGE(room, what);
 }
 
 }  // TEST_SUITE("badinput")

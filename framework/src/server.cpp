@@ -1090,7 +1090,7 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   Session* sp = rec.session.get();
   sp->root = std::move(confined);
   sp->config = config;
-  runtime::Client client{r.remote_static, xsec::fingerprint(r.remote_static), perm.write};
+  runtime::Client client{r.remote_static, xsec::fingerprint(r.remote_static), perm.write, limits_of(perm).sessions};
   sp->env = std::unique_ptr<runtime::SessionEnv>(new runtime::SessionEnv{
       sp->io, sp->config, sp->root ? sp->root.get() : root.get(), id, c->peer, instance + "-" + id.short_hex(), c->opening,
       nego, client,

@@ -126,6 +126,16 @@ struct Distribution {
   files::Fd file;  // the source, opened beneath the root of the first host that asked (or a set's pack)
   std::uint64_t size = 0;
   std::vector<std::shared_ptr<Member>> all;  // every host that joined (under joins.m)
+  const void* server = nullptr;  // whose chain it is (its RelayRegistry)
+  xsec::Key32 starter{};         // the key of the host that started it
+};
+
+// Who may start a chain, and how many a server and a key may have running at once.
+struct ChainLimits {
+  const void* server = nullptr;  // the server's RelayRegistry
+  xsec::Key32 key{};
+  unsigned per_server = 0;  // its max_sessions
+  unsigned per_key = 0;     // the key's sessions at once
 };
 
 // The chains running in this process, by what makes them one (see PullOperation::start).
@@ -133,6 +143,50 @@ std::mutex registry_m;
 std::map<std::string, std::shared_ptr<Distribution>>& registry() {
   static auto* r = new std::map<std::string, std::shared_ptr<Distribution>>;  // outlives every chain's thread
   return *r;
+}
+
+// Why a chain under `key` may not start now (nullopt: it may, or it runs already and is
+// joined). A server runs at most as many chains at once as it admits sessions, and a key has
+// at most as many as its own sessions: a chain outlives the session that started it
+// (until its hosts' registrations end, a few seconds for a host that never answers), so a key
+// asking for file after file, or one file with block size after block size, would otherwise
+// start chains, each a thread and an open source (a set's pack, in the state directory), as
+// fast as it opens sessions. (Under registry_m.)
+std::optional<std::string> no_room_for_chain_held(const std::string& key, const ChainLimits& limits) {
+  const auto& reg = registry();
+  if (auto it = reg.find(key); it != reg.end()) {
+    std::lock_guard j(it->second->joins.m);
+    if (!it->second->joins.closed) return std::nullopt;
+  }
+  // A chain counts against each key with a host in it now, and, while none is, against the key
+  // that started it: not against a starter whose own hosts have left while others' keep it.
+  unsigned server = 0, mine = 0;
+  for (const auto& [k, d] : reg) {
+    if (d->server != limits.server) continue;
+    ++server;
+    bool any = false, ours = false;
+    std::lock_guard j(d->joins.m);
+    for (const auto& m : d->all) {
+      if (m->gone.load()) continue;
+      any = true;
+      ours = ours || m->key == limits.key;
+    }
+    if (ours || (!any && d->starter == limits.key)) ++mine;
+  }
+  if (server >= limits.per_server)
+    return fmt::format("{} pull chains are running on this server, its limit (as many as its sessions): try again "
+                       "once one has ended",
+                       server);
+  if (mine >= limits.per_key)
+    return fmt::format("{} pull chains of this key are running, its limit (as many as its sessions): try again once "
+                       "one has ended",
+                       mine);
+  return std::nullopt;
+}
+
+std::optional<std::string> no_room_for_chain(const std::string& key, const ChainLimits& limits) {
+  std::lock_guard lock(registry_m);
+  return no_room_for_chain_held(key, limits);
 }
 
 // The roster of the set and plan `key`: the one a chain of its parts keeps, or a new one.
@@ -458,9 +512,11 @@ void finalize(Distribution& d, errc code, const std::string& why) {
 void join(const std::string& key, int fd, std::uint64_t size, const TransferOptions& options,
           const std::shared_ptr<Member>& m, runtime::RelayRegistry& relays,
           const std::function<void(const std::string&)>& log, const std::shared_ptr<Roster>& roster,
-          std::uint32_t part) {
+          std::uint32_t part, const ChainLimits& limits) {
   std::lock_guard lock(registry_m);
   auto& reg = registry();
+  // (Asked before the answer too; sessions starting chains at once may have taken the room since.)
+  if (auto why = no_room_for_chain_held(key, limits)) throw TransferError(errc::limit_exceeded, *why, false);
   if (auto it = reg.find(key); it != reg.end()) {
     auto& d = *it->second;
     std::lock_guard j(d.joins.m);
@@ -484,6 +540,8 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   if (dup < 0) throw TransferError(errc_from_errno(errno), "the file to pull: " + std::string(std::strerror(errno)), false);
   d->file = files::Fd(dup);
   d->size = size;
+  d->server = limits.server;
+  d->starter = limits.key;
   d->all.push_back(m);
   d->joins.arriving.push_back(m);
   d->joins.log = [log](const std::string& line) { log("pull chain: " + line); };
@@ -557,6 +615,10 @@ public:
                     nego_.pull_set ? "set" : "file", rs.st_dev, rs.st_ino, sb.st_dev, sb.st_ino, size_,
                     files::mtime_ns(sb), nego_.block_size, static_cast<int>(env_.opening.protect),
                     static_cast<int>(env_.opening.cipher));
+    const ChainLimits limits{env_.relays, env_.client.key, env_.config.max_sessions,
+                             env_.client.max_sessions ? env_.client.max_sessions : env_.config.max_sessions_per_key};
+    if (!nego_.pull_set && size_ > 0)  // (an empty file starts no chain)
+      if (auto why = no_room_for_chain(key, limits)) return on(E::local_error, errc::limit_exceeded, *why);
     std::string set_path;  // a part that is one file: its path in the set
     std::int64_t mtime_ns = files::mtime_ns(sb);
     std::shared_ptr<const SetPlan> planned;
@@ -588,6 +650,8 @@ public:
       const auto& part = plan.parts[nego_.pull_part];
       roster_key = fmt::format("{}:{}", key, manifest::hex(plan.id));
       key = fmt::format("{}:{}", roster_key, nego_.pull_part);
+      // (Before a pack is made for it.)
+      if (auto why = no_room_for_chain(key, limits)) return on(E::local_error, errc::limit_exceeded, *why);
       if (auto r = running(key)) {
         fd = std::move(r->first);
         size_ = r->second;
@@ -678,7 +742,7 @@ public:
       };
     on(E::accepted);  // (answered: from here a failure is an abort, never a refusal)
     try {
-      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster_, nego_.pull_part);
+      join(key, fd.get(), size_, o, member_, *env_.relays, env_.log, roster_, nego_.pull_part, limits);
       // (Only now: until it is among the chain's arrivals, its last part keeps this chain's
       // last host waiting for it.)
       if (roster_) roster_->asked(host_at_, nego_.pull_part, member_);

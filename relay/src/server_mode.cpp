@@ -103,6 +103,10 @@ public:
                                                       blocks));
     digests_ = std::move(*held);
     auto slot = std::make_shared<RelaySlot>();
+    if (!slot->digests.size_for(blocks))
+      return refuse(errc::limit_exceeded, fmt::format("this server cannot hold the {} block digests of this relay now; "
+                                                      "try again later",
+                                                      blocks));
     slot->plan = plan;
     slot->path = nego_.remote_path;
     slot->size = nego_.file_size;

@@ -34,15 +34,29 @@ using RelayTicket = std::array<std::uint8_t, 32>;
 /// The digests of the blocks a place received, by block, as its source gave them.
 class RelayDigests final : public piod::DigestLog {
 public:
-  void put(std::uint64_t block, const manifest::Digest& d) noexcept override {
+  /// Room for the digests of `blocks` blocks, taken once (the place's, as its memory budget
+  /// counts them: growing by doubling would take up to three times that); false if there is none.
+  bool size_for(std::uint64_t blocks) noexcept {
     std::lock_guard lock(m_);
     try {
+      digests_.reserve(blocks);
+      have_.reserve(blocks);
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+  /// A block past that room is not kept: the forwarder hashes it itself.
+  void put(std::uint64_t block, const manifest::Digest& d) noexcept override {
+    std::lock_guard lock(m_);
+    if (block >= digests_.capacity() || block >= have_.capacity()) return;
+    try {
       if (block >= have_.size()) {
-        have_.resize(block + 1, false);
+        have_.resize(block + 1, false);  // (within the room taken: no allocation)
         digests_.resize(block + 1);
       }
     } catch (...) {
-      return;  // out of memory: the forwarder hashes that block itself
+      return;
     }
     digests_[block] = d;
     have_[block] = true;

@@ -143,6 +143,8 @@ struct Client {
   xsec::Key32 key{};
   std::string fingerprint;   ///< "SHA256:..." for log lines
   bool write = true;         ///< rw (else ro: nothing may be changed)
+  /// Its sessions at once: its authorized_keys line's sessions=N, or max_sessions_per_key.
+  unsigned max_sessions = 0;
 };
 
 /// Given to a mode when a session starts. Lives as long as the session.
