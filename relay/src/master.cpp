@@ -184,7 +184,12 @@ void read_reports(Chain& chain, Place& p) {
           p.last = *r;
           p.reported = true;
           p.host.verified = r->verified;
-          p.samples.emplace_back(now, r->verified);
+          // At most one sample per 50 ms is kept (a newer one replaces the last): a host that
+          // reports faster, as fast as its link allows, grows nothing.
+          if (p.samples.size() >= 2 && now - p.samples[p.samples.size() - 2].first < std::chrono::milliseconds(50))
+            p.samples.back() = {now, r->verified};
+          else
+            p.samples.emplace_back(now, r->verified);
           while (p.samples.size() > 2 && now - p.samples.front().first > std::chrono::milliseconds(1500)) p.samples.pop_front();
           p.peak = std::max(p.peak, rate_of(p));
           if (r->state == State::whole && p.whole_at == Clock::time_point{}) {

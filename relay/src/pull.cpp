@@ -553,6 +553,16 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
   o.cancel = &relays.stopping;
   // (The thread ends by taking registry_m: registered below first, whatever it does.)
   relays.run_chain([d, key, o, log] {
+    // Out of the registry however the body ends (it counts against the limits while there).
+    struct Unregister {
+      const std::shared_ptr<Distribution>& d;
+      const std::string& key;
+      ~Unregister() {
+        std::lock_guard l(registry_m);
+        auto& r = registry();
+        if (auto it = r.find(key); it != r.end() && it->second == d) r.erase(it);
+      }
+    } unregister{d, key};
     try {
       (void)relay_detail::relay_file("/proc/self/fd/" + std::to_string(d->file.get()), {}, o, {}, nullptr, &d->joins);
       finalize(*d, errc::cancelled, "the master's chain ended");
@@ -562,9 +572,6 @@ void join(const std::string& key, int fd, std::uint64_t size, const TransferOpti
     } catch (...) {
       finalize(*d, errc::internal, "the master's chain failed");
     }
-    std::lock_guard l(registry_m);
-    auto& r = registry();
-    if (auto it = r.find(key); it != r.end() && it->second == d) r.erase(it);
   });
   reg[key] = d;
 }

@@ -414,7 +414,12 @@ PullResult pull(const Endpoint& master, const std::string& remote, const std::st
   } catch (const Error& e) {
     throw TransferError(e.code(), "this host's server for the pull (" + po.listen + "): " + e.context(), false);
   }
-  std::thread serving([&] { server->run(); });
+  std::thread serving([&] {
+    try {
+      server->run();
+    } catch (...) {  // (its sessions catch their own: this is its set-up, out of memory; the
+    }                // master then cannot reach this host, and the pull fails saying so)
+  });
   struct Stop {
     Server& s;
     std::thread& t;

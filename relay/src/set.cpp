@@ -427,6 +427,9 @@ RelayResult relay_set(const std::vector<std::string>& sources, const std::vector
         } catch (const Error& e) {
           std::lock_guard lock(m);
           fail(h, e.code(), {}, "setting attributes: " + e.context());
+        } catch (const std::exception& e) {
+          std::lock_guard lock(m);
+          fail(h, errc::internal, {}, std::string("setting attributes: ") + e.what());
         }
         std::lock_guard lock(m);
         hosts[h].last = std::max(hosts[h].last, Clock::now());

@@ -154,11 +154,21 @@ public:
       }
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
-    chains_.emplace_back(std::thread([body = std::move(body), done]() mutable {
-                           body();
-                           done->store(true);
-                         }),
-                         done);
+    // The list's node first: a thread that runs is never destroyed joinable (that would end the
+    // process), and what its body throws ends only the body.
+    auto& slot = chains_.emplace_back(std::thread{}, done);
+    try {
+      slot.first = std::thread([body = std::move(body), done]() mutable {
+        try {
+          body();
+        } catch (...) {
+        }
+        done->store(true);
+      });
+    } catch (...) {
+      chains_.pop_back();
+      throw;
+    }
   }
   void stop_chains() {
     stopping.store(true);
