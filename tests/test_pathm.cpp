@@ -526,6 +526,47 @@ TEST_CASE("large files in progress: at most 256 per session; one given up frees 
   check_no_temp_files(root.path());
 }
 
+TEST_CASE("large files in progress: chunks apart are tracked up to a bound over all the files; past it that file fails, "
+          "the others go on") {
+  xt::TempDir d;
+  xdfs::files::Fd root(::open(d.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  // Chunks of one byte: a peer's worst case, a run apart per byte it sends.
+  pm::TreeWriter w(root.get(), "t", false, 1);
+  const std::uint64_t half = pm::TreeWriter::max_runs_apart / 2;
+  static const std::uint8_t byte = 'x';
+  auto chunk = [](const std::string& path, std::uint64_t id, std::uint64_t size, std::uint64_t at) {
+    pm::Entry e;
+    e.path = path;
+    e.size = size;
+    e.mode = 0644;
+    e.file_id = id;
+    e.offset = at;
+    e.data = {&byte, 1};
+    return e;
+  };
+  // Every other byte of two files: as many runs apart as the bound allows, half each.
+  std::size_t failed = 0;
+  for (std::uint64_t i = 0; i < half; ++i) {
+    failed += !w.put(chunk("a", 1, 2 * half, 2 * i));
+    failed += !w.put(chunk("b", 2, 2 * half + 2, 2 * i));
+  }
+  REQUIRE(failed == 0);
+  // One more run apart: that file fails, naming the cause; its temporary file goes, and its late
+  // chunks are refused.
+  const auto past = w.put(chunk("b", 2, 2 * half + 2, 2 * half));
+  CHECK(past.code == errc::limit_exceeded);
+  CHECK(past.message.find("more than 65536 runs apart") != std::string::npos);
+  CHECK(past.message.find("'b'") != std::string::npos);
+  CHECK(w.open_files() == 1);
+  CHECK(w.put(chunk("b", 2, 2 * half + 2, 1)).code == errc::io_error);
+  // The other completes (its runs merge as its gaps fill), byte for byte.
+  for (std::uint64_t i = 0; i < half; ++i) failed += !w.put(chunk("a", 1, 2 * half, 2 * i + 1));
+  CHECK(failed == 0);
+  CHECK(w.open_files() == 0);
+  CHECK(xt::read_file(d / "a") == std::string(2 * half, 'x'));
+  CHECK(xt::list_dir(d.path()) == std::vector<std::string>{"a"});
+}
+
 TEST_CASE("a tree copy cut in the middle and re-run with --sync ends identical, moving only what is missing") {
   xt::TempDir root, local;
   const std::string src = local / "src";

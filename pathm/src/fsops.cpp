@@ -595,9 +595,15 @@ std::size_t TreeWriter::open_files() const {
 
 void TreeWriter::discard_all() {
   std::lock_guard lk(mu_);
-  for (auto& [id, p] : partial_)
+  // (Workers may still hold these files: what they write next is refused as failed earlier.)
+  for (auto& [id, p] : partial_) {
     if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
+    p->temp.clear();
+    p->failed = true;
+    p->seen.clear();
+  }
   partial_.clear();
+  runs_ = 0;
 }
 
 void TreeWriter::abandon(std::uint64_t file_id) {
@@ -612,7 +618,11 @@ void TreeWriter::give_up(const std::shared_ptr<Partial>& p) {
   p->failed = true;
   if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
   p->temp.clear();
-  if (auto it = partial_.find(p->id); it != partial_.end() && it->second == p) partial_.erase(it);
+  if (auto it = partial_.find(p->id); it != partial_.end() && it->second == p) {
+    partial_.erase(it);
+    runs_ -= p->seen.runs();
+    p->seen.clear();
+  }
   // Remembered so that its late chunks do not start it again; a peer that gives up more files
   // than this makes the oldest forgotten (a late chunk of one then starts a file that never
   // completes and goes at the end, counted among the files in progress meanwhile).
@@ -843,8 +853,15 @@ Status TreeWriter::put_chunk(const Entry& e) {
     if (p->failed) return failed_earlier();
     if (p->path != e.path || p->size != e.size)
       return {errc::protocol_error, "chunk of file id " + std::to_string(e.file_id) + " names another file"};
+    const std::size_t runs = p->seen.runs();
     if (!p->seen.insert(e.offset, e.offset + e.data.size()))
       return {errc::protocol_error, "chunk at offset " + std::to_string(e.offset) + " of " + quoted(e.path) + " came twice"};
+    runs_ = runs_ - runs + p->seen.runs();
+    if (runs_ > max_runs_apart) {
+      give_up(p);
+      return {errc::limit_exceeded, "chunks of the large files in progress arrive in more than " +
+                                        std::to_string(max_runs_apart) + " runs apart (the last of " + quoted(e.path) + ")"};
+    }
   }
   Status st;
   {
@@ -859,7 +876,9 @@ Status TreeWriter::put_chunk(const Entry& e) {
   if (p->failed) return failed_earlier();  // given up while this chunk was written
   p->written += e.data.size();
   if (p->written < p->size) return Status::ok();
-  partial_.erase(e.file_id);
+  if (auto it = partial_.find(e.file_id); it != partial_.end() && it->second == p) partial_.erase(it);
+  runs_ -= p->seen.runs();
+  p->seen.clear();
   lk.unlock();
   st = finish_file(p->fd.get(), e.path, p->mode, umask_, p->mtime, fsync_);
   p->fd.reset();

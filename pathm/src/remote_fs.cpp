@@ -51,7 +51,10 @@ struct RemoteFs::Impl {
         std::unique_lock lk(mu);
         while (!cv.wait_for(lk, every, [this] { return stopping; })) {
           lk.unlock();
-          client->keep_alive();
+          try {
+            client->keep_alive();
+          } catch (...) {  // (out of memory: the next call meets what failed; the process goes on)
+          }
           lk.lock();
         }
       });

@@ -92,6 +92,11 @@ public:
   /// starts).
   /// made: what the copy (the session) made, shared with its other writers and operations
   /// (null: this writer's own).
+  /// Runs of arrived chunks apart from each other a writer keeps track of, over its files in
+  /// progress: a peer spreading chunks over large files would otherwise grow those records
+  /// without bound, outside the memory budget (a sender's chunks come nearly in order).
+  static constexpr std::size_t max_runs_apart = 65536;
+
   TreeWriter(int root, std::string tag, bool fsync, std::uint32_t chunk, std::size_t max_open = 1024,
              mode_t umask = files::process_umask(), std::uint64_t max_file_size = 0,
              std::shared_ptr<files::Made> made = nullptr);
@@ -147,6 +152,9 @@ private:
   mutable std::mutex mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Partial>> partial_;
   std::unordered_set<std::uint64_t> failed_;  // ids given up: their late chunks are refused
+  /// The runs apart of chunks that came, over the files in progress (what their records of
+  /// arrived chunks cost): at most max_runs_apart, or the file whose chunk goes past it fails.
+  std::size_t runs_ = 0;
   std::shared_ptr<files::Made> made_;  // what this writer (or its copy) created
   std::uint64_t counter_ = 0;
 };
