@@ -7,8 +7,12 @@
 
 #include <botan/hash.h>
 
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <cstring>
+#include <deque>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -362,6 +366,61 @@ TEST_CASE("a downloading peer's NACKs: a block asked again comes again; asked a 
     CHECK_FALSE(until_block(*c, 4 * bs, &why));
     CHECK(why.find("this transfer sends no block again") != std::string::npos);
   }
+  xt::check_serving(d.port(), root.path(), local.path());
+}
+
+TEST_CASE("a downloading peer asking for block after block again fails the transfer once it has asked for more than "
+          "a manifest lets wait, and the server serves on") {
+  // The server remembers each block asked again; a peer asking for every block once would grow
+  // that without bound. A small ring (16 slots of 4 KiB) keeps the bound at its least, 64Ki.
+  xt::TempDir root, local;
+  const std::uint32_t bs = xdfs::wire::min_block_size;
+  constexpr std::uint64_t allowed = 65536, blocks = allowed + 8;
+  {
+    xdfs::files::Fd f(::open((root / "f").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+    REQUIRE(::ftruncate(f.get(), blocks * bs) == 0);
+  }
+  xt::XdfsdProcess d(root.path(), {"--idle-timeout", "10", "--ring", "64K"});
+  auto h = xt::make_hello(xdfs::Mode::download, "f", 1);
+  h.nego.extended_flags = xdfs::wire::flag_manifest;
+  h.nego.block_size = bs;
+  h.nego.window = 64 * bs;
+  xt::RawChannel c(d.port());
+  REQUIRE(c.establish(h));
+  // Each block once as it first comes, a few at a time (the server sends them again one by one);
+  // acknowledged as they come, but never the last ones, so that the transfer cannot end first.
+  std::set<std::uint64_t> seen, asked;
+  std::deque<std::uint64_t> to_ask;
+  std::uint64_t nacks = 0, acked = 0, past = 0;  // past: the first block asked again beyond the bound
+  std::string why;
+  for (auto f = c.read_frame(); f; f = c.read_frame()) {
+    if (f->first.event == ChannelEvent::exception) {
+      if (auto ex = xdfs::wire::decode_exception(f->second)) why = ex->message;
+      break;
+    }
+    if (f->first.event != ChannelEvent::xftsmd) continue;
+    if (!asked.erase(f->first.offset) && seen.insert(f->first.offset).second) to_ask.push_back(f->first.offset);
+    while (asked.size() < 4 && !to_ask.empty()) {
+      FrameHeader n;
+      n.event = ChannelEvent::nack;
+      n.offset = to_ask.front();
+      c.send_frame(n);
+      asked.insert(to_ask.front());
+      to_ask.pop_front();
+      if (++nacks == allowed + 1) past = n.offset;
+    }
+    const std::uint64_t ack = std::min<std::uint64_t>(seen.size(), blocks - 8) * bs;
+    if (ack >= acked + 16 * bs) {
+      FrameHeader a;
+      a.event = ChannelEvent::ack;
+      a.offset = acked = ack;
+      c.send_frame(a);
+    }
+  }
+  CHECK_MESSAGE(why.find(fmt::format("the receiver asked for more than {} blocks again", allowed)) != std::string::npos,
+                why);
+  CHECK(why.find(fmt::format("(the last at offset {})", past)) != std::string::npos);
+  CHECK(nacks >= allowed + 1);
   xt::check_serving(d.port(), root.path(), local.path());
 }
 

@@ -1113,7 +1113,10 @@ TEST_CASE("a receiver without digests fails a peer that spreads its blocks into 
   using asio::ip::tcp;
   using namespace xdfs::xftsm;
   constexpr std::uint32_t bs = xdfs::wire::min_block_size;
-  constexpr std::uint64_t allowed = 65536;
+  std::uint64_t allowed = 65536;
+  std::size_t set = 0;
+  SUBCASE("the engine's own bound") {}
+  SUBCASE("the bound a server set (what its budget had room for)") { allowed = set = 1000; }
   struct Host final : TransferHost {
     std::atomic<bool> told{false};
     xdfs::Failure failure;
@@ -1129,6 +1132,7 @@ TEST_CASE("a receiver without digests fails a peer that spreads its blocks into 
   p.block_size = bs;
   p.file_size = 2 * (allowed + 4) * bs;
   p.slots = 8;
+  p.max_apart = set;
   Receiver receiver(lb.ctx, machine, lb.channels, host, p, xdfs::piod::Sink{-1, true, true});
   receiver.start();
   std::atomic<std::uint64_t> sent{0};

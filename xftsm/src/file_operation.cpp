@@ -167,12 +167,27 @@ private:
     }
   }
 
+  // The records of blocks apart beyond the min_apart every transfer keeps (small blocks: 64
+  // rings of them) come from the budget too; when it has no room for them, this transfer keeps
+  // min_apart. (Always true: the ring is what a transfer waits for.)
+  bool reserve_apart(TransferParams& p) {
+    const std::size_t want = 64 * std::size_t(pool_slots(p));
+    p.max_apart = min_apart;
+    apart_.reset();
+    if (want <= min_apart) return true;
+    if (auto r = Reservation::take(&env_.budget, (want - min_apart) * apart_record_bytes)) {
+      apart_ = std::move(*r);
+      p.max_apart = want;
+    }
+    return true;
+  }
+
   // Starts the engine once its ring is reserved: a receiver into sink, or a sender from source.
   // When memory for even the smallest ring is taken, the session waits for other sessions to
   // give some back (they end every second or so under load), then gives up with a clear error.
   void start_engine(TransferParams p, std::optional<piod::Sink> sink, std::optional<piod::Source> source) {
     if (machine_.finished()) return;
-    if (!reserve_ring(p)) {
+    if (!reserve_ring(p) || !reserve_apart(p)) {
       const auto now = Clock::now();
       if (waiting_since_ == Clock::time_point{}) waiting_since_ = now;
       if (now - waiting_since_ > memory_wait)
@@ -437,6 +452,7 @@ private:
   files::Fd fifo_;  // an upload into a FIFO (--allow-fifo)
   std::unique_ptr<xsec::BlockCrypto> block_crypto_;  // used by the disk thread: outlives the engines
   Reservation ring_;                                 // the engine's pool, in the server's memory budget
+  Reservation apart_;                                // its records of blocks apart beyond min_apart
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
   std::shared_ptr<runtime::RelaySlot> relay_;  // the place in a relay chain this upload feeds

@@ -57,7 +57,7 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       // Digests wait for a missing block. The sender's window counts bytes written, not a
       // prefix, so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki
       // blocks) is far beyond any stall that ends; more means a block the peer withholds.
-      max_apart_(std::max<std::size_t>(65536, 64 * std::size_t(pool_slots(p)))) {
+      max_apart_(p.max_apart ? p.max_apart : std::max<std::size_t>(min_apart, 64 * std::size_t(pool_slots(p)))) {
   if (p.manifest && p.open_ended) manifest_.emplace(manifest::FileDigest::OpenEnded{}, p.block_size, max_apart_);
   else if (p.manifest) manifest_.emplace(p.file_size, p.block_size, max_apart_);
   std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });
@@ -588,6 +588,13 @@ void Sender::on_frame(xdsi::Channel& ch, const FrameHeader& h) {
                     fmt::format("NACK of offset {} on channel {}: {}", h.offset, ch.index(),
                                 resending_.count(h.offset) ? "asked again before it was sent again"
                                                            : "more blocks asked again than the window holds"),
+                    false, true);
+      // Each block asked again is remembered (a node each): as many as a manifest lets wait for
+      // a missing block, or a receiver asking for block after block would grow it without bound.
+      if (nacks_.size() >= max_apart_ && !nacks_.count(h.offset))
+        return fail(errc::limit_exceeded,
+                    fmt::format("the receiver asked for more than {} blocks again (the last at offset {})", max_apart_,
+                                h.offset),
                     false, true);
       if (++nacks_[h.offset] > max_refetches)
         return fail(errc::protocol_error,

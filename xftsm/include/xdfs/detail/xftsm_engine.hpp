@@ -91,7 +91,16 @@ struct TransferParams {
   /// such a peer gets blocks read into the pool, because over loopback sendfile's packets of
   /// at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
   bool loopback_sendfile = false;
+  /// Blocks apart a side keeps track of (received runs apart and digests waiting for a missing
+  /// block; blocks asked again): 0, the default, max(min_apart, 64 rings of blocks). A server
+  /// sets it, counting what goes beyond min_apart in its memory budget.
+  std::size_t max_apart = 0;
 };
+
+/// Blocks apart every transfer may keep track of (about 10 MiB of records: apart_record_bytes
+/// each, a run and a waiting digest).
+inline constexpr std::size_t min_apart = 65536;
+inline constexpr std::size_t apart_record_bytes = 160;
 
 /// Where a resumed transfer starts, given the prefix a receiver recorded: whole blocks, and
 /// at least the last block still to send (a partial file that is whole but was never renamed
