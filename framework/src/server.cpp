@@ -1112,36 +1112,57 @@ void Server::Impl::create_session(const ConnPtr& c, wire::Negotiation nego, xsec
   rec.handed.assign(nego.channel_count, false);
   rec.handed[0] = true;
   rec.client = r.remote_static;
+  const std::uint32_t channels = rec.channels;
+  const xsec::Key32 who = rec.client;
+  // What allocates comes before the session's thread starts, and nothing after it can throw out
+  // of here: a record whose thread runs must be in `sessions` (a std::thread destroyed joinable
+  // ends the process), with its key's counts there to count down.
+  auto d = std::make_shared<xdsi::Channel::Detached>();
+  const auto at = sessions.emplace(id, std::move(rec)).first;
+  KeyUse* use = nullptr;
   try {
+    use = &key_use[who];
     sp->thread = std::thread([this, sp, id] {
       run_session(*sp);
-      asio::post(io, [this, id] { reap(id); });
+      try {
+        asio::post(io, [this, id] { reap(id); });
+      } catch (...) {  // out of memory: the record stays, counted (a stop then waits for it),
+      }                  // rather than the process ending
     });
-  } catch (const std::system_error& e) {
+  } catch (const std::exception& e) {
+    sessions.erase(at);
+    if (use && use->sessions == 0) key_use.erase(who);
     return refuse(c, errc::limit_exceeded, std::string("cannot start a session thread: ") + e.what());
   }
   // The channel moves to the session's loop: its thread owns it from now on.
   c->settled = true;
   ErrorCode ignored;
   c->deadline.cancel(ignored);
-  auto d = std::make_shared<xdsi::Channel::Detached>(c->ch->detach());
+  *d = c->ch->detach();
   release(*c);
   d->index = 0;
-  auto& use = key_use[rec.client];
-  ++use.sessions;
-  use.channels += rec.channels;
-  channels_active += rec.channels;
-  metrics.add("xdfs_sessions_started_total", {{"mode", xdfs::to_string(nego.mode)}});
-  sessions.emplace(id, std::move(rec));
+  ++use->sessions;
+  use->channels += channels;
+  channels_active += channels;
   active = sessions.size();
-  asio::post(sp->io, [sp, d] {
-    if (!sp->handler) return;  // it could not be made: the channel closes with d
-    auto ch = xdsi::Channel::adopt(sp->io, std::move(*d));
-    if (!ch) return;
-    // The handshake's last word: the session exists, its other channels may join now.
-    ch->send_control(wire::ChannelEvent::handshake, {});
-    sp->handler->add_channel(std::move(ch));
-  });
+  try {
+    metrics.add("xdfs_sessions_started_total", {{"mode", xdfs::to_string(nego.mode)}});
+  } catch (const std::exception&) {  // (a count lost, not the session)
+  }
+  try {
+    asio::post(sp->io, [sp, d] {
+      if (!sp->handler) return;  // it could not be made: the channel closes with d
+      auto ch = xdsi::Channel::adopt(sp->io, std::move(*d));
+      if (!ch) return;
+      // The handshake's last word: the session exists, its other channels may join now.
+      ch->send_control(wire::ChannelEvent::handshake, {});
+      sp->handler->add_channel(std::move(ch));
+    });
+  } catch (const std::exception&) {
+    // Out of memory: the session never gets its channel (it closes with d); its loop stops, its
+    // thread ends and it is reaped. (The guard is the session thread's to reset.)
+    sp->io.stop();
+  }
 }
 
 void Server::Impl::start_join(const ConnPtr& c) {
