@@ -614,15 +614,17 @@ void TreeWriter::abandon(std::uint64_t file_id) {
   if (it != partial_.end()) give_up(std::shared_ptr<Partial>(it->second));
 }
 
+void TreeWriter::leave(const std::shared_ptr<Partial>& p) {
+  if (auto it = partial_.find(p->id); it != partial_.end() && it->second == p) partial_.erase(it);
+  runs_ -= p->seen.runs();  // (none once it has left: its record goes with it)
+  p->seen.clear();
+}
+
 void TreeWriter::give_up(const std::shared_ptr<Partial>& p) {
   p->failed = true;
   if (!p->temp.empty()) ::unlinkat(p->dir.get(), p->temp.c_str(), 0);
   p->temp.clear();
-  if (auto it = partial_.find(p->id); it != partial_.end() && it->second == p) {
-    partial_.erase(it);
-    runs_ -= p->seen.runs();
-    p->seen.clear();
-  }
+  leave(p);
   // Remembered so that its late chunks do not start it again; a peer that gives up more files
   // than this makes the oldest forgotten (a late chunk of one then starts a file that never
   // completes and goes at the end, counted among the files in progress meanwhile).
@@ -876,9 +878,7 @@ Status TreeWriter::put_chunk(const Entry& e) {
   if (p->failed) return failed_earlier();  // given up while this chunk was written
   p->written += e.data.size();
   if (p->written < p->size) return Status::ok();
-  if (auto it = partial_.find(e.file_id); it != partial_.end() && it->second == p) partial_.erase(it);
-  runs_ -= p->seen.runs();
-  p->seen.clear();
+  leave(p);
   lk.unlock();
   st = finish_file(p->fd.get(), e.path, p->mode, umask_, p->mtime, fsync_);
   p->fd.reset();

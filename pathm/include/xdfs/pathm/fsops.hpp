@@ -138,6 +138,9 @@ private:
   Status make_parents(const std::string& path);
   /// Notes that `path` (`name` in `dir`) was made by this copy.
   void made(int dir, const std::string& name, const std::string& path);
+  /// With mu_ held: the file is no longer in progress (if it still was), and its record of
+  /// arrived chunks goes with it.
+  void leave(const std::shared_ptr<Partial>& p);
   /// With mu_ held: the file is failed, its temporary file goes, later chunks are refused; it no
   /// longer counts among the files in progress (its descriptors close once no worker holds it).
   void give_up(const std::shared_ptr<Partial>& p);
