@@ -168,18 +168,17 @@ private:
   }
 
   // The records of blocks apart beyond the min_apart every transfer keeps (small blocks: 64
-  // rings of them) come from the budget too; when it has no room for them, this transfer keeps
-  // min_apart. (Always true: the ring is what a transfer waits for.)
-  bool reserve_apart(TransferParams& p) {
-    const std::size_t want = 64 * std::size_t(pool_slots(p));
+  // rings of them, apart_for) come from the budget too; when it has no room for them, this
+  // transfer keeps min_apart (it never waits for them, only for its ring).
+  void reserve_apart(TransferParams& p) {
+    const std::size_t want = apart_for(p);
     p.max_apart = min_apart;
     apart_.reset();
-    if (want <= min_apart) return true;
+    if (want == min_apart) return;
     if (auto r = Reservation::take(&env_.budget, (want - min_apart) * apart_record_bytes)) {
       apart_ = std::move(*r);
       p.max_apart = want;
     }
-    return true;
   }
 
   // Starts the engine once its ring is reserved: a receiver into sink, or a sender from source.
@@ -187,7 +186,7 @@ private:
   // give some back (they end every second or so under load), then gives up with a clear error.
   void start_engine(TransferParams p, std::optional<piod::Sink> sink, std::optional<piod::Source> source) {
     if (machine_.finished()) return;
-    if (!reserve_ring(p) || !reserve_apart(p)) {
+    if (!reserve_ring(p)) {
       const auto now = Clock::now();
       if (waiting_since_ == Clock::time_point{}) waiting_since_ = now;
       if (now - waiting_since_ > memory_wait)
@@ -201,6 +200,7 @@ private:
       });
       return;
     }
+    reserve_apart(p);
     wire::NegotiationReply reply;
     reply.block_size = nego_.block_size;
     reply.resume_offset = p.start_offset;

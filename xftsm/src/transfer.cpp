@@ -38,6 +38,10 @@ std::uint32_t pool_slots(const TransferParams& p) noexcept {
   return static_cast<std::uint32_t>(std::max<std::uint64_t>(std::min<std::uint64_t>(p.slots, blocks), 2));
 }
 
+std::size_t apart_for(const TransferParams& p) noexcept {
+  return std::max<std::size_t>(min_apart, 64 * std::size_t(pool_slots(p)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Engine
 
@@ -54,10 +58,8 @@ Engine::Engine(asio::io_context& io, Machine& machine, ChannelList& channels, Tr
       linger_(io),
       last_activity_(std::chrono::steady_clock::now()),
       end_(p.open_ended ? piod::BlockPipe::no_end : p.file_size),
-      // Digests wait for a missing block. The sender's window counts bytes written, not a
-      // prefix, so a channel that stalls lets the others run ahead: 64 windows (at least 64Ki
-      // blocks) is far beyond any stall that ends; more means a block the peer withholds.
-      max_apart_(p.max_apart ? p.max_apart : std::max<std::size_t>(min_apart, 64 * std::size_t(pool_slots(p)))) {
+      // Digests wait for a missing block; more apart than this means a block the peer withholds.
+      max_apart_(p.max_apart ? p.max_apart : apart_for(p)) {
   if (p.manifest && p.open_ended) manifest_.emplace(manifest::FileDigest::OpenEnded{}, p.block_size, max_apart_);
   else if (p.manifest) manifest_.emplace(p.file_size, p.block_size, max_apart_);
   std::erase_if(params_.limits, [](RateLimiter* r) { return !r || !r->limited(); });

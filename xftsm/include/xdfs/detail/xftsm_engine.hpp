@@ -92,8 +92,8 @@ struct TransferParams {
   /// at most 17 pages cost the host more than the copy they save (perf/zerocopy.py).
   bool loopback_sendfile = false;
   /// Blocks apart a side keeps track of (received runs apart and digests waiting for a missing
-  /// block; blocks asked again): 0, the default, max(min_apart, 64 rings of blocks). A server
-  /// sets it, counting what goes beyond min_apart in its memory budget.
+  /// block; blocks asked again): 0, the default, apart_for(*this). A server sets it, counting
+  /// what goes beyond min_apart in its memory budget.
   std::size_t max_apart = 0;
 };
 
@@ -139,6 +139,10 @@ inline constexpr unsigned max_refetches = 3;
 /// Slots an engine's pool gets for these parameters: no more than the file has blocks (a small
 /// file, a small pool), never fewer than two, so that reading and sending overlap.
 std::uint32_t pool_slots(const TransferParams& p) noexcept;
+/// The blocks apart a transfer would keep track of, unbounded by memory: 64 rings of blocks
+/// (the sender's window counts bytes written, not a prefix, so a channel that stalls lets the
+/// others run ahead; 64 windows is far beyond any stall that ends), at least min_apart.
+std::size_t apart_for(const TransferParams& p) noexcept;
 
 /// Common plumbing: the CFSM, the disk wake-up, the idle watchdog and failure handling.
 class Engine {
