@@ -50,13 +50,9 @@ public:
   void put(std::uint64_t block, const manifest::Digest& d) noexcept override {
     std::lock_guard lock(m_);
     if (block >= digests_.capacity() || block >= have_.capacity()) return;
-    try {
-      if (block >= have_.size()) {
-        have_.resize(block + 1, false);  // (within the room taken: no allocation)
-        digests_.resize(block + 1);
-      }
-    } catch (...) {
-      return;
+    if (block >= have_.size()) {  // within the room taken: no allocation, nothing thrown
+      have_.resize(block + 1, false);
+      digests_.resize(block + 1);
     }
     digests_[block] = d;
     have_[block] = true;
